@@ -1,0 +1,251 @@
+"""The storage contract every backend (local directory, S3) fulfils.
+
+Backends are *synchronous* classes: they are simple to write and to test, and
+boto3 is synchronous anyway.  The daemon never calls them on the trio loop;
+it goes through :class:`AsyncStore`, which runs each call in a worker thread
+under a capacity limiter and a deadline, and keeps the request counters.
+
+Keys are '/'-separated, relative to the store root, never start or end with
+'/'.  The root directory is the empty key ''.
+
+Versioning: every object has an opaque ``etag`` that changes whenever its
+content changes.  Reads can be pinned to a version (``if_match``) and writes
+can be conditional (``if_match`` / ``if_none_match``), which is what lets the
+shard layer never mix bytes of two versions and never lose a concurrent
+writer's chunks.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Protocol, TypeVar
+
+import trio
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------
+# errors
+
+
+class StoreError(Exception):
+    """A storage failure, carrying the errno the file system should report."""
+
+    errno = errno.EIO
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+class NotFound(StoreError):
+    errno = errno.ENOENT
+
+
+class PreconditionFailed(StoreError):
+    """The object is not at the version the caller pinned (or exists when
+    ``if_none_match`` said it must not)."""
+
+    errno = errno.EAGAIN
+
+
+class AccessDenied(StoreError):
+    errno = errno.EACCES
+
+
+class Unavailable(StoreError):
+    """Endpoint unreachable, timed out, or answering with server errors."""
+
+    errno = errno.EIO
+
+
+class CorruptData(StoreError):
+    """Stored bytes that cannot be what they claim (bad index, checksum...)."""
+
+    errno = errno.EIO
+
+
+# --------------------------------------------------------------------------
+# values
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str
+    mtime: float  # seconds since the epoch
+
+
+@dataclass(frozen=True)
+class Blob:
+    """Bytes read from one object, with the version they came from."""
+
+    data: bytes
+    info: ObjectInfo
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One level of a '/'-delimited listing."""
+
+    dirs: list[str]  # immediate sub-"directory" names (common prefixes)
+    files: list[ObjectInfo]  # immediate objects, ``key`` is the full key
+
+
+class Backend(Protocol):
+    """Synchronous storage primitives.  Implementations must be thread-safe."""
+
+    #: short description for logs ("/data/store", "s3://bucket/prefix")
+    url: str
+    #: requests by kind, bytes and errors; see :data:`COUNTER_NAMES`
+    counters: Counter
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        """Info of the object at ``key``, or None if there is none."""
+
+    def is_dir(self, key: str) -> bool:
+        """True if some object exists below ``key + '/'`` (or key is '')."""
+
+    def get(
+        self,
+        key: str,
+        start: int = 0,
+        length: int | None = None,
+        *,
+        suffix: int | None = None,
+        if_match: str | None = None,
+    ) -> Blob:
+        """Read ``length`` bytes at ``start`` (None: to the end), or the last
+        ``suffix`` bytes.  Short reads happen only at the end of the object.
+        Raises NotFound, PreconditionFailed (etag differs from ``if_match``)."""
+
+    def list(self, prefix: str) -> Listing:
+        """Immediate children of directory ``prefix`` ('' is the root)."""
+
+    def put(
+        self,
+        key: str,
+        data: bytes,
+        *,
+        if_match: str | None = None,
+        if_none_match: bool = False,
+    ) -> ObjectInfo:
+        """Replace the object atomically: readers see the old or the new
+        bytes, never a mix.  Raises PreconditionFailed when ``if_match`` is
+        given and the current etag differs (or the object is gone), or when
+        ``if_none_match`` is set and the object exists."""
+
+    def delete(self, key: str, *, if_match: str | None = None) -> None:
+        """Remove the object (absent is not an error unless if_match given)."""
+
+    def close(self) -> None:
+        """Release connections."""
+
+
+COUNTER_NAMES = (
+    "get",  # whole-object GETs
+    "get_range",  # ranged GETs
+    "head",
+    "list",
+    "put",
+    "delete",
+    "bytes_read",
+    "bytes_written",
+    "errors",
+    "retries",
+    "precondition_failed",
+)
+
+
+# --------------------------------------------------------------------------
+# async adapter
+
+
+class AsyncStore:
+    """Runs backend calls off the trio loop, bounded and with a deadline.
+
+    Every blocking call goes through ``trio.to_thread.run_sync`` with one
+    shared :class:`trio.CapacityLimiter` (``max_connections``), so many
+    readers overlap their requests but never more than the limit.  A call
+    that has not finished after ``timeout`` seconds fails with ``Unavailable``
+    (EIO); the worker thread is abandoned, the loop never hangs.
+    """
+
+    def __init__(self, backend: Backend, *, max_connections: int = 16, timeout: float = 60.0):
+        self.backend = backend
+        self.url = backend.url
+        self.limiter = trio.CapacityLimiter(max_connections)
+        self.timeout = timeout
+
+    @property
+    def counters(self) -> Counter:
+        return self.backend.counters
+
+    async def _run(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        def call():
+            return fn(*args, **kwargs)
+
+        with trio.move_on_after(self.timeout) as scope:
+            return await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            self.backend.counters["errors"] += 1
+            raise Unavailable(f"{self.url}: no answer within {self.timeout:g}s")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def stat(self, key: str) -> ObjectInfo | None:
+        return await self._run(self.backend.stat, key)
+
+    async def is_dir(self, key: str) -> bool:
+        return await self._run(self.backend.is_dir, key)
+
+    async def get(self, key: str, start: int = 0, length: int | None = None, *,
+                  suffix: int | None = None, if_match: str | None = None) -> Blob:
+        return await self._run(self.backend.get, key, start, length, suffix=suffix, if_match=if_match)
+
+    async def get_or_none(self, key: str) -> Blob | None:
+        try:
+            return await self.get(key)
+        except NotFound:
+            return None
+
+    async def list(self, prefix: str) -> Listing:
+        return await self._run(self.backend.list, prefix)
+
+    async def put(self, key: str, data: bytes, *, if_match: str | None = None,
+                  if_none_match: bool = False) -> ObjectInfo:
+        return await self._run(self.backend.put, key, data, if_match=if_match, if_none_match=if_none_match)
+
+    async def delete(self, key: str, *, if_match: str | None = None) -> None:
+        return await self._run(self.backend.delete, key, if_match=if_match)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def join_key(*parts: str) -> str:
+    """Join key fragments with '/', skipping empty ones."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+_lock = threading.Lock()
+
+
+def bump(counters: Counter, name: str, n: int = 1) -> None:
+    """Thread-safe counter increment (backends are called from many threads)."""
+    with _lock:
+        counters[name] += n
+
+
+__all__ = [
+    "AccessDenied", "AsyncStore", "Backend", "Blob", "COUNTER_NAMES", "CorruptData",
+    "Listing", "NotFound", "ObjectInfo", "PreconditionFailed", "StoreError",
+    "Unavailable", "bump", "join_key",
+]

@@ -1,0 +1,215 @@
+"""A local directory as a store.
+
+Atomic replace: data goes to a temporary file in the same directory, is
+fsynced, renamed over the key, and the directory is fsynced.  A reader (or a
+crash) therefore sees the old or the new object, never a mix.
+
+The etag is ``<inode>-<mtime_ns>-<size>``: a rename-replace always changes
+the inode, so a pinned read notices a replaced shard.  Conditional writes are
+checked under an ``fcntl`` lock on a per-directory lock file, which serialises
+zshardfs processes on one machine (not other writers that ignore the lock).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+from collections import Counter
+from contextlib import contextmanager
+
+from .base import Blob, Listing, NotFound, ObjectInfo, PreconditionFailed, StoreError, bump
+
+TMP_PREFIX = ".zshardfs-tmp-"
+LOCK_NAME = ".zshardfs-lock"
+
+
+def _is_internal(name: str) -> bool:
+    return name.startswith(TMP_PREFIX) or name == LOCK_NAME
+
+
+class LocalBackend:
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        self.counters: Counter = Counter()
+        self._tls = threading.local()
+
+    # -- helpers -------------------------------------------------------------
+
+    def _path(self, key: str) -> str:
+        if key.startswith("/") or ".." in key.split("/"):
+            raise NotFound(f"invalid key {key!r}", key)
+        return os.path.join(self.root, key) if key else self.root
+
+    @staticmethod
+    def _info(key: str, st: os.stat_result) -> ObjectInfo:
+        return ObjectInfo(key, st.st_size, f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}", st.st_mtime)
+
+    def _fail(self, key: str, exc: OSError) -> StoreError:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
+            return NotFound(f"{key}: not found", key)
+        bump(self.counters, "errors")
+        err = StoreError(f"{key}: {exc.strerror}", key)
+        err.errno = exc.errno or errno.EIO
+        return err
+
+    # -- reads ---------------------------------------------------------------
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        bump(self.counters, "head")
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise self._fail(key, exc) from None
+        if not os.path.isfile(self._path(key)):
+            return None
+        return self._info(key, st)
+
+    def is_dir(self, key: str) -> bool:
+        return os.path.isdir(self._path(key))
+
+    def get(self, key, start=0, length=None, *, suffix=None, if_match=None) -> Blob:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise self._fail(key, exc) from None
+        try:
+            st = os.fstat(fd)
+            info = self._info(key, st)
+            if if_match is not None and info.etag != if_match:
+                bump(self.counters, "precondition_failed")
+                raise PreconditionFailed(f"{key}: changed since it was read", key)
+            if suffix is not None:
+                start = max(0, st.st_size - suffix)
+                length = st.st_size - start
+            if length is None:
+                length = max(0, st.st_size - start)
+            data = os.pread(fd, length, start) if length > 0 else b""
+        except OSError as exc:
+            raise self._fail(key, exc) from None
+        finally:
+            os.close(fd)
+        ranged = suffix is not None or start > 0 or len(data) < st.st_size
+        bump(self.counters, "get_range" if ranged else "get")
+        bump(self.counters, "bytes_read", len(data))
+        return Blob(data, info)
+
+    def list(self, prefix: str) -> Listing:
+        bump(self.counters, "list")
+        dirs, files = [], []
+        try:
+            with os.scandir(self._path(prefix)) as it:
+                for entry in it:
+                    if _is_internal(entry.name):
+                        continue
+                    try:
+                        if entry.is_dir():
+                            dirs.append(entry.name)
+                        elif entry.is_file():
+                            key = f"{prefix}/{entry.name}" if prefix else entry.name
+                            files.append(self._info(key, entry.stat()))
+                    except FileNotFoundError:
+                        continue
+        except (FileNotFoundError, NotADirectoryError):
+            return Listing([], [])
+        except OSError as exc:
+            raise self._fail(prefix, exc) from None
+        dirs.sort()
+        files.sort(key=lambda f: f.key)
+        return Listing(dirs, files)
+
+    # -- writes --------------------------------------------------------------
+
+    @contextmanager
+    def _dir_lock(self, dirpath: str):
+        fd = os.open(os.path.join(dirpath, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _check(self, key: str, path: str, if_match, if_none_match) -> None:
+        try:
+            current = self._info(key, os.stat(path))
+        except FileNotFoundError:
+            current = None
+        if if_none_match and current is not None:
+            bump(self.counters, "precondition_failed")
+            raise PreconditionFailed(f"{key}: exists already", key)
+        if if_match is not None and (current is None or current.etag != if_match):
+            bump(self.counters, "precondition_failed")
+            raise PreconditionFailed(f"{key}: changed since it was read", key)
+
+    def put(self, key, data, *, if_match=None, if_none_match=False) -> ObjectInfo:
+        path = self._path(key)
+        dirpath = os.path.dirname(path)
+        try:
+            os.makedirs(dirpath, exist_ok=True)
+            tmp = os.path.join(dirpath, f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{os.path.basename(path)}")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                if if_match is not None or if_none_match:
+                    with self._dir_lock(dirpath):
+                        self._check(key, path, if_match, if_none_match)
+                        os.rename(tmp, path)
+                else:
+                    os.rename(tmp, path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+            dfd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            st = os.stat(path)
+        except OSError as exc:
+            raise self._fail(key, exc) from None
+        bump(self.counters, "put")
+        bump(self.counters, "bytes_written", len(data))
+        return self._info(key, st)
+
+    def delete(self, key, *, if_match=None) -> None:
+        path = self._path(key)
+        try:
+            if if_match is not None:
+                with self._dir_lock(os.path.dirname(path)):
+                    self._check(key, path, if_match, False)
+                    os.unlink(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            if if_match is not None:
+                raise PreconditionFailed(f"{key}: gone", key) from None
+        except OSError as exc:
+            raise self._fail(key, exc) from None
+        bump(self.counters, "delete")
+        # Remove directories left empty, as a directory store would.
+        parent = os.path.dirname(path)
+        while parent != self.root and parent.startswith(self.root):
+            try:
+                leftovers = [n for n in os.listdir(parent) if n != LOCK_NAME]
+                if leftovers:
+                    break
+                lock = os.path.join(parent, LOCK_NAME)
+                if os.path.exists(lock):
+                    os.unlink(lock)
+                os.rmdir(parent)
+            except OSError:
+                break
+            parent = os.path.dirname(parent)
+
+    def close(self) -> None:
+        pass

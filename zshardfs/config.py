@@ -1,0 +1,126 @@
+"""Mount options: parsed once, validated with clear messages, then frozen.
+
+Every ``-o`` option a user can give is listed in :data:`OPTIONS` with its
+meaning; ``zshardfs mount --help`` prints that table, and README.md copies it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+
+
+class ConfigError(ValueError):
+    """A bad option or source; the message is shown to the user as is."""
+
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgGtT]?)(i?[bB])?$")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str, name: str) -> int:
+    m = _SIZE.match(text.strip())
+    if not m:
+        raise ConfigError(f"option {name}: {text!r} is not a size (examples: 65536, 64M, 1G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_seconds(text: str, name: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"option {name}: {text!r} is not a number of seconds") from None
+    if value < 0:
+        raise ConfigError(f"option {name}: must not be negative")
+    return value
+
+
+def parse_int(text: str, name: str, minimum: int = 1) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"option {name}: {text!r} is not a whole number") from None
+    if value < minimum:
+        raise ConfigError(f"option {name}: must be at least {minimum}")
+    return value
+
+
+@dataclass
+class MountConfig:
+    source: str
+    mountpoint: str
+    read_only: bool = True
+    allow_other: bool = False
+    debug: bool = False
+    foreground: bool = False
+    index_cache: int = 64 << 20
+    chunk_cache: int = 64 << 20
+    metadata_ttl: float = 1.0
+    index_ttl: float = 1.0
+    attr_timeout: float = 1.0
+    max_connections: int = 16
+    timeout: float = 30.0
+    log_level: str = "INFO"
+    log_file: str | None = None
+    fsname: str | None = None
+    # S3
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+#: option name -> (field, parser, help)
+OPTIONS = {
+    "ro": ("read_only", None, "read-only mount (mutations return EROFS)"),
+    "rw": ("read_only", None, "read-write mount"),
+    "allow_other": ("allow_other", None, "let other users access the mount (needs user_allow_other for non-root)"),
+    "debug": ("debug", None, "log every request (implies log_level=DEBUG)"),
+    "index_cache": ("index_cache", parse_size, "bytes of parsed shard indexes kept in memory (default 64M)"),
+    "chunk_cache": ("chunk_cache", parse_size, "bytes of chunk data kept in memory (default 64M)"),
+    "metadata_ttl": ("metadata_ttl", parse_seconds, "seconds a metadata document/probe is trusted (default 1)"),
+    "index_ttl": ("index_ttl", parse_seconds, "seconds a shard index is trusted before re-validation (default 1)"),
+    "attr_timeout": ("attr_timeout", parse_seconds, "kernel entry/attribute cache time in seconds (default 1)"),
+    "max_connections": ("max_connections", parse_int, "storage requests in flight at once (default 16)"),
+    "timeout": ("timeout", parse_seconds, "deadline of one storage operation in seconds; then EIO (default 30)"),
+    "log_level": ("log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
+    "log_file": ("log_file", str, "write the log to this file (default: stderr in --foreground, else syslog)"),
+    "fsname": ("fsname", str, "name shown in /proc/mounts (default: the source)"),
+}
+
+
+def parse_options(cfg: MountConfig, opts: list[str]) -> MountConfig:
+    """Apply ``-o a,b=c`` option strings to ``cfg``."""
+    for group in opts:
+        for item in filter(None, (s.strip() for s in group.split(","))):
+            name, has_value, value = item.partition("=")
+            if name in ("defaults", "_netdev", "nofail", "auto", "noauto", "user", "users", "nodev", "nosuid", "exec",
+                        "noexec", "dev", "suid"):
+                continue  # fstab/mount(8) options that mean nothing to us
+            spec = OPTIONS.get(name)
+            if spec is None:
+                raise ConfigError(f"unknown option {name!r} (see 'zshardfs mount --help')")
+            attr, parser, _ = spec
+            if parser is None:
+                if has_value:
+                    raise ConfigError(f"option {name} takes no value")
+                setattr(cfg, attr, name != "rw" if attr == "read_only" else True)
+            else:
+                if not has_value or value == "":
+                    raise ConfigError(f"option {name} needs a value ({name}=...)")
+                setattr(cfg, attr, parser(value, name) if parser is not str else value)
+    cfg.log_level = cfg.log_level.upper()
+    if cfg.debug:
+        cfg.log_level = "DEBUG"
+    if cfg.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(f"option log_level: {cfg.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
+    if cfg.index_cache < 1 << 16:
+        raise ConfigError("option index_cache: at least 64K is needed to hold one index")
+    return cfg
+
+
+def describe_options() -> str:
+    return "\n".join(f"  {name:<16} {help}" for name, (_, _, help) in OPTIONS.items())
+
+
+__all__ = ["ConfigError", "MountConfig", "OPTIONS", "describe_options", "fields", "parse_options", "parse_size"]

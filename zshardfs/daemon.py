@@ -1,0 +1,144 @@
+"""The trio main program of one mount.
+
+Order of things: open the backend and check it (a bad source fails here,
+before anything is mounted), mount, tell the waiting parent we are ready,
+serve until unmounted or signalled, then flush and unmount cleanly.
+
+Control channel: extended attributes of the mount's root directory
+(``user.zshardfs.stats``, ``user.zshardfs.pid``) — no extra socket to
+secure, no extra file in the view.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+
+import pyfuse3
+import trio
+
+from .backends.base import AsyncStore, StoreError
+from .config import ConfigError, MountConfig
+from .fuse_ops import Operations
+from .shards import ShardCache
+from .view import View
+
+log = logging.getLogger(__name__)
+
+XATTR_STATS = "user.zshardfs.stats"
+XATTR_PID = "user.zshardfs.pid"
+
+
+def open_backend(cfg: MountConfig):
+    """The backend for ``cfg.source`` (a path or ``s3://bucket/prefix``)."""
+    if cfg.source.startswith("s3://"):
+        from .backends.s3 import S3Backend, parse_s3_url
+
+        bucket, prefix = parse_s3_url(cfg.source)
+        backend = S3Backend(bucket, prefix, endpoint_url=cfg.endpoint_url, region=cfg.region, profile=cfg.profile,
+                            max_pool_connections=max(10, cfg.max_connections))
+        backend.check()
+        return backend
+    if "://" in cfg.source:
+        raise ConfigError(f"source {cfg.source!r}: only local paths and s3:// URLs are supported")
+    from .backends.local import LocalBackend
+
+    if not os.path.isdir(cfg.source):
+        raise ConfigError(f"source {cfg.source!r} is not a directory")
+    if not os.access(cfg.source, os.R_OK | os.X_OK):
+        raise ConfigError(f"source {cfg.source!r} is not readable")
+    return LocalBackend(cfg.source)
+
+
+def fuse_options(cfg: MountConfig) -> set[str]:
+    opts = {"default_permissions", f"fsname={cfg.fsname or cfg.source}", "subtype=zshardfs"}
+    if cfg.read_only:
+        opts.add("ro")
+    if cfg.allow_other:
+        opts.add("allow_other")
+    if cfg.debug:
+        opts.add("debug")
+    return opts
+
+
+class Mount:
+    """Everything one mount owns, wired bottom-up."""
+
+    def __init__(self, cfg: MountConfig, backend):
+        self.cfg = cfg
+        self.started = time.time()
+        self.store = AsyncStore(backend, max_connections=cfg.max_connections, timeout=cfg.timeout)
+        self.shards = ShardCache(self.store, index_cache_bytes=cfg.index_cache, index_ttl=cfg.index_ttl,
+                                 chunk_cache_bytes=cfg.chunk_cache)
+        self.view = View(self.store, self.shards, metadata_ttl=cfg.metadata_ttl, read_only=cfg.read_only)
+        self.ops = Operations(self.view, read_only=cfg.read_only, entry_timeout=cfg.attr_timeout,
+                              attr_timeout=cfg.attr_timeout, control=self.control)
+
+    def stats(self) -> dict:
+        c = self.store.counters
+        return {
+            "source": self.store.url,
+            "mountpoint": os.path.abspath(self.cfg.mountpoint),
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 3),
+            "requests": {k: c.get(k, 0) for k in ("get", "get_range", "head", "list", "put", "delete")},
+            "bytes": {"read": c.get("bytes_read", 0), "written": c.get("bytes_written", 0)},
+            "errors": c.get("errors", 0),
+            "retries": c.get("retries", 0),
+            "precondition_failed": c.get("precondition_failed", 0),
+            "index_cache": {"hits": self.shards.indexes.hits, "misses": self.shards.indexes.misses,
+                            "entries": len(self.shards.indexes), "bytes": self.shards.indexes.bytes,
+                            "max_bytes": self.shards.indexes.max_bytes},
+            "chunk_cache": {"hits": self.shards.chunks.hits, "misses": self.shards.chunks.misses,
+                            "entries": len(self.shards.chunks), "bytes": self.shards.chunks.bytes,
+                            "max_bytes": self.shards.chunks.max_bytes},
+            "inodes": len(self.ops.inodes),
+        }
+
+    def control(self, name: str) -> bytes | None:
+        if name == XATTR_STATS:
+            return json.dumps(self.stats()).encode()
+        if name == XATTR_PID:
+            return str(os.getpid()).encode()
+        return None
+
+    async def serve(self, ready=None) -> None:
+        pyfuse3.init(self.ops, self.cfg.mountpoint, fuse_options(self.cfg))
+        log.info("mounted %s on %s (%s)", self.store.url, self.cfg.mountpoint, "ro" if self.cfg.read_only else "rw")
+        if ready is not None:
+            ready()
+        unmount = True
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._signals, nursery)
+                await pyfuse3.main()
+                nursery.cancel_scope.cancel()
+        except BaseException:
+            log.exception("main loop failed")
+            raise
+        finally:
+            pyfuse3.close(unmount=unmount)
+            self.store.close()
+            log.info("unmounted %s", self.cfg.mountpoint)
+
+    async def _signals(self, nursery) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    continue
+                log.info("signal %s: unmounting", signal.Signals(signum).name)
+                pyfuse3.terminate()
+                return
+
+
+def run(cfg: MountConfig, ready=None) -> None:
+    """Open the source, mount and serve (blocks until unmounted)."""
+    backend = open_backend(cfg)
+    mount = Mount(cfg, backend)
+    trio.run(mount.serve, ready)
+
+
+__all__ = ["ConfigError", "Mount", "StoreError", "XATTR_PID", "XATTR_STATS", "open_backend", "run"]

@@ -1,0 +1,292 @@
+"""pyfuse3 operations: inodes, handles and errno, nothing else.
+
+Translates kernel requests into calls on the :class:`~zshardfs.view.View`.
+
+Inode invariants:
+- An inode number names one virtual path for as long as the kernel holds a
+  lookup count on it (or a handle is open); it is never reused for another
+  path while alive.  ``forget`` drops entries whose count reaches zero, so
+  the table is bounded by what the kernel caches, not by the store.
+- ``readdir`` offsets index a per-handle snapshot that is filled lazily, so a
+  listing resumed at any offset neither skips nor repeats entries.
+
+Every handler goes through :func:`_translate`: a storage error becomes its
+errno and at most one log line; an unexpected bug becomes EIO and one
+traceback in the log, never a dead daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+
+import pyfuse3
+
+from .backends.base import CorruptData, StoreError
+from .view import Node, View
+
+log = logging.getLogger(__name__)
+
+_last_logged: dict[str, float] = {}
+
+
+def _log_once(level: int, msg: str) -> None:
+    """One log line per distinct message per minute: a damaged shard read a
+    thousand times is one line, not a thousand."""
+    now = time.monotonic()
+    if now - _last_logged.get(msg, -1e9) > 60:
+        _last_logged[msg] = now
+        if len(_last_logged) > 10000:
+            _last_logged.clear()
+        log.log(level, msg)
+
+
+def _translate(fn):
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except CorruptData as exc:
+            _log_once(logging.ERROR, f"damaged data: {exc}")
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except StoreError as exc:
+            if exc.errno not in (errno.ENOENT,):
+                _log_once(logging.ERROR, f"{fn.__name__}: {exc}")
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except Exception:
+            log.exception("%s failed unexpectedly", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+@dataclass
+class _Inode:
+    node: Node
+    lookups: int = 0
+    handles: int = 0
+
+
+@dataclass
+class _DirHandle:
+    inode: int
+    source: object  # async iterator of Nodes
+    entries: list = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass
+class _FileHandle:
+    inode: int
+    node: Node
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(self, view: View, *, read_only: bool = True, entry_timeout: float = 1.0,
+                 attr_timeout: float = 1.0, uid: int | None = None, gid: int | None = None, control=None):
+        super().__init__()
+        self.control = control  # name -> bytes | None, for xattrs of the root
+        self.view = view
+        self.read_only = read_only
+        self.entry_timeout = entry_timeout
+        self.attr_timeout = attr_timeout
+        self.uid = os.getuid() if uid is None else uid
+        self.gid = os.getgid() if gid is None else gid
+        self.inodes: dict[int, _Inode] = {pyfuse3.ROOT_INODE: _Inode(view.root(), lookups=1)}
+        self.by_path: dict[str, int] = {"": pyfuse3.ROOT_INODE}
+        self._next_inode = pyfuse3.ROOT_INODE + 1
+        self._handles: dict[int, _DirHandle | _FileHandle] = {}
+        self._next_fh = 1
+
+    # -- inode table --------------------------------------------------------
+
+    def _inode_for(self, node: Node) -> int:
+        """The inode of ``node``'s path, creating the entry if needed (count 0)."""
+        ino = self.by_path.get(node.path)
+        if ino is None:
+            ino = self._next_inode
+            self._next_inode += 1
+            self.inodes[ino] = _Inode(node)
+            self.by_path[node.path] = ino
+        else:
+            self.inodes[ino].node = node
+        return ino
+
+    def _drop_if_unused(self, ino: int) -> None:
+        entry = self.inodes.get(ino)
+        if entry and ino != pyfuse3.ROOT_INODE and entry.lookups <= 0 and entry.handles <= 0:
+            del self.inodes[ino]
+            if self.by_path.get(entry.node.path) == ino:
+                del self.by_path[entry.node.path]
+
+    def _node(self, ino: int) -> Node:
+        entry = self.inodes.get(ino)
+        if entry is None:
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        return entry.node
+
+    def _attrs(self, ino: int, node: Node) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = ino
+        a.generation = 0
+        a.entry_timeout = self.entry_timeout
+        a.attr_timeout = self.attr_timeout
+        w = 0 if self.read_only else 0o200
+        if node.is_dir:
+            a.st_mode = stat.S_IFDIR | 0o555 | w
+            a.st_nlink = 2
+        else:
+            a.st_mode = stat.S_IFREG | 0o444 | w
+            a.st_nlink = 1
+        a.st_size = node.size
+        a.st_blksize = 1 << 17
+        a.st_blocks = (node.size + 511) // 512
+        a.st_uid = self.uid
+        a.st_gid = self.gid
+        ns = int(node.mtime * 1e9)
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = ns
+        return a
+
+    # -- lookups ------------------------------------------------------------
+
+    @_translate
+    async def lookup(self, parent_inode, name, ctx=None):
+        parent = self._node(parent_inode)
+        node = await self.view.lookup(parent, os.fsdecode(name))
+        if node is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        ino = self._inode_for(node)
+        self.inodes[ino].lookups += 1
+        return self._attrs(ino, node)
+
+    async def forget(self, inode_list):
+        for ino, nlookup in inode_list:
+            entry = self.inodes.get(ino)
+            if entry is None:
+                continue
+            entry.lookups -= nlookup
+            self._drop_if_unused(ino)
+
+    @_translate
+    async def getattr(self, inode, ctx=None):
+        node = self._node(inode)
+        if not node.is_dir and time.monotonic() - node.created > self.attr_timeout:
+            fresh = await self.view.refresh(node)
+            if fresh is not None:
+                node = self.inodes[inode].node = fresh
+        return self._attrs(inode, node)
+
+    # -- directories --------------------------------------------------------
+
+    @_translate
+    async def opendir(self, inode, ctx):
+        node = self._node(inode)
+        if not node.is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = _DirHandle(inode, self.view.listdir(node).__aiter__())
+        self.inodes[inode].handles += 1
+        return fh
+
+    @_translate
+    async def readdir(self, fh, start_id, token):
+        handle = self._handles[fh]
+        i = start_id
+        while True:
+            while i >= len(handle.entries) and not handle.done:
+                try:
+                    handle.entries.append(await handle.source.__anext__())
+                except StopAsyncIteration:
+                    handle.done = True
+            if i >= len(handle.entries):
+                return
+            node = handle.entries[i]
+            ino = self._inode_for(node)
+            if not pyfuse3.readdir_reply(token, os.fsencode(node.name), self._attrs(ino, node), i + 1):
+                self._drop_if_unused(ino)
+                return
+            self.inodes[ino].lookups += 1
+            i += 1
+
+    async def releasedir(self, fh):
+        handle = self._handles.pop(fh, None)
+        if handle is not None:
+            entry = self.inodes.get(handle.inode)
+            if entry:
+                entry.handles -= 1
+                self._drop_if_unused(handle.inode)
+            aclose = getattr(handle.source, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:  # pragma: no cover - closing a generator
+                    pass
+
+    # -- files --------------------------------------------------------------
+
+    @_translate
+    async def open(self, inode, flags, ctx):
+        node = self._node(inode)
+        if node.is_dir:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_APPEND) and self.read_only:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = _FileHandle(inode, node)
+        self.inodes[inode].handles += 1
+        # The page cache stays valid across opens: content only changes with
+        # the shard's version, and a changed mtime/size invalidates it.
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    @_translate
+    async def read(self, fh, off, size):
+        handle = self._handles[fh]
+        return await self.view.read(handle.node, off, size)
+
+    async def release(self, fh):
+        handle = self._handles.pop(fh, None)
+        if handle is not None:
+            entry = self.inodes.get(handle.inode)
+            if entry:
+                entry.handles -= 1
+                self._drop_if_unused(handle.inode)
+
+    async def statfs(self, ctx):
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = 4096
+        s.f_blocks = s.f_bfree = s.f_bavail = 1 << 30
+        s.f_files = s.f_ffree = s.f_favail = 1 << 30
+        s.f_namemax = 255
+        return s
+
+    # -- control channel: xattrs of the root directory -----------------------
+
+    async def getxattr(self, inode, name, ctx):
+        if inode == pyfuse3.ROOT_INODE and self.control is not None:
+            value = self.control(os.fsdecode(name))
+            if value is not None:
+                return value
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    async def listxattr(self, inode, ctx):
+        return []
+
+    # -- mutations (read-only until the write path lands) -------------------
+
+    async def _erofs(self, *args, **kwargs):
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = create = write = _erofs
+    setxattr = removexattr = _erofs

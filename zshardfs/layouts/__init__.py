@@ -1,0 +1,12 @@
+"""Sharded layouts.  Each module exposes the same three functions:
+
+- ``probe(ctx, dir_key) -> Dataset | None``
+- ``is_document(key) -> bool``: cheap name test for metadata it may rewrite
+- ``rewrite_document(key, data) -> bytes | None``
+
+``LAYOUTS`` is the order in which the view asks them.
+"""
+
+from . import zarr_sharding
+
+LAYOUTS = [zarr_sharding]

@@ -1,0 +1,127 @@
+"""The one small interface every sharded layout implements.
+
+The view walks the store as a directory tree.  At each directory it asks the
+layouts whether that directory is the root of a sharded *dataset* (a Zarr
+array, a precomputed volume, a key-value directory...).  A dataset then owns
+part of the names below its root — its *virtual namespace* of chunk files —
+and the view merges those with whatever else is stored there (passthrough).
+
+A layout module provides:
+
+- ``async probe(ctx, dir_key) -> Dataset | None``: is ``dir_key`` a dataset root?
+- ``rewrite_document(key, data) -> bytes | None``: the view's version of a
+  stored metadata document (None: show it unchanged).
+
+Paths below a dataset root are tuples of names (``rel``); ``()`` is the root.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from ..backends.base import AsyncStore
+from ..shards import ShardCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    """A chunk file of the view: one stored chunk inside one shard."""
+
+    shard_key: str
+    chunk_id: int  # the chunk's identity inside its shard (layout-defined)
+    size: int  # bytes the view shows
+    mtime: float  # the shard's mtime
+    shard_ctx: object = None  # what the shard format needs to know (index shape...)
+
+
+@dataclass(frozen=True)
+class DirEntry:
+    """A virtual directory (e.g. ``c/3`` of a '/'-separated chunk key)."""
+
+    mtime: float = 0.0
+
+
+Entry = ChunkEntry | DirEntry
+
+
+@dataclass
+class LayoutContext:
+    """What layouts may use: the store, the shard cache, and the mount's
+    options (read-only, TTLs...).  Layouts get nothing of FUSE."""
+
+    store: AsyncStore
+    shards: ShardCache
+    read_only: bool = True
+
+
+class Dataset(ABC):
+    """A sharded dataset rooted at a directory of the view."""
+
+    #: short name of the layout for logs and ``stats``
+    layout: str = "?"
+
+    def __init__(self, ctx: LayoutContext, root: str):
+        self.ctx = ctx
+        self.root = root  # storage key of the root directory
+
+    # -- namespace -----------------------------------------------------------
+
+    @abstractmethod
+    def claims(self, rel: tuple[str, ...]) -> bool:
+        """True if ``rel`` (non-empty) is in the virtual namespace: the view
+        then asks only this dataset about it, and hides a stored object of
+        that name (a shard).  Must be cheap: a name check, no I/O."""
+
+    @abstractmethod
+    async def lookup(self, rel: tuple[str, ...]) -> Entry | None:
+        """The claimed entry at ``rel``, or None if it does not exist."""
+
+    @abstractmethod
+    def listdir(self, rel: tuple[str, ...]) -> AsyncIterator[tuple[str, Entry]]:
+        """Claimed entries directly below ``rel`` (``()``: the root's claimed
+        entries, which the view merges with the stored ones), in a stable
+        order; lazily, so huge directories stream."""
+
+    async def read(self, entry: ChunkEntry) -> bytes:
+        """The whole content of a chunk file."""
+        data = await self.ctx.shards.read_chunk(self.shard_format, entry.shard_key, entry.chunk_id, entry.shard_ctx)
+        if data is None:
+            from ..backends.base import NotFound
+
+            raise NotFound(f"{entry.shard_key}: chunk {entry.chunk_id} is gone", entry.shard_key)
+        return data
+
+    shard_format = None  # set by subclasses (a shards.ShardFormat)
+
+
+def load_json(data: bytes, what: str) -> dict | None:
+    """Parse a metadata document; None (and one log line) if it is not a JSON object."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        log.warning("%s: malformed JSON (%s); shown unchanged", what, exc)
+        return None
+    if not isinstance(doc, dict):
+        log.warning("%s: not a JSON object; shown unchanged", what)
+        return None
+    return doc
+
+
+def dump_json(doc: dict) -> bytes:
+    """How rewritten documents are serialised (zarr-python's own style)."""
+    return json.dumps(doc, indent=2).encode()
+
+
+def parse_index_name(name: str) -> int | None:
+    """A canonical non-negative decimal ('0', '17'; not '017', '+1', '-1')."""
+    if not name or not name.isascii() or not name.isdigit():
+        return None
+    if len(name) > 1 and name[0] == "0":
+        return None
+    return int(name)

@@ -1,0 +1,344 @@
+"""What the Zarr sharding codec and the v3-draft storage transformer share:
+the indexed binary shard format and a chunk namespace over a regular inner
+grid.  The two layouts differ only in where their metadata lives and how
+chunk keys are spelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import crc32c
+import numpy as np
+
+from ..backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo
+from ..shards import EMPTY
+from .base import ChunkEntry, Dataset, DirEntry, Entry, LayoutContext, parse_index_name
+from .grids import ShardGrid, linear_index
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------
+# the binary shard format
+
+
+@dataclass
+class ZarrShardIndex:
+    """One loaded index: an (n, 2) array of (offset, nbytes), native order."""
+
+    info: ObjectInfo
+    table: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes
+
+    async def locate(self, chunk_id: int) -> tuple[int, int] | None:
+        return self.locate_now(chunk_id)
+
+    def locate_now(self, chunk_id: int) -> tuple[int, int] | None:
+        if chunk_id >= len(self.table):
+            return None
+        offset, nbytes = (int(v) for v in self.table[chunk_id])
+        if offset == EMPTY and nbytes == EMPTY:
+            return None
+        if offset == EMPTY or nbytes == EMPTY:
+            raise CorruptData(f"{self.info.key}: index entry {chunk_id} is half empty", self.info.key)
+        return offset, nbytes
+
+    async def entries(self) -> list[tuple[int, int, int]]:
+        present = ~((self.table[:, 0] == EMPTY) & (self.table[:, 1] == EMPTY))
+        ids = np.nonzero(present)[0]
+        return [(int(i), int(self.table[i, 0]), int(self.table[i, 1])) for i in ids]
+
+    def present_mask(self) -> np.ndarray:
+        return ~((self.table[:, 0] == EMPTY) & (self.table[:, 1] == EMPTY))
+
+
+class ZarrShardFormat:
+    """``sharding_indexed`` shards: chunks, plus an index of ``prod(extent)``
+    (offset, nbytes) uint64 pairs in C order, optionally followed by a
+    crc32c, at the start or the end of the shard.
+
+    ``shard_ctx`` is the shard's extent in inner chunks (the index shape).
+    """
+
+    def __init__(self, index_location: str = "end", endian: str = "little", checksum: bool = False):
+        if index_location not in ("start", "end"):
+            raise ValueError(f"index_location {index_location!r} must be 'start' or 'end'")
+        if endian not in ("little", "big"):
+            raise ValueError(f"index endian {endian!r} must be 'little' or 'big'")
+        self.index_location = index_location
+        self.endian = endian
+        self.checksum = checksum
+        self.dtype = np.dtype("<u8" if endian == "little" else ">u8")
+
+    def index_size(self, extent) -> int:
+        return math.prod(extent) * 16 + (4 if self.checksum else 0)
+
+    async def load_index(self, store: AsyncStore, key: str, extent) -> ZarrShardIndex | None:
+        size = self.index_size(extent)
+        try:
+            if self.index_location == "end":
+                blob = await store.get(key, suffix=size)
+            else:
+                blob = await store.get(key, 0, size)
+        except NotFound:
+            return None
+        return self.parse_index(blob.data, blob.info, extent)
+
+    def parse_index(self, raw: bytes, info: ObjectInfo, extent) -> ZarrShardIndex:
+        size = self.index_size(extent)
+        if len(raw) != size or info.size < size:
+            raise CorruptData(f"{info.key}: shard of {info.size} bytes is too short for its {size}-byte index", info.key)
+        body = raw
+        if self.checksum:
+            body, stored = raw[:-4], int.from_bytes(raw[-4:], "little")
+            if crc32c.crc32c(body) != stored:
+                raise CorruptData(f"{info.key}: shard index checksum mismatch", info.key)
+        table = np.frombuffer(body, dtype=self.dtype).reshape(-1, 2).astype(np.uint64)
+        return ZarrShardIndex(info, table)
+
+    def encode(self, chunks: dict[int, bytes], extent) -> bytes:
+        n = math.prod(extent)
+        table = np.full((n, 2), EMPTY, dtype=np.uint64)
+        isize = self.index_size(extent)
+        pos = isize if self.index_location == "start" else 0
+        parts = []
+        for cid in sorted(chunks):
+            data = chunks[cid]
+            table[cid] = (pos, len(data))
+            parts.append(data)
+            pos += len(data)
+        index = table.astype(self.dtype).tobytes()
+        if self.checksum:
+            index += crc32c.crc32c(index).to_bytes(4, "little")
+        body = b"".join(parts)
+        return index + body if self.index_location == "start" else body + index
+
+    @staticmethod
+    def decode_chunk(data: bytes) -> bytes:
+        return data
+
+
+# --------------------------------------------------------------------------
+# chunk keys
+
+
+@dataclass(frozen=True)
+class ChunkKeys:
+    """How chunk (and shard) coordinates are spelled as keys.
+
+    ``prefix`` is 'c/' (v3 default with '/'), 'c.' (v3 default with '.'),
+    'c' (storage transformer: ``c0/1/2``) or '' (v2 encoding).
+    """
+
+    prefix: str
+    sep: str
+    ndim: int
+    zero_d_key: str = "c"
+
+    def format(self, coords) -> str:
+        if self.ndim == 0:
+            return self.zero_d_key
+        return self.prefix + self.sep.join(str(c) for c in coords)
+
+    def parse(self, rel: tuple[str, ...]):
+        """(coords, complete) for a path that is, or leads to, a key; None if
+        it cannot be one.  Bounds are not checked here."""
+        if not rel:
+            return None
+        if self.ndim == 0:
+            return ((), True) if rel == (self.zero_d_key,) else None
+        if self.sep != "/":
+            if len(rel) != 1 or not rel[0].startswith(self.prefix):
+                return None
+            parts = rel[0][len(self.prefix):].split(self.sep)
+            if len(parts) != self.ndim:
+                return None
+        elif self.prefix == "c/":
+            if rel[0] != "c":
+                return None
+            parts = list(rel[1:])
+        elif self.prefix:
+            if not rel[0].startswith(self.prefix):
+                return None
+            parts = [rel[0][len(self.prefix):], *rel[1:]]
+        else:
+            parts = list(rel)
+        if len(parts) > self.ndim:
+            return None
+        coords = tuple(parse_index_name(p) for p in parts)
+        if any(c is None for c in coords):
+            return None
+        return coords, len(coords) == self.ndim
+
+    def dir_components(self, coords) -> tuple[str, ...]:
+        """Path components of the directory holding keys that start with
+        ``coords`` ('/' separator only)."""
+        head = ("c",) if self.prefix == "c/" else ()
+        if not coords:
+            return head
+        names = [str(c) for c in coords]
+        if self.prefix == "c":
+            names[0] = "c" + names[0]
+        return head + tuple(names)
+
+    def parse_level(self, m: int, name: str) -> int | None:
+        """The coordinate a '/'-separated key holds at coordinate level m."""
+        if m == 0 and self.prefix == "c":
+            return parse_index_name(name[1:]) if name.startswith("c") else None
+        return parse_index_name(name)
+
+    def level_name(self, m: int, coord: int) -> str:
+        return f"c{coord}" if m == 0 and self.prefix == "c" else str(coord)
+
+    def claims(self, rel: tuple[str, ...]) -> bool:
+        if self.ndim == 0 or self.sep != "/":
+            return self.parse(rel) is not None
+        if self.prefix == "c/":
+            return rel[0] == "c"
+        return self.parse(rel[:1]) is not None
+
+
+# --------------------------------------------------------------------------
+# the dataset: a sharded array over a regular inner grid
+
+
+class GridDataset(Dataset):
+    """A sharded Zarr array: virtual chunk files on the inner grid, stored
+    in shards on the shard grid, both spelled with ``keys``."""
+
+    def __init__(self, ctx: LayoutContext, root: str, data_root: str, grid: ShardGrid, keys: ChunkKeys,
+                 fmt: ZarrShardFormat):
+        super().__init__(ctx, root)
+        self.data_root = data_root  # storage dir the keys are relative to
+        self.grid = grid
+        self.keys = keys
+        self.shard_format = fmt
+
+    def _key(self, rel_key: str) -> str:
+        return f"{self.data_root}/{rel_key}" if self.data_root else rel_key
+
+    def claims(self, rel):
+        return self.keys.claims(rel)
+
+    # -- lookup -------------------------------------------------------------
+
+    async def chunk_entry(self, coords) -> ChunkEntry | None:
+        """The chunk file at inner ``coords`` if it is stored."""
+        if not self.grid.contains(coords):
+            return None
+        shard, pos = self.grid.locate(coords)
+        extent = self.grid.shard_extent(shard)
+        key = self._key(self.keys.format(shard))
+        index = await self.ctx.shards.index(self.shard_format, key, extent)
+        if index is None:
+            return None
+        cid = linear_index(pos, extent)
+        where = index.locate_now(cid)
+        if where is None:
+            return None
+        return ChunkEntry(key, cid, where[1], index.info.mtime, extent)
+
+    async def lookup(self, rel) -> Entry | None:
+        parsed = self.keys.parse(rel)
+        if parsed is None:
+            return None
+        coords, complete = parsed
+        if complete:
+            return await self.chunk_entry(coords)
+        # An intermediate directory exists when it is inside the grid; we do
+        # not read indexes to prove it holds a chunk (docs: "lenient dirs").
+        counts = self.grid.inner_counts
+        if all(0 <= c < n for c, n in zip(coords, counts)):
+            return DirEntry()
+        return None
+
+    # -- listing ------------------------------------------------------------
+
+    async def _shard_chunks(self, shard, fixed) -> AsyncIterator[tuple[tuple[int, ...], ChunkEntry]]:
+        """Stored chunks of one shard whose leading coordinates are ``fixed``."""
+        if not self.grid.shard_contains(shard):
+            return
+        extent = self.grid.shard_extent(shard)
+        key = self._key(self.keys.format(shard))
+        try:
+            index = await self.ctx.shards.index(self.shard_format, key, extent)
+        except CorruptData as exc:
+            log.warning("%s", exc)
+            return
+        if index is None:
+            return
+        present = index.present_mask()
+        for coords, cid in self.grid.chunks_in_shard(shard):
+            if coords[: len(fixed)] == fixed and present[cid]:
+                yield coords, ChunkEntry(key, cid, int(index.table[cid, 1]), index.info.mtime, extent)
+
+    async def listdir(self, rel) -> AsyncIterator[tuple[str, Entry]]:
+        keys, grid = self.keys, self.grid
+        if keys.ndim == 0:
+            if rel == ():
+                entry = await self.chunk_entry(())
+                if entry is not None:
+                    yield keys.zero_d_key, entry
+            return
+        if keys.sep != "/":
+            if rel != ():
+                return
+            listing = await self.ctx.store.list(self.data_root)
+            shards = sorted(
+                p[0] for f in listing.files if (p := keys.parse((f.key.rsplit("/", 1)[-1],))) is not None
+            )
+            for shard in shards:
+                async for coords, entry in self._shard_chunks(shard, ()):
+                    yield keys.format(coords), entry
+            return
+        if rel == ():
+            if keys.prefix == "c/":
+                if await self.ctx.store.is_dir(self._key("c")):
+                    yield "c", DirEntry()
+                return
+            fixed: tuple[int, ...] = ()
+        else:
+            parsed = keys.parse(rel)
+            if parsed is None or parsed[1]:
+                return
+            fixed = parsed[0]
+        m = len(fixed)
+        shard_prefix = grid.locate(fixed + (0,) * (grid.ndim - m))[0][:m]
+        storage_dir = "/".join(keys.dir_components(shard_prefix))
+        listing = await self.ctx.store.list(self._key(storage_dir) if storage_dir else self.data_root)
+        last = m == grid.ndim - 1
+        names = [f.key.rsplit("/", 1)[-1] for f in listing.files] if last else listing.dirs
+        shard_coords = sorted(
+            s for name in names
+            if (s := keys.parse_level(m, name)) is not None and 0 <= s < grid.shard_count(m)
+        )
+        for s in shard_coords:
+            if not last:
+                for c in grid.shard_range(m, s):
+                    yield keys.level_name(m, c), DirEntry()
+                continue
+            async for coords, entry in self._shard_chunks(shard_prefix + (s,), fixed):
+                yield keys.level_name(m, coords[-1]), entry
+
+
+def parse_separator(encoding: dict | None, default_name: str = "default") -> tuple[str, str]:
+    """(encoding name, separator) of a ``chunk_key_encoding``."""
+    encoding = encoding or {"name": default_name}
+    name = encoding.get("name", default_name)
+    conf = encoding.get("configuration") or {}
+    if name == "default":
+        sep = conf.get("separator", "/")
+    elif name == "v2":
+        sep = conf.get("separator", ".")
+    else:
+        raise ValueError(f"chunk_key_encoding {name!r} is not supported")
+    if sep not in ("/", "."):
+        raise ValueError(f"chunk key separator {sep!r} is not supported")
+    return name, sep
