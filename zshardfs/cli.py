@@ -9,6 +9,7 @@ has failed (exit 1, with the daemon's reason).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import logging.handlers
@@ -140,12 +141,36 @@ def _control(mountpoint: str, name: str) -> bytes:
         raise ConfigError(f"{mountpoint!r} is not a zshardfs mount point") from None
 
 
+def _sync(mnt: str) -> str | None:
+    """Ask the daemon to store everything it holds; an error text or None."""
+    try:
+        os.setxattr(mnt, "user.zshardfs.sync", b"1")
+    except OSError as exc:
+        if exc.errno == errno.EROFS:
+            return None
+        return f"sync of {mnt} failed: {os.strerror(exc.errno)} (see the daemon's log)"
+    return None
+
+
+def cmd_sync(args) -> int:
+    mnt = os.path.abspath(args.mountpoint)
+    try:
+        _control(mnt, "user.zshardfs.pid")
+    except ConfigError as exc:
+        return _fail(str(exc))
+    problem = _sync(mnt)
+    return _fail(problem) if problem else EXIT_OK
+
+
 def cmd_umount(args) -> int:
     mnt = os.path.abspath(args.mountpoint)
     try:
         pid = int(_control(mnt, "user.zshardfs.pid"))
     except ConfigError as exc:
         return _fail(str(exc))
+    problem = _sync(mnt)
+    if problem:
+        return _fail(problem + "; not unmounted, the data is still held by the daemon")
     result = subprocess.run(["fusermount3", "-u", *(["-z"] if args.lazy else []), mnt],
                             capture_output=True, text=True)
     if result.returncode != 0:
@@ -204,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("-z", "--lazy", action="store_true", help="lazy unmount")
     u.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the daemon to exit")
     u.set_defaults(func=cmd_umount)
+    y = sub.add_parser("sync", help="store all written data now (what sync(1) cannot ask a FUSE daemon)")
+    y.add_argument("mountpoint")
+    y.set_defaults(func=cmd_sync)
     s = sub.add_parser("stats", help="request counters and cache figures of a mount")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true")

@@ -49,7 +49,7 @@ def parse_int(text: str, name: str, minimum: int = 1) -> int:
 class MountConfig:
     source: str
     mountpoint: str
-    read_only: bool = True
+    read_only: bool = False
     allow_other: bool = False
     debug: bool = False
     foreground: bool = False
@@ -63,6 +63,9 @@ class MountConfig:
     log_level: str = "INFO"
     log_file: str | None = None
     fsname: str | None = None
+    max_dirty: int = 256 << 20
+    flush_delay: float = 2.0
+    shard: tuple[int, ...] | None = None
     # S3
     endpoint_url: str | None = None
     region: str | None = None
@@ -72,8 +75,8 @@ class MountConfig:
 
 #: option name -> (field, parser, help)
 OPTIONS = {
-    "ro": ("read_only", None, "read-only mount (mutations return EROFS)"),
-    "rw": ("read_only", None, "read-write mount"),
+    "ro": ("read_only", None, "read-only mount: every mutation returns EROFS"),
+    "rw": ("read_only", None, "read-write mount (the default)"),
     "allow_other": ("allow_other", None, "let other users access the mount (needs user_allow_other for non-root)"),
     "debug": ("debug", None, "log every request (implies log_level=DEBUG)"),
     "index_cache": ("index_cache", parse_size, "bytes of parsed shard indexes kept in memory (default 64M)"),
@@ -86,7 +89,23 @@ OPTIONS = {
     "log_level": ("log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
     "log_file": ("log_file", str, "write the log to this file (default: stderr in --foreground, else syslog)"),
     "fsname": ("fsname", str, "name shown in /proc/mounts (default: the source)"),
+    "max_dirty": ("max_dirty", parse_size, "written-but-unflushed bytes before writers wait (default 256M)"),
+    "flush_delay": ("flush_delay", parse_seconds, "seconds after its last write (and close) a shard is flushed (default 2)"),
+    "shard": ("shard", None, "K or K1xK2x...: store new Zarr v3 arrays sharded, K inner chunks per shard and dimension"),
 }
+
+
+def parse_shard(text: str, name: str) -> tuple[int, ...]:
+    try:
+        parts = tuple(int(p) for p in text.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"option {name}: {text!r} is not K or K1xK2x... (whole numbers)") from None
+    if not parts or any(p < 1 for p in parts):
+        raise ConfigError(f"option {name}: every factor must be at least 1")
+    return parts
+
+
+OPTIONS["shard"] = ("shard", parse_shard, OPTIONS["shard"][2])
 
 
 def parse_options(cfg: MountConfig, opts: list[str]) -> MountConfig:
@@ -114,6 +133,8 @@ def parse_options(cfg: MountConfig, opts: list[str]) -> MountConfig:
         cfg.log_level = "DEBUG"
     if cfg.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError(f"option log_level: {cfg.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
+    if cfg.shard is not None and cfg.read_only:
+        raise ConfigError("option shard: only makes sense on a read-write mount (add -o rw)")
     if cfg.index_cache < 1 << 16:
         raise ConfigError("option index_cache: at least 64K is needed to hold one index")
     return cfg

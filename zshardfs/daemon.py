@@ -25,11 +25,13 @@ from .config import ConfigError, MountConfig
 from .fuse_ops import Operations
 from .shards import ShardCache
 from .view import View
+from .writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
 XATTR_STATS = "user.zshardfs.stats"
 XATTR_PID = "user.zshardfs.pid"
+XATTR_SYNC = "user.zshardfs.sync"
 
 
 def open_backend(cfg: MountConfig):
@@ -73,9 +75,12 @@ class Mount:
         self.store = AsyncStore(backend, max_connections=cfg.max_connections, timeout=cfg.timeout)
         self.shards = ShardCache(self.store, index_cache_bytes=cfg.index_cache, index_ttl=cfg.index_ttl,
                                  chunk_cache_bytes=cfg.chunk_cache)
-        self.view = View(self.store, self.shards, metadata_ttl=cfg.metadata_ttl, read_only=cfg.read_only)
+        self.writeback = WriteBack(self.store, self.shards, max_dirty_bytes=cfg.max_dirty,
+                                   idle_delay=cfg.flush_delay)
+        self.view = View(self.store, self.shards, self.writeback, metadata_ttl=cfg.metadata_ttl,
+                         read_only=cfg.read_only, shard_option=cfg.shard)
         self.ops = Operations(self.view, read_only=cfg.read_only, entry_timeout=cfg.attr_timeout,
-                              attr_timeout=cfg.attr_timeout, control=self.control)
+                              attr_timeout=cfg.attr_timeout, control=self)
 
     def stats(self) -> dict:
         c = self.store.counters
@@ -96,9 +101,20 @@ class Mount:
                             "entries": len(self.shards.chunks), "bytes": self.shards.chunks.bytes,
                             "max_bytes": self.shards.chunks.max_bytes},
             "inodes": len(self.ops.inodes),
+            "writeback": {"dirty_shards": len(self.writeback.dirty), "dirty_bytes": self.writeback.dirty_bytes,
+                          "flushes": self.writeback.flushes, "flush_errors": self.writeback.flush_errors},
         }
 
-    def control(self, name: str) -> bytes | None:
+    async def set(self, name: str, value: bytes) -> bool:
+        """Control writes (setxattr on the root); True if ``name`` is ours."""
+        if name != XATTR_SYNC:
+            return False
+        errors = await self.view.sync()
+        if errors:
+            raise errors[0]
+        return True
+
+    def get(self, name: str) -> bytes | None:
         if name == XATTR_STATS:
             return json.dumps(self.stats()).encode()
         if name == XATTR_PID:
@@ -114,12 +130,14 @@ class Mount:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._signals, nursery)
+                await nursery.start(self.writeback.run)
                 await pyfuse3.main()
                 nursery.cancel_scope.cancel()
         except BaseException:
             log.exception("main loop failed")
             raise
         finally:
+            await self._final_sync()
             pyfuse3.close(unmount=unmount)
             self.store.close()
             log.info("unmounted %s", self.cfg.mountpoint)
@@ -129,9 +147,22 @@ class Mount:
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     continue
-                log.info("signal %s: unmounting", signal.Signals(signum).name)
+                log.info("signal %s: flushing and unmounting", signal.Signals(signum).name)
+                await self._final_sync()
                 pyfuse3.terminate()
                 return
+
+    async def _final_sync(self) -> None:
+        """Store everything still in memory; failures are logged, never lost
+        silently (the log names each shard that could not be written)."""
+        with trio.CancelScope(shield=True):
+            for attempt in range(3):
+                errors = await self.view.sync()
+                if not errors:
+                    return
+                await trio.sleep(0.5 * (attempt + 1))
+            for exc in errors:
+                log.error("could not store before exit: %s", exc)
 
 
 def run(cfg: MountConfig, ready=None) -> None:

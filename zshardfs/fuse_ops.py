@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import pyfuse3
 
 from .backends.base import CorruptData, StoreError
-from .view import Node, View
+from .view import Handle, Node, View
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +82,6 @@ class _DirHandle:
     done: bool = False
 
 
-@dataclass
-class _FileHandle:
-    inode: int
-    node: Node
-
-
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
@@ -95,7 +89,7 @@ class Operations(pyfuse3.Operations):
     def __init__(self, view: View, *, read_only: bool = True, entry_timeout: float = 1.0,
                  attr_timeout: float = 1.0, uid: int | None = None, gid: int | None = None, control=None):
         super().__init__()
-        self.control = control  # name -> bytes | None, for xattrs of the root
+        self.control = control  # .get(name) / async .set(name, value): xattrs of the root
         self.view = view
         self.read_only = read_only
         self.entry_timeout = entry_timeout
@@ -105,7 +99,7 @@ class Operations(pyfuse3.Operations):
         self.inodes: dict[int, _Inode] = {pyfuse3.ROOT_INODE: _Inode(view.root(), lookups=1)}
         self.by_path: dict[str, int] = {"": pyfuse3.ROOT_INODE}
         self._next_inode = pyfuse3.ROOT_INODE + 1
-        self._handles: dict[int, _DirHandle | _FileHandle] = {}
+        self._handles: dict[int, _DirHandle | tuple[int, Handle]] = {}
         self._next_fh = 1
 
     # -- inode table --------------------------------------------------------
@@ -235,33 +229,49 @@ class Operations(pyfuse3.Operations):
 
     # -- files --------------------------------------------------------------
 
+    def _new_fh(self, inode: int, handle: Handle) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = (inode, handle)
+        self.inodes[inode].handles += 1
+        return fh
+
+    def _handle(self, fh: int) -> Handle:
+        entry = self._handles.get(fh)
+        if entry is None or not isinstance(entry, tuple):
+            raise pyfuse3.FUSEError(errno.EBADF)
+        return entry[1]
+
     @_translate
     async def open(self, inode, flags, ctx):
         node = self._node(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_APPEND) and self.read_only:
+        write = bool(flags & (os.O_WRONLY | os.O_RDWR))
+        if write and self.read_only:
             raise pyfuse3.FUSEError(errno.EROFS)
-        fh = self._next_fh
-        self._next_fh += 1
-        self._handles[fh] = _FileHandle(inode, node)
-        self.inodes[inode].handles += 1
+        handle = await self.view.open(node, write=write, truncate=bool(flags & os.O_TRUNC))
         # The page cache stays valid across opens: content only changes with
-        # the shard's version, and a changed mtime/size invalidates it.
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        # the shard's version (through this mount, or noticed by mtime/size).
+        return pyfuse3.FileInfo(fh=self._new_fh(inode, handle), keep_cache=True)
 
     @_translate
     async def read(self, fh, off, size):
-        handle = self._handles[fh]
-        return await self.view.read(handle.node, off, size)
+        return await self.view.read(self._handle(fh), off, size)
 
     async def release(self, fh):
-        handle = self._handles.pop(fh, None)
-        if handle is not None:
-            entry = self.inodes.get(handle.inode)
-            if entry:
-                entry.handles -= 1
-                self._drop_if_unused(handle.inode)
+        entry = self._handles.pop(fh, None)
+        if entry is None:
+            return
+        inode, handle = entry
+        try:
+            await self.view.release(handle)
+        except Exception:  # release cannot report errors; flush/fsync did
+            log.exception("release failed")
+        ino = self.inodes.get(inode)
+        if ino:
+            ino.handles -= 1
+            self._drop_if_unused(inode)
 
     async def statfs(self, ctx):
         s = pyfuse3.StatvfsData()
@@ -275,7 +285,7 @@ class Operations(pyfuse3.Operations):
 
     async def getxattr(self, inode, name, ctx):
         if inode == pyfuse3.ROOT_INODE and self.control is not None:
-            value = self.control(os.fsdecode(name))
+            value = self.control.get(os.fsdecode(name))
             if value is not None:
                 return value
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
@@ -283,10 +293,98 @@ class Operations(pyfuse3.Operations):
     async def listxattr(self, inode, ctx):
         return []
 
-    # -- mutations (read-only until the write path lands) -------------------
+    # -- mutations ----------------------------------------------------------
 
-    async def _erofs(self, *args, **kwargs):
-        raise pyfuse3.FUSEError(errno.EROFS)
+    def _writable(self) -> None:
+        if self.read_only:
+            raise pyfuse3.FUSEError(errno.EROFS)
 
-    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = create = write = _erofs
-    setxattr = removexattr = _erofs
+    def _forget_path(self, path: str) -> None:
+        """A name now means something else: new lookups get a new inode."""
+        ino = self.by_path.pop(path, None)
+        if ino is not None:
+            self._drop_if_unused(ino)
+
+    def _entry(self, node: Node) -> pyfuse3.EntryAttributes:
+        self._forget_path(node.path)
+        ino = self._inode_for(node)
+        self.inodes[ino].lookups += 1
+        return self._attrs(ino, node)
+
+    @_translate
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        self._writable()
+        handle = await self.view.create(self._node(parent_inode), os.fsdecode(name))
+        attrs = self._entry(handle.node)
+        return pyfuse3.FileInfo(fh=self._new_fh(attrs.st_ino, handle), keep_cache=True), attrs
+
+    @_translate
+    async def write(self, fh, off, buf):
+        self._writable()
+        return await self.view.write(self._handle(fh), off, buf)
+
+    @_translate
+    async def flush(self, fh):
+        await self.view.flush(self._handle(fh))
+
+    @_translate
+    async def fsync(self, fh, datasync):
+        await self.view.fsync(self._handle(fh))
+
+    @_translate
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        node = self._node(inode)
+        if fields.update_size:
+            self._writable()
+            if node.is_dir:
+                raise pyfuse3.FUSEError(errno.EISDIR)
+            handle = self._handle(fh) if fh is not None and fh in self._handles else None
+            node = await self.view.truncate(node, attr.st_size, handle)
+            self.inodes[inode].node = node
+        elif fields.update_mode or fields.update_uid or fields.update_gid:
+            # modes and owners are the mount's; accepted and ignored (cp -p, rsync)
+            self._writable()
+        return self._attrs(inode, node)
+
+    @_translate
+    async def unlink(self, parent_inode, name, ctx):
+        self._writable()
+        parent = self._node(parent_inode)
+        await self.view.unlink(parent, os.fsdecode(name))
+        self._forget_path(f"{parent.path}/{os.fsdecode(name)}".lstrip("/"))
+
+    @_translate
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        self._writable()
+        node = await self.view.mkdir(self._node(parent_inode), os.fsdecode(name))
+        return self._entry(node)
+
+    @_translate
+    async def rmdir(self, parent_inode, name, ctx):
+        self._writable()
+        parent = self._node(parent_inode)
+        await self.view.rmdir(parent, os.fsdecode(name))
+        self._forget_path(f"{parent.path}/{os.fsdecode(name)}".lstrip("/"))
+
+    @_translate
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        self._writable()
+        if flags:
+            raise pyfuse3.FUSEError(errno.EINVAL)  # RENAME_EXCHANGE / NOREPLACE are not offered
+        old_parent, new_parent = self._node(parent_inode_old), self._node(parent_inode_new)
+        old, new = os.fsdecode(name_old), os.fsdecode(name_new)
+        await self.view.rename(old_parent, old, new_parent, new)
+        self._forget_path(f"{old_parent.path}/{old}".lstrip("/"))
+        self._forget_path(f"{new_parent.path}/{new}".lstrip("/"))
+
+    async def _unsupported(self, *args, **kwargs):
+        raise pyfuse3.FUSEError(errno.EROFS if self.read_only else errno.EPERM)
+
+    mknod = symlink = link = removexattr = _unsupported
+
+    @_translate
+    async def setxattr(self, inode, name, value, ctx):
+        if inode == pyfuse3.ROOT_INODE and self.control is not None:
+            if await self.control.set(os.fsdecode(name), value):
+                return
+        raise pyfuse3.FUSEError(errno.ENOTSUP)

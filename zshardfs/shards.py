@@ -58,6 +58,9 @@ class ShardFormat(Protocol):
     def decode_chunk(self, data: bytes) -> bytes:
         """Stored chunk bytes -> the bytes the view shows (identity for Zarr)."""
 
+    def encode_chunk(self, data: bytes) -> bytes:
+        """The inverse of decode_chunk, for chunks written through the view."""
+
 
 class ByteLRU:
     """An LRU mapping bounded by the sum of its values' declared sizes."""

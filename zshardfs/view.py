@@ -1,4 +1,4 @@
-"""The virtual tree: path -> node.
+"""The virtual tree: path -> node, and what reading and writing them means.
 
 The view walks the store as directories.  A stored directory is *plain*
 unless a layout's ``probe`` says it is the root of a sharded dataset; then
@@ -6,27 +6,46 @@ names the dataset ``claims`` are answered by the dataset (virtual chunk files
 and directories) and everything else passes through.  Stored metadata
 documents are passed through each layout's ``rewrite_document``.
 
-Nothing here knows about FUSE (inodes, handles, errno): ``fuse_ops`` does
-that translation.  Nothing here knows a shard format: layouts do.
+Writes (when mounted rw):
+- a chunk file's bytes live in the write-back buffer of its shard until the
+  shard is flushed (``writeback.py``); reads and listings see them at once;
+- a passthrough file is buffered whole while open and stored on close;
+- a *scratch* file — a new name inside a dataset that is not a valid chunk
+  name, such as the temporary file a tool writes before renaming it onto a
+  chunk — lives only in memory until it is renamed or unlinked, so it never
+  lands in the store as a stray object.
+
+Nothing here knows about FUSE (inodes, handles, errno numbers): ``fuse_ops``
+translates.  Nothing here knows a shard format: layouts do.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from .backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, join_key
+from .backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, StoreError, join_key
 from .layouts import LAYOUTS
-from .layouts.base import ChunkEntry, Dataset, DirEntry, LayoutContext
+from .layouts.base import ChunkEntry, ChunkTarget, Dataset, DirEntry, LayoutContext
 from .shards import ShardCache
+from .writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+class ViewError(StoreError):
+    """A request the view refuses, with the errno to report."""
+
+    def __init__(self, err: int, message: str):
+        super().__init__(message)
+        self.errno = err
+
+
+@dataclass(eq=False)
 class Node:
     """One entry of the view.  ``path`` is its virtual path ('' = root)."""
 
@@ -34,17 +53,43 @@ class Node:
     is_dir: bool
     size: int = 0
     mtime: float = 0.0
-    # where it comes from: exactly one of these describes it
+    # where it comes from
     key: str | None = None  # a stored object or directory (passthrough)
     document: bytes | None = None  # rewritten metadata shown instead of the stored bytes
     dataset: Dataset | None = None  # owner of a virtual entry
     rel: tuple[str, ...] = ()  # path below the dataset root
-    chunk: ChunkEntry | None = None
+    target: ChunkTarget | None = None  # for chunk files: where the chunk is stored
     created: float = field(default_factory=time.monotonic)
 
     @property
     def name(self) -> str:
         return self.path.rsplit("/", 1)[-1]
+
+    @property
+    def is_chunk(self) -> bool:
+        return self.target is not None
+
+
+@dataclass(eq=False)
+class FileBuffer:
+    """A passthrough or scratch file held whole in memory while written."""
+
+    path: str
+    key: str | None  # where it is stored on close; None: scratch (memory only)
+    data: bytearray
+    dirty: bool = False
+    handles: int = 0
+    mtime: float = field(default_factory=time.time)
+
+
+@dataclass(eq=False)
+class Handle:
+    """An open file of the view (fuse_ops maps fh numbers to these)."""
+
+    node: Node
+    writable: bool = False
+    buffer: FileBuffer | None = None  # passthrough / scratch writes
+    chunk: object = None  # writeback.DirtyChunk for chunk writes
 
 
 class _TTLCache:
@@ -71,18 +116,27 @@ class _TTLCache:
     def pop(self, key):
         self._d.pop(key, None)
 
-    def clear(self):
-        self._d.clear()
+
+def _parent(path: str) -> str:
+    return path.rpartition("/")[0]
 
 
 class View:
-    def __init__(self, store: AsyncStore, shards: ShardCache, *, metadata_ttl: float = 1.0, read_only: bool = True):
+    def __init__(self, store: AsyncStore, shards: ShardCache, writeback: WriteBack | None = None, *,
+                 metadata_ttl: float = 1.0, read_only: bool = True, shard_option=None):
         self.store = store
         self.shards = shards
+        self.writeback = writeback or WriteBack(store, shards)
+        self.read_only = read_only
+        self.shard_option = shard_option  # -o shard=K: store new arrays sharded
         self.ctx = LayoutContext(store, shards, read_only)
         self.datasets = _TTLCache(4096, metadata_ttl)
         self.documents = _TTLCache(4096, 3600.0)  # keyed by (key, etag): never stale
         self.started = time.time()
+        # names that exist in the view but not (yet) in storage
+        self.buffers: dict[str, FileBuffer] = {}  # path -> open/scratch file
+        self.new_chunks: dict[str, dict[str, tuple[Dataset, tuple, ChunkTarget]]] = {}  # dir -> name -> chunk
+        self.new_dirs: dict[str, set[str]] = {}  # dir -> names of directories made here
 
     # -- datasets -----------------------------------------------------------
 
@@ -122,7 +176,7 @@ class View:
                 new = layout.rewrite_document(info.key, blob.data)
                 if new is not None:
                     break
-        # cache under the etag actually read, so a racing replace is not masked
+        # cached under the etag actually read, so a racing replace is not masked
         self.documents.put((info.key, blob.info.etag), new)
         if blob.info.etag != info.etag:
             return await self._document(blob.info)
@@ -133,22 +187,58 @@ class View:
         size = len(doc) if doc is not None else info.size
         return Node(path, False, size, info.mtime, key=info.key, document=doc)
 
-    def _virtual(self, path: str, dataset: Dataset, rel: tuple[str, ...], entry) -> Node:
+    def _buffer_node(self, buf: FileBuffer) -> Node:
+        return Node(buf.path, False, len(buf.data), buf.mtime, key=buf.key)
+
+    def _chunk_node(self, path: str, dataset: Dataset, rel: tuple, entry: ChunkEntry | None,
+                    target: ChunkTarget | None) -> Node | None:
+        """A chunk file, with unflushed writes taking precedence over storage."""
+        if target is None and entry is not None:
+            target = dataset.target(rel) or ChunkTarget(entry.shard_key, entry.chunk_id, entry.shard_ctx, None)
+        if target is not None:
+            dirty = self.writeback.pending(target.shard_key, target.chunk_id)
+            if dirty is not None:
+                if dirty.data is None:
+                    return None
+                return Node(path, False, len(dirty.data), time.time(), dataset=dataset, rel=rel, target=target)
+        if entry is None:
+            return None
+        return Node(path, False, entry.size, entry.mtime, dataset=dataset, rel=rel, target=target)
+
+    def _virtual(self, path: str, dataset: Dataset, rel: tuple[str, ...], entry) -> Node | None:
         if isinstance(entry, DirEntry):
             return Node(path, True, 0, entry.mtime or self.started, dataset=dataset, rel=rel)
-        return Node(path, False, entry.size, entry.mtime, dataset=dataset, rel=rel, chunk=entry)
+        return self._chunk_node(path, dataset, rel, entry, None)
+
+    async def _dataset_child(self, path: str, dataset: Dataset, rel: tuple) -> Node | None:
+        target = dataset.target(rel)
+        if target is not None and self.writeback.pending(target.shard_key, target.chunk_id) is not None:
+            return self._chunk_node(path, dataset, rel, None, target)
+        entry = await dataset.lookup(rel)
+        if entry is None:
+            return None
+        if isinstance(entry, DirEntry):
+            return Node(path, True, 0, entry.mtime or self.started, dataset=dataset, rel=rel)
+        return self._chunk_node(path, dataset, rel, entry, target)
+
+    def _in_dataset(self, parent: Node) -> bool:
+        return parent.dataset is not None and parent.key is None
 
     async def lookup(self, parent: Node, name: str) -> Node | None:
         """The child ``name`` of directory ``parent``, or None."""
         path = join_key(parent.path, name)
-        if parent.dataset is not None and parent.key is None:
-            rel = parent.rel + (name,)
-            entry = await parent.dataset.lookup(rel)
-            return self._virtual(path, parent.dataset, rel, entry) if entry is not None else None
+        buf = self.buffers.get(path)
+        if buf is not None:
+            return self._buffer_node(buf)
+        if name in self.new_dirs.get(parent.path, ()):
+            if self._in_dataset(parent):
+                return Node(path, True, 0, time.time(), dataset=parent.dataset, rel=parent.rel + (name,))
+            return Node(path, True, 0, time.time(), key=join_key(parent.key, name))
+        if self._in_dataset(parent):
+            return await self._dataset_child(path, parent.dataset, parent.rel + (name,))
         dataset = await self.dataset_at(parent.key)
         if dataset is not None and dataset.claims((name,)):
-            entry = await dataset.lookup((name,))
-            return self._virtual(path, dataset, (name,), entry) if entry is not None else None
+            return await self._dataset_child(path, dataset, (name,))
         key = join_key(parent.key, name)
         info = await self.store.stat(key)
         if info is not None:
@@ -159,16 +249,18 @@ class View:
 
     async def refresh(self, node: Node) -> Node | None:
         """The node as it is now (None: it is gone), for getattr after a TTL."""
-        if node.chunk is not None:
-            entry = await node.dataset.lookup(node.rel)
-            return self._virtual(node.path, node.dataset, node.rel, entry) if entry is not None else None
+        buf = self.buffers.get(node.path)
+        if buf is not None:
+            return self._buffer_node(buf)
+        if node.is_chunk:
+            return await self._dataset_child(node.path, node.dataset, node.rel)
         if node.key is not None and not node.is_dir:
             info = await self.store.stat(node.key)
             return await self._stored_file(node.path, info) if info is not None else None
         return node
 
     async def resolve(self, path: str) -> Node | None:
-        """Walk from the root (used by refresh and by tools, not by the kernel)."""
+        """Walk from the root (for tools and tests, not for the kernel)."""
         node = self.root()
         for name in filter(None, path.split("/")):
             if not node.is_dir:
@@ -180,30 +272,83 @@ class View:
 
     async def listdir(self, node: Node) -> AsyncIterator[Node]:
         """Children of a directory, in a stable order, lazily."""
-        if node.dataset is not None and node.key is None:
-            async for name, entry in node.dataset.listdir(node.rel):
-                yield self._virtual(join_key(node.path, name), node.dataset, node.rel + (name,), entry)
-            return
-        dataset = await self.dataset_at(node.key)
-        listing = await self.store.list(node.key)
-        for name in listing.dirs:
-            if dataset is None or not dataset.claims((name,)):
-                yield Node(join_key(node.path, name), True, 0, self.started, key=join_key(node.key, name))
-        for info in listing.files:
-            name = info.key.rsplit("/", 1)[-1]
-            if dataset is None or not dataset.claims((name,)):
-                try:
-                    yield await self._stored_file(join_key(node.path, name), info)
-                except NotFound:
-                    continue
-        if dataset is not None:
-            async for name, entry in dataset.listdir(()):
-                yield self._virtual(join_key(node.path, name), dataset, (name,), entry)
+        extra = self._pending_children(node.path)
+        seen: set[str] | None = set() if extra else None
 
-    async def read(self, node: Node, offset: int, size: int) -> bytes:
-        """Bytes of a file node (whole chunks are cached by the shard layer)."""
-        if node.chunk is not None:
-            data = await node.dataset.read(node.chunk)
+        def fresh(child: Node | None) -> bool:
+            if child is None or child.path in self.buffers:
+                return False
+            if seen is not None:
+                seen.add(child.name)
+            return True
+
+        if self._in_dataset(node):
+            async for name, entry in node.dataset.listdir(node.rel):
+                child = self._virtual(join_key(node.path, name), node.dataset, node.rel + (name,), entry)
+                if fresh(child):
+                    yield child
+        else:
+            dataset = await self.dataset_at(node.key)
+            listing = await self.store.list(node.key)
+            for name in listing.dirs:
+                if dataset is None or not dataset.claims((name,)):
+                    child = Node(join_key(node.path, name), True, 0, self.started, key=join_key(node.key, name))
+                    if fresh(child):
+                        yield child
+            for info in listing.files:
+                name = info.key.rsplit("/", 1)[-1]
+                if dataset is None or not dataset.claims((name,)):
+                    try:
+                        child = await self._stored_file(join_key(node.path, name), info)
+                    except NotFound:
+                        continue
+                    if fresh(child):
+                        yield child
+            if dataset is not None:
+                async for name, entry in dataset.listdir(()):
+                    child = self._virtual(join_key(node.path, name), dataset, (name,), entry)
+                    if fresh(child):
+                        yield child
+        for name in extra:
+            if name not in seen:
+                child = await self.lookup(node, name)
+                if child is not None:
+                    yield child
+
+    def _pending_children(self, path: str) -> list[str]:
+        """Names below ``path`` that exist only in memory so far."""
+        names = set(self.new_dirs.get(path, ()))
+        names.update(self.new_chunks.get(path, ()))
+        prefix = path + "/" if path else ""
+        for p in self.buffers:
+            if p.startswith(prefix) and "/" not in p[len(prefix):]:
+                names.add(p[len(prefix):])
+        return sorted(names)
+
+    # -- reading ------------------------------------------------------------
+
+    async def content(self, node: Node) -> bytes:
+        """The whole current content of a chunk file (dirty data first)."""
+        t = node.target
+        dirty = self.writeback.pending(t.shard_key, t.chunk_id)
+        if dirty is not None:
+            if dirty.data is None:
+                raise NotFound(f"{node.path}: deleted", node.path)
+            return bytes(dirty.data)
+        data = await self.shards.read_chunk(node.dataset.shard_format, t.shard_key, t.chunk_id, t.shard_ctx)
+        if data is None:
+            raise NotFound(f"{node.path}: no longer stored", node.path)
+        return data
+
+    async def read(self, handle: Handle | Node, offset: int, size: int) -> bytes:
+        """Bytes of a file (whole chunks are cached by the shard layer)."""
+        node = handle.node if isinstance(handle, Handle) else handle
+        buf = handle.buffer if isinstance(handle, Handle) else None
+        buf = buf or self.buffers.get(node.path)
+        if buf is not None:
+            return bytes(buf.data[offset: offset + size])
+        if node.is_chunk:
+            data = await self.content(node)
             return data[offset: offset + size]
         if node.document is not None:
             return node.document[offset: offset + size]
@@ -211,3 +356,243 @@ class View:
             return b""
         blob = await self.store.get(node.key, offset, size)
         return blob.data
+
+    # -- writing ------------------------------------------------------------
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise ViewError(errno.EROFS, "read-only mount")
+
+    def _remember_new_chunk(self, node: Node) -> None:
+        self.new_chunks.setdefault(_parent(node.path), {})[node.name] = (node.dataset, node.rel, node.target)
+
+    async def open(self, node: Node, *, write: bool, truncate: bool) -> Handle:
+        if not write:
+            return Handle(node)
+        self._check_writable()
+        if node.is_chunk:
+            t = node.target
+            initial = b"" if truncate else await self.content(node)
+            chunk = self.writeback.open_chunk(t.shard_key, node.dataset.shard_format, t.shard_ctx, t.chunk_id,
+                                              initial, t.capacity)
+            if truncate and len(chunk.data):
+                del chunk.data[:]
+                self.writeback.changed(t.shard_key, chunk)
+            self._remember_new_chunk(node)
+            return Handle(node, True, chunk=chunk)
+        buf = self.buffers.get(node.path)
+        if buf is None:
+            data = b"" if truncate else await self._stored_bytes(node)
+            buf = self.buffers[node.path] = FileBuffer(node.path, node.key, bytearray(data))
+        if truncate and buf.data:
+            del buf.data[:]
+            buf.dirty = True
+        buf.handles += 1
+        return Handle(node, True, buffer=buf)
+
+    async def _stored_bytes(self, node: Node) -> bytes:
+        if node.key is None:
+            return b""
+        try:
+            return (await self.store.get(node.key)).data
+        except NotFound:
+            return b""
+
+    async def create(self, parent: Node, name: str) -> Handle:
+        """A new empty file ``name`` in ``parent``, opened for writing."""
+        self._check_writable()
+        path = join_key(parent.path, name)
+        dataset, rel = (parent.dataset, parent.rel + (name,)) if self._in_dataset(parent) else (None, ())
+        if dataset is None:
+            root_dataset = await self.dataset_at(parent.key)
+            if root_dataset is not None and root_dataset.claims((name,)):
+                dataset, rel = root_dataset, (name,)
+        if dataset is not None:
+            target = dataset.target(rel)
+            if target is not None:
+                node = Node(path, False, 0, time.time(), dataset=dataset, rel=rel, target=target)
+                return await self.open(node, write=True, truncate=True)
+            key = None  # scratch: a temporary name inside the chunk namespace
+        else:
+            key = join_key(parent.key, name)
+        buf = self.buffers[path] = FileBuffer(path, key, bytearray(), dirty=True)
+        buf.handles += 1
+        return Handle(self._buffer_node(buf), True, buffer=buf)
+
+    async def write(self, handle: Handle, offset: int, data: bytes) -> int:
+        if not handle.writable:
+            raise ViewError(errno.EBADF, "not open for writing")
+        target = handle.buffer.data if handle.buffer is not None else handle.chunk.data
+        if target is None:  # the chunk was unlinked while open: keep writing into a fresh buffer
+            handle.chunk.data = target = bytearray()
+        if offset > len(target):
+            target.extend(b"\0" * (offset - len(target)))
+        target[offset: offset + len(data)] = data
+        if handle.buffer is not None:
+            handle.buffer.dirty = True
+            handle.buffer.mtime = time.time()
+        else:
+            self.writeback.changed(handle.node.target.shard_key, handle.chunk)
+            await self.writeback.wait_for_room()
+        return len(data)
+
+    async def truncate(self, node: Node, size: int, handle: Handle | None = None) -> Node:
+        self._check_writable()
+        own = handle if handle is not None and handle.writable else await self.open(node, write=True, truncate=False)
+        data = own.buffer.data if own.buffer is not None else own.chunk.data
+        if size < len(data):
+            del data[size:]
+        else:
+            data.extend(b"\0" * (size - len(data)))
+        if own.buffer is not None:
+            own.buffer.dirty = True
+        else:
+            self.writeback.changed(node.target.shard_key, own.chunk)
+        if own is not handle:
+            await self.flush(own)
+            await self.release(own)
+        return (await self.refresh(node)) or node
+
+    async def flush(self, handle: Handle) -> None:
+        """close(2): passthrough files are stored now (errors reach close)."""
+        buf = handle.buffer
+        if buf is None or not buf.dirty or buf.key is None:
+            return
+        if self._is_scratch_in_dataset_root(buf):
+            return  # stored at fsync/sync, or moved by a rename before that
+        await self._store_buffer(buf)
+
+    def _is_scratch_in_dataset_root(self, buf: FileBuffer) -> bool:
+        cached = self.datasets.get(_parent(buf.key))
+        is_doc = any(layout.is_document(buf.key) for layout in LAYOUTS)
+        return bool(cached and cached[0] is not None and not is_doc)
+
+    async def _store_buffer(self, buf: FileBuffer) -> None:
+        data = bytes(buf.data)
+        for layout in LAYOUTS:
+            if layout.is_document(buf.key) and hasattr(layout, "accept_document"):
+                stored = await self.store.get_or_none(buf.key)
+                try:
+                    accepted = layout.accept_document(buf.key, data, stored.data if stored else None,
+                                                      self.shard_option)
+                except ValueError as exc:
+                    log.error("refused to store %s: %s", buf.key, exc)
+                    raise ViewError(errno.EPERM, f"{buf.key}: {exc}") from None
+                if accepted is not None:
+                    data = accepted
+                    break
+        await self.store.put(buf.key, data)
+        buf.dirty = False
+        self.datasets.pop(_parent(buf.key))
+        self.datasets.pop(buf.key)
+
+    async def fsync(self, handle: Handle) -> None:
+        if handle.buffer is not None:
+            if handle.buffer.dirty and handle.buffer.key is not None:
+                await self._store_buffer(handle.buffer)
+            return
+        if handle.node.is_chunk:
+            await self.writeback.flush(handle.node.target.shard_key)
+
+    async def release(self, handle: Handle) -> None:
+        if handle.buffer is not None:
+            buf = handle.buffer
+            buf.handles -= 1
+            if buf.handles <= 0 and not buf.dirty and self.buffers.get(buf.path) is buf:
+                del self.buffers[buf.path]
+        elif handle.chunk is not None:
+            t = handle.node.target
+            self.writeback.close_chunk(t.shard_key, t.chunk_id, handle.chunk)
+
+    async def unlink(self, parent: Node, name: str) -> None:
+        self._check_writable()
+        node = await self.lookup(parent, name)
+        if node is None:
+            raise ViewError(errno.ENOENT, f"{name}: no such file")
+        if node.is_dir:
+            raise ViewError(errno.EISDIR, f"{name}: is a directory")
+        buf = self.buffers.pop(node.path, None)
+        if node.is_chunk:
+            t = node.target
+            self.writeback.delete(t.shard_key, node.dataset.shard_format, t.shard_ctx, t.chunk_id)
+            return
+        if buf is not None and buf.key is None:
+            return  # scratch: never stored
+        if node.key is not None:
+            try:
+                await self.store.delete(node.key)
+            except NotFound:
+                if buf is None:
+                    raise
+            self.datasets.pop(_parent(node.key))
+
+    async def mkdir(self, parent: Node, name: str) -> Node:
+        self._check_writable()
+        if await self.lookup(parent, name) is not None:
+            raise ViewError(errno.EEXIST, f"{name}: exists")
+        path = join_key(parent.path, name)
+        if not self._in_dataset(parent):
+            dataset = await self.dataset_at(parent.key)
+            if dataset is None or not dataset.claims((name,)):
+                await self.store.make_dir(join_key(parent.key, name))
+        self.new_dirs.setdefault(parent.path, set()).add(name)
+        node = await self.lookup(parent, name)
+        assert node is not None
+        return node
+
+    async def rmdir(self, parent: Node, name: str) -> None:
+        self._check_writable()
+        node = await self.lookup(parent, name)
+        if node is None:
+            raise ViewError(errno.ENOENT, f"{name}: no such directory")
+        if not node.is_dir:
+            raise ViewError(errno.ENOTDIR, f"{name}: not a directory")
+        async for _ in self.listdir(node):
+            raise ViewError(errno.ENOTEMPTY, f"{name}: directory not empty")
+        self.new_dirs.get(parent.path, set()).discard(name)
+        if node.key is not None:
+            await self.store.remove_dir(node.key)
+
+    async def rename(self, parent: Node, name: str, new_parent: Node, new_name: str) -> None:
+        """Rename a file (directories: EXDEV, so tools copy instead)."""
+        self._check_writable()
+        node = await self.lookup(parent, name)
+        if node is None:
+            raise ViewError(errno.ENOENT, f"{name}: no such file")
+        if node.is_dir:
+            raise ViewError(errno.EXDEV, f"{name}: directories cannot be renamed here")
+        buf = self.buffers.get(node.path)
+        data = bytes(buf.data) if buf is not None else (
+            await self.content(node) if node.is_chunk else await self._stored_bytes(node))
+        existing = await self.lookup(new_parent, new_name)
+        if existing is not None and existing.is_dir:
+            raise ViewError(errno.EISDIR, f"{new_name}: is a directory")
+        handle = await self.create(new_parent, new_name)
+        try:
+            await self.write(handle, 0, data)
+            await self.flush(handle)
+        finally:
+            await self.release(handle)
+        if buf is not None and buf.key is None:
+            self.buffers.pop(node.path, None)  # scratch: nothing stored to remove
+        else:
+            await self.unlink(parent, name)
+
+    async def sync(self) -> list[StoreError]:
+        """Store everything that is only in memory (sync, unmount, SIGTERM)."""
+        errors = []
+        for buf in list(self.buffers.values()):
+            if buf.dirty and buf.key is not None:
+                try:
+                    await self._store_buffer(buf)
+                except StoreError as exc:
+                    errors.append(exc)
+            elif buf.key is None and buf.handles <= 0:
+                log.warning("%s: temporary file inside a sharded array was never renamed; discarded", buf.path)
+                del self.buffers[buf.path]
+        errors += await self.writeback.sync_all()
+        self.new_chunks = {d: {n: c for n, c in names.items()
+                               if self.writeback.pending(c[2].shard_key, c[2].chunk_id) is not None}
+                           for d, names in self.new_chunks.items()}
+        self.new_chunks = {d: names for d, names in self.new_chunks.items() if names}
+        return errors

@@ -146,6 +146,13 @@ class Backend(Protocol):
     def delete(self, key: str, *, if_match: str | None = None) -> None:
         """Remove the object (absent is not an error unless if_match given)."""
 
+    def make_dir(self, key: str) -> None:
+        """Create an (empty) directory where the store has such a thing
+        (local); a no-op where directories are implied by keys (S3)."""
+
+    def remove_dir(self, key: str) -> None:
+        """Remove an empty directory (local); a no-op on S3."""
+
     def close(self) -> None:
         """Release connections."""
 
@@ -196,7 +203,7 @@ class AsyncStore:
         with trio.move_on_after(self.timeout) as scope:
             return await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
         if scope.cancelled_caught:
-            self.backend.counters["errors"] += 1
+            bump(self.backend.counters, "errors")  # worker threads bump concurrently
             raise Unavailable(f"{self.url}: no answer within {self.timeout:g}s")
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -225,6 +232,12 @@ class AsyncStore:
 
     async def delete(self, key: str, *, if_match: str | None = None) -> None:
         return await self._run(self.backend.delete, key, if_match=if_match)
+
+    async def make_dir(self, key: str) -> None:
+        return await self._run(self.backend.make_dir, key)
+
+    async def remove_dir(self, key: str) -> None:
+        return await self._run(self.backend.remove_dir, key)
 
     def close(self) -> None:
         self.backend.close()

@@ -6,7 +6,7 @@ crash) therefore sees the old or the new object, never a mix.
 
 The etag is ``<inode>-<mtime_ns>-<size>``: a rename-replace always changes
 the inode, so a pinned read notices a replaced shard.  Conditional writes are
-checked under an ``fcntl`` lock on a per-directory lock file, which serialises
+checked under an ``flock`` on the shard's directory, which serialises
 zshardfs processes on one machine (not other writers that ignore the lock).
 """
 
@@ -22,11 +22,10 @@ from contextlib import contextmanager
 from .base import Blob, Listing, NotFound, ObjectInfo, PreconditionFailed, StoreError, bump
 
 TMP_PREFIX = ".zshardfs-tmp-"
-LOCK_NAME = ".zshardfs-lock"
 
 
 def _is_internal(name: str) -> bool:
-    return name.startswith(TMP_PREFIX) or name == LOCK_NAME
+    return name.startswith(TMP_PREFIX)
 
 
 class LocalBackend:
@@ -127,7 +126,8 @@ class LocalBackend:
 
     @contextmanager
     def _dir_lock(self, dirpath: str):
-        fd = os.open(os.path.join(dirpath, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        """flock on the directory itself: no lock file is left in the store."""
+        fd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -200,16 +200,27 @@ class LocalBackend:
         parent = os.path.dirname(path)
         while parent != self.root and parent.startswith(self.root):
             try:
-                leftovers = [n for n in os.listdir(parent) if n != LOCK_NAME]
-                if leftovers:
+                if os.listdir(parent):
                     break
-                lock = os.path.join(parent, LOCK_NAME)
-                if os.path.exists(lock):
-                    os.unlink(lock)
                 os.rmdir(parent)
             except OSError:
                 break
             parent = os.path.dirname(parent)
+
+    def make_dir(self, key: str) -> None:
+        try:
+            os.makedirs(self._path(key), exist_ok=True)
+        except OSError as exc:
+            raise self._fail(key, exc) from None
+
+    def remove_dir(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self._fail(key, exc) from None
 
     def close(self) -> None:
         pass

@@ -41,6 +41,16 @@ class ChunkEntry:
 
 
 @dataclass(frozen=True)
+class ChunkTarget:
+    """Where a chunk file of the view is (or would be) stored."""
+
+    shard_key: str
+    chunk_id: int
+    shard_ctx: object
+    capacity: int | None  # chunks a complete shard holds (flush when all written)
+
+
+@dataclass(frozen=True)
 class DirEntry:
     """A virtual directory (e.g. ``c/3`` of a '/'-separated chunk key)."""
 
@@ -88,6 +98,11 @@ class Dataset(ABC):
         entries, which the view merges with the stored ones), in a stable
         order; lazily, so huge directories stream."""
 
+    def target(self, rel: tuple[str, ...]) -> ChunkTarget | None:
+        """Where the chunk file ``rel`` lives, whether or not it is stored
+        yet; None if ``rel`` is not a valid chunk file name.  No I/O."""
+        return None
+
     async def read(self, entry: ChunkEntry) -> bytes:
         """The whole content of a chunk file."""
         data = await self.ctx.shards.read_chunk(self.shard_format, entry.shard_key, entry.chunk_id, entry.shard_ctx)
@@ -100,15 +115,27 @@ class Dataset(ABC):
     shard_format = None  # set by subclasses (a shards.ShardFormat)
 
 
+_warned: set[str] = set()
+
+
+def warn_once(logger: logging.Logger, message: str) -> None:
+    """Log a warning about a document once per daemon, not once per lookup."""
+    if message not in _warned:
+        if len(_warned) > 10000:
+            _warned.clear()
+        _warned.add(message)
+        logger.warning("%s", message)
+
+
 def load_json(data: bytes, what: str) -> dict | None:
     """Parse a metadata document; None (and one log line) if it is not a JSON object."""
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
-        log.warning("%s: malformed JSON (%s); shown unchanged", what, exc)
+        warn_once(log, f"{what}: malformed JSON ({exc}); shown unchanged")
         return None
     if not isinstance(doc, dict):
-        log.warning("%s: not a JSON object; shown unchanged", what)
+        warn_once(log, f"{what}: not a JSON object; shown unchanged")
         return None
     return doc
 

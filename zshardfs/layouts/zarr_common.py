@@ -16,7 +16,7 @@ import numpy as np
 
 from ..backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo
 from ..shards import EMPTY
-from .base import ChunkEntry, Dataset, DirEntry, Entry, LayoutContext, parse_index_name
+from .base import ChunkEntry, ChunkTarget, Dataset, DirEntry, Entry, LayoutContext, parse_index_name
 from .grids import ShardGrid, linear_index
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,10 @@ class ZarrShardFormat:
     def decode_chunk(data: bytes) -> bytes:
         return data
 
+    @staticmethod
+    def encode_chunk(data: bytes) -> bytes:
+        return data
+
 
 # --------------------------------------------------------------------------
 # chunk keys
@@ -226,6 +230,17 @@ class GridDataset(Dataset):
 
     def claims(self, rel):
         return self.keys.claims(rel)
+
+    def target(self, rel) -> ChunkTarget | None:
+        parsed = self.keys.parse(rel)
+        if parsed is None or not parsed[1] or not self.grid.contains(parsed[0]):
+            return None
+        shard, pos = self.grid.locate(parsed[0])
+        extent = self.grid.shard_extent(shard)
+        capacity = 1
+        for d, s in enumerate(shard):
+            capacity *= len(self.grid.shard_range(d, s))
+        return ChunkTarget(self._key(self.keys.format(shard)), linear_index(pos, extent), extent, capacity)
 
     # -- lookup -------------------------------------------------------------
 

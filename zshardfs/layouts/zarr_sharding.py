@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from ..backends.base import NotFound, join_key
-from .base import LayoutContext, dump_json, load_json
+from .base import LayoutContext, dump_json, load_json, warn_once
 from .grids import GridError, ShardGrid, parse_chunk_grid
 from .zarr_common import ChunkKeys, GridDataset, ZarrShardFormat, parse_separator
 
@@ -102,7 +102,7 @@ def _rewrite_array(doc: dict, what: str) -> dict | None:
     try:
         meta = sharded_array_meta(doc)
     except Unsupported as exc:
-        log.warning("%s: sharded array shown raw: %s", what, exc)
+        warn_once(log, f"{what}: sharded array shown raw: {exc}")
         return None
     return view_array_doc(doc, meta) if meta else None
 

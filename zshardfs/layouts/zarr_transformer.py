@@ -1,0 +1,106 @@
+"""The v3-draft sharding *storage transformer* (zarr-python 2.18's
+``ZARR_V3_SHARDING``).
+
+Store layout: ``zarr.json`` (the draft's entry point), array documents at
+``meta/root/<path>.array.json``, chunk keys at ``data/root/<path>/c<i>/<j>``
+(or ``c<i>.<j>`` with the '.' separator; a 0-d array's key is ``c0``).  With
+the transformer the same keys name shards: the chunk key floored by
+``chunks_per_shard``.  Shards use the indexed format with the index at the
+end, little-endian, no checksum.
+
+The view drops the transformer from ``storage_transformers`` (and the key
+when the list becomes empty) and shows every inner chunk at its own key.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..backends.base import NotFound
+from .base import LayoutContext, dump_json, load_json, warn_once
+from .grids import GridError, ShardGrid
+from .zarr_common import ChunkKeys, GridDataset, ZarrShardFormat
+
+log = logging.getLogger(__name__)
+
+NAME = "zarr-v3-draft-transformer"
+META_ROOT = "meta/root/"
+DATA_ROOT = "data/root/"
+SUFFIX = ".array.json"
+EXTENSION_SUFFIX = "/storage_transformers/sharding/1.0"
+
+
+def _is_sharding(entry) -> bool:
+    return isinstance(entry, dict) and str(entry.get("extension", "")).endswith(EXTENSION_SUFFIX)
+
+
+def _transformer(doc: dict):
+    found = [t for t in doc.get("storage_transformers") or [] if _is_sharding(t)]
+    return found[0] if found else None
+
+
+def is_document(key: str) -> bool:
+    return key.startswith(META_ROOT) and key.endswith(SUFFIX)
+
+
+def rewrite_document(key: str, data: bytes) -> bytes | None:
+    doc = load_json(data, key)
+    if doc is None or _transformer(doc) is None:
+        return None
+    if _dataset_params(doc, key) is None:
+        return None  # shown raw; _dataset_params logged why
+    out = dict(doc)
+    rest = [t for t in doc["storage_transformers"] if not _is_sharding(t)]
+    if rest:
+        out["storage_transformers"] = rest
+    else:
+        del out["storage_transformers"]
+    return dump_json(out)
+
+
+def _dataset_params(doc: dict, what: str):
+    """(ShardGrid, ChunkKeys) of a transformer-sharded array, or None (logged)."""
+    transformer = _transformer(doc)
+    if transformer is None:
+        return None
+    try:
+        if transformer.get("type", "indexed") != "indexed":
+            raise GridError(f"shard format {transformer.get('type')!r} (only 'indexed' exists)")
+        if len(doc["storage_transformers"]) != 1:
+            raise GridError("other storage transformers next to sharding")
+        cps = (transformer.get("configuration") or {}).get("chunks_per_shard")
+        shape = doc.get("shape")
+        grid_doc = doc.get("chunk_grid") or {}
+        chunks = grid_doc.get("chunk_shape")
+        if not isinstance(shape, list) or not isinstance(chunks, list) or not isinstance(cps, list):
+            raise GridError("shape, chunk_shape or chunks_per_shard missing")
+        if not shape and cps in ([], [1]):
+            cps = []  # zarr 2.18 writes [1] for a 0-d array
+        if len(cps) != len(shape) or any(not isinstance(k, int) or k <= 0 for k in cps):
+            raise GridError(f"chunks_per_shard {cps} does not fit shape {shape}")
+        sep = grid_doc.get("separator", "/")
+        if sep not in ("/", "."):
+            raise GridError(f"separator {sep!r}")
+        grid = ShardGrid.build(shape, [c * k for c, k in zip(chunks, cps)], chunks)
+    except (GridError, TypeError, ValueError) as exc:
+        warn_once(log, f"{what}: sharded array shown raw: {exc}")
+        return None
+    return grid, ChunkKeys("c", sep, len(shape), zero_d_key="c0")
+
+
+async def probe(ctx: LayoutContext, dir_key: str) -> GridDataset | None:
+    if not dir_key.startswith(DATA_ROOT):
+        return None
+    path = dir_key[len(DATA_ROOT):]
+    try:
+        blob = await ctx.store.get(f"{META_ROOT}{path}{SUFFIX}")
+    except NotFound:
+        return None
+    doc = load_json(blob.data, blob.info.key)
+    params = _dataset_params(doc, blob.info.key) if doc is not None else None
+    if params is None:
+        return None
+    grid, keys = params
+    dataset = GridDataset(ctx, dir_key, dir_key, grid, keys, ZarrShardFormat("end", "little", checksum=False))
+    dataset.layout = NAME
+    return dataset

@@ -1,0 +1,300 @@
+"""Dirty chunks, merged per shard, written back as whole shards.
+
+Writes to chunk files do not touch storage: they land here, in a per-shard
+set of dirty chunks.  A *flush* of a shard reads what it keeps of the old
+shard (its index, then only the chunks it keeps, in coalesced ranged reads),
+merges, encodes one new shard with the layout's own format and writes it in
+one conditional PUT.  So N chunk writes to one shard cost one shard write.
+
+Invariants (docs/SEMANTICS.md names the tests):
+- A shard in storage is its old or its new version, never a mix: the
+  backend's ``put`` is atomic (rename / single PUT).
+- No lost updates between writers: the PUT is conditional on the etag the
+  merge was based on (``if_match``, or ``if_none_match`` for a new shard);
+  on a mismatch the flush re-reads, re-merges and retries.
+- Dirty data is never dropped on failure: a failed flush keeps its chunks,
+  is retried later, and the error is reported by the next ``fsync``.
+- Memory is bounded: writers wait (back-pressure) while dirty bytes exceed
+  ``max_dirty_bytes``, and the flusher writes the oldest shards first.
+
+Flush triggers: ``fsync`` of a chunk in the shard; ``sync_all`` (the
+``zshardfs sync`` command, unmount, SIGTERM); a shard whose every chunk has
+been written (once no writer has it open); ``idle_delay`` seconds after its
+last write (once no writer has it open); and dirty-memory pressure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from .backends.base import AsyncStore, NotFound, PreconditionFailed, StoreError
+from .shards import ShardCache, ShardFormat
+
+log = logging.getLogger(__name__)
+
+DELETED = None  # marker value of a dirty chunk that was unlinked
+
+MAX_GAP = 64 << 10  # kept chunks closer than this are read in one range
+
+
+@dataclass
+class DirtyChunk:
+    data: bytearray | None  # None: deleted
+    version: int = 0  # bumped on every change; a flush only clears what it wrote
+    writers: int = 0  # open write handles
+    clean: int = -1  # version already in storage (flushed while still open)
+
+
+@dataclass
+class DirtyShard:
+    key: str
+    fmt: ShardFormat
+    ctx: Any
+    capacity: int | None  # chunks a full shard holds (None: unknown/unbounded)
+    chunks: dict[int, DirtyChunk] = field(default_factory=dict)
+    since: float = field(default_factory=time.monotonic)
+    touched: float = field(default_factory=time.monotonic)
+    error: StoreError | None = None
+    failures: int = 0
+    lock: trio.Lock = field(default_factory=trio.Lock)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(c.data) for c in self.chunks.values() if c.data is not None)
+
+    @property
+    def busy(self) -> bool:
+        return any(c.writers for c in self.chunks.values())
+
+    @property
+    def full(self) -> bool:
+        return self.capacity is not None and sum(1 for c in self.chunks.values() if c.data is not None) >= self.capacity
+
+
+class WriteBack:
+    def __init__(self, store: AsyncStore, shards: ShardCache, *, max_dirty_bytes: int = 256 << 20,
+                 idle_delay: float = 2.0, max_attempts: int = 8):
+        self.store = store
+        self.shards = shards
+        self.max_dirty_bytes = max_dirty_bytes
+        self.idle_delay = idle_delay
+        self.max_attempts = max_attempts
+        self.dirty: dict[str, DirtyShard] = {}
+        self._wake = trio.Event()
+        self._room = trio.Condition()
+        self.flushes = 0
+        self.flush_errors = 0
+
+    # -- the dirty set ------------------------------------------------------
+
+    @property
+    def dirty_bytes(self) -> int:
+        return sum(s.nbytes for s in self.dirty.values())
+
+    def shard(self, key: str, fmt: ShardFormat, ctx: Any, capacity: int | None = None) -> DirtyShard:
+        shard = self.dirty.get(key)
+        if shard is None:
+            shard = self.dirty[key] = DirtyShard(key, fmt, ctx, capacity)
+        return shard
+
+    def pending(self, key: str, chunk_id: int) -> DirtyChunk | None:
+        """The dirty state of a chunk, if it has one (reads see it first)."""
+        shard = self.dirty.get(key)
+        return shard.chunks.get(chunk_id) if shard else None
+
+    def pending_ids(self, key: str) -> dict[int, DirtyChunk]:
+        shard = self.dirty.get(key)
+        return dict(shard.chunks) if shard else {}
+
+    def open_chunk(self, key: str, fmt: ShardFormat, ctx: Any, chunk_id: int, initial: bytes | None,
+                   capacity: int | None = None) -> DirtyChunk:
+        """A chunk opened for writing: its buffer, starting from ``initial``
+        (the current content) unless it is dirty already."""
+        shard = self.shard(key, fmt, ctx, capacity)
+        chunk = shard.chunks.get(chunk_id)
+        if chunk is None or chunk.data is None:
+            chunk = shard.chunks[chunk_id] = DirtyChunk(bytearray(initial or b""),
+                                                         (chunk.version + 1) if chunk else 0)
+        chunk.writers += 1
+        self.touch(shard)
+        return chunk
+
+    def close_chunk(self, key: str, chunk_id: int, chunk: DirtyChunk) -> None:
+        chunk.writers = max(0, chunk.writers - 1)
+        shard = self.dirty.get(key)
+        if shard is None:
+            return
+        if not chunk.writers and chunk.clean == chunk.version and shard.chunks.get(chunk_id) is chunk:
+            del shard.chunks[chunk_id]  # flushed while open and unchanged since
+            if not shard.chunks and not shard.lock.locked():
+                del self.dirty[key]
+            return
+        self.touch(shard)
+
+    def changed(self, key: str, chunk: DirtyChunk) -> None:
+        chunk.version += 1
+        shard = self.dirty.get(key)
+        if shard is not None:
+            self.touch(shard)
+
+    def put(self, key: str, fmt: ShardFormat, ctx: Any, chunk_id: int, data: bytes,
+            capacity: int | None = None) -> None:
+        """Replace a whole chunk (e.g. a rename onto a chunk name)."""
+        shard = self.shard(key, fmt, ctx, capacity)
+        old = shard.chunks.get(chunk_id)
+        shard.chunks[chunk_id] = DirtyChunk(bytearray(data), (old.version + 1) if old else 0)
+        self.touch(shard)
+
+    def delete(self, key: str, fmt: ShardFormat, ctx: Any, chunk_id: int) -> None:
+        shard = self.shard(key, fmt, ctx)
+        old = shard.chunks.get(chunk_id)
+        shard.chunks[chunk_id] = DirtyChunk(None, (old.version + 1) if old else 0)
+        self.touch(shard)
+
+    def touch(self, shard: DirtyShard) -> None:
+        shard.touched = time.monotonic()
+        self._wake.set()
+
+    async def wait_for_room(self) -> None:
+        """Back-pressure: block a writer while dirty memory is over the cap."""
+        if self.dirty_bytes <= self.max_dirty_bytes:
+            return
+        self._wake.set()
+        async with self._room:
+            while self.dirty_bytes > self.max_dirty_bytes:
+                with trio.move_on_after(1.0):
+                    await self._room.wait()
+                self._wake.set()
+
+    # -- flushing -------------------------------------------------------------
+
+    async def flush(self, key: str) -> None:
+        """Write one shard's dirty chunks; raises the StoreError on failure
+        (the dirty chunks are kept and retried later)."""
+        shard = self.dirty.get(key)
+        if shard is None:
+            return
+        async with shard.lock:
+            if self.dirty.get(key) is not shard or not shard.chunks:
+                return
+            snapshot = {cid: (c.version, None if c.data is None else bytes(c.data)) for cid, c in shard.chunks.items()}
+            try:
+                await self._write_shard(shard, {cid: d for cid, (_, d) in snapshot.items()})
+            except StoreError as exc:
+                shard.error = exc
+                shard.failures += 1
+                self.flush_errors += 1
+                log.error("flush of %s failed (attempt %d, kept in memory): %s", key, shard.failures, exc)
+                raise
+            shard.error = None
+            shard.failures = 0
+            self.flushes += 1
+            for cid, (version, _) in snapshot.items():
+                chunk = shard.chunks.get(cid)
+                if chunk is not None and chunk.version == version:
+                    if chunk.writers:
+                        chunk.clean = version
+                    else:
+                        del shard.chunks[cid]
+            if not shard.chunks:
+                del self.dirty[key]
+        async with self._room:
+            self._room.notify_all()
+
+    async def _write_shard(self, shard: DirtyShard, changes: dict[int, bytes | None]) -> None:
+        fmt, ctx = shard.fmt, shard.ctx
+        encoded = {cid: (fmt.encode_chunk(d) if d is not None else None) for cid, d in changes.items()}
+        for attempt in range(self.max_attempts):
+            self.shards.forget(shard.key)
+            index = await fmt.load_index(self.store, shard.key, ctx)
+            kept: dict[int, bytes] = {}
+            if index is not None:
+                entries = [e for e in await index.entries() if e[0] not in encoded]
+                try:
+                    kept = await self._read_kept(shard.key, index.info, entries)
+                except (PreconditionFailed, NotFound):
+                    await trio.sleep(0.01 * (attempt + 1))
+                    continue
+            merged = dict(kept)
+            merged.update({cid: d for cid, d in encoded.items() if d is not None})
+            try:
+                if not merged:
+                    if index is not None:
+                        await self.store.delete(shard.key, if_match=index.info.etag)
+                else:
+                    data = fmt.encode(merged, ctx)
+                    if index is None:
+                        await self.store.put(shard.key, data, if_none_match=True)
+                    else:
+                        await self.store.put(shard.key, data, if_match=index.info.etag)
+            except PreconditionFailed:
+                log.info("%s changed under us; re-reading and merging again", shard.key)
+                await trio.sleep(0.01 * (attempt + 1))
+                continue
+            finally:
+                self.shards.forget(shard.key)
+            return
+        raise StoreError(f"{shard.key}: gave up after {self.max_attempts} conflicting concurrent writes", shard.key)
+
+    async def _read_kept(self, key: str, info, entries) -> dict[int, bytes]:
+        """The stored bytes of the chunks a rewrite keeps, in few ranged reads
+        pinned to the version their index came from."""
+        out: dict[int, bytes] = {}
+        entries = sorted((off, n, cid) for cid, off, n in entries)
+        i = 0
+        while i < len(entries):
+            start = entries[i][0]
+            end = start + entries[i][1]
+            j = i + 1
+            while j < len(entries) and entries[j][0] - end <= MAX_GAP:
+                end = max(end, entries[j][0] + entries[j][1])
+                j += 1
+            if end > info.size:
+                from .backends.base import CorruptData
+
+                raise CorruptData(f"{key}: index points past the end of the shard; not rewriting it", key)
+            blob = await self.store.get(key, start, end - start, if_match=info.etag)
+            for off, n, cid in entries[i:j]:
+                out[cid] = blob.data[off - start: off - start + n]
+            i = j
+        return out
+
+    async def sync_all(self) -> list[StoreError]:
+        """Flush every dirty shard (sync, unmount, SIGTERM); returns failures."""
+        errors = []
+        for key in list(self.dirty):
+            try:
+                await self.flush(key)
+            except StoreError as exc:
+                errors.append(exc)
+        return errors
+
+    # -- background flusher ---------------------------------------------------
+
+    def _due(self, now: float) -> list[str]:
+        over = self.dirty_bytes > self.max_dirty_bytes
+        due = []
+        for key, shard in sorted(self.dirty.items(), key=lambda kv: kv[1].since):
+            if shard.error is not None and now - shard.touched < min(30.0, 0.5 * 2 ** shard.failures):
+                continue  # back off after failures
+            if over or (not shard.busy and (shard.full or now - shard.touched >= self.idle_delay)):
+                due.append(key)
+        return due
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Background task: flush shards as they become due."""
+        task_status.started()
+        while True:
+            self._wake = trio.Event()
+            for key in self._due(time.monotonic()):
+                try:
+                    await self.flush(key)
+                except StoreError:
+                    pass  # logged by flush; kept and retried
+            with trio.move_on_after(min(self.idle_delay, 0.5) if self.dirty else 3600):
+                await self._wake.wait()
