@@ -14,8 +14,11 @@ import json
 import logging
 import logging.handlers
 import os
+import re
 import shutil
+import stat
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -55,9 +58,24 @@ def check_mountpoint(path: str) -> None:
         raise ConfigError("/dev/fuse is missing: load the fuse kernel module (modprobe fuse) or install fuse3")
     if shutil.which("fusermount3") is None:
         raise ConfigError("fusermount3 is not installed (Debian/Ubuntu: apt-get install fuse3)")
-    if not os.path.isdir(path):
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"mountpoint {path!r} does not exist") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:  # a FUSE mount whose daemon died
+            raise ConfigError(f"mountpoint {path!r} is a dead mount (its daemon is gone); "
+                              f"run 'zshardfs umount {path}' first") from None
+        raise ConfigError(f"mountpoint {path!r}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"mountpoint {path!r} is not a directory")
     if os.path.ismount(path):
+        try:
+            os.listdir(path)
+        except OSError as exc:
+            if exc.errno == errno.ENOTCONN:
+                raise ConfigError(f"mountpoint {path!r} is a dead mount (its daemon is gone); "
+                                  f"run 'zshardfs umount {path}' first") from None
         raise ConfigError(f"mountpoint {path!r} is already a mount point")
     try:
         if os.listdir(path):
@@ -75,6 +93,15 @@ def _build_config(args) -> MountConfig:
     parse_options(cfg, args.o or [])
     if not cfg.source.startswith("s3://") and "://" not in cfg.source:
         cfg.source = os.path.abspath(cfg.source)
+    if cfg.log_file:
+        # the daemon runs in / (it must not keep the caller's directory busy),
+        # and a log it cannot open must fail here, not in a detached child
+        cfg.log_file = os.path.abspath(cfg.log_file)
+        try:
+            with open(cfg.log_file, "a"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"cannot write the log file {cfg.log_file!r}: {exc.strerror}") from None
     return cfg
 
 
@@ -89,22 +116,53 @@ def cmd_mount(args) -> int:
     return _spawn(args, cfg)
 
 
+def _redirect_std(path: str) -> None:
+    """Point stdout/stderr at ``path`` (appending): libfuse's ``debug``
+    output and any last-resort Python message land in the log, not nowhere."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        for std in (1, 2):
+            os.dup2(fd, std)
+    finally:
+        os.close(fd)
+
+
 def _serve(cfg: MountConfig, ready_fd: int | None) -> int:
     from .backends.base import StoreError
     from .daemon import run
 
-    _setup_logging(cfg, background=ready_fd is not None)
+    background = ready_fd is not None
+    pending = [ready_fd] if background else []
 
     def tell(message: str) -> None:
-        if ready_fd is not None:
+        # at most once: after close, the descriptor number may be reused
+        while pending:
+            fd = pending.pop()
             try:
-                os.write(ready_fd, message.encode() + b"\n")
-                os.close(ready_fd)
+                os.write(fd, message.encode(errors="replace") + b"\n")
             except OSError:
                 pass
+            finally:
+                os.close(fd)
 
     try:
-        run(cfg, ready=lambda: tell("ok"))
+        _setup_logging(cfg, background=background)
+    except OSError as exc:
+        message = f"cannot write the log file {cfg.log_file!r}: {exc.strerror}"
+        tell(f"error: {message}")
+        return _fail(message)
+    if background:
+        os.chdir("/")
+        if cfg.log_file:
+            _redirect_std(cfg.log_file)
+
+    def ready() -> None:
+        if background and not cfg.log_file:
+            _redirect_std(os.devnull)
+        tell("ok")
+
+    try:
+        run(cfg, ready=ready)
     except (ConfigError, StoreError) as exc:
         tell(f"error: {exc}")
         return _fail(str(exc))
@@ -113,6 +171,11 @@ def _serve(cfg: MountConfig, ready_fd: int | None) -> int:
         return _fail(f"cannot mount on {cfg.mountpoint}: {exc}")
     except KeyboardInterrupt:
         return EXIT_OK
+    except Exception as exc:  # a bug: one traceback in the log, one line for the user
+        log.exception("the daemon failed")
+        message = f"internal error: {type(exc).__name__}: {exc} (see the log)"
+        tell(f"error: {message}")
+        return _fail(message)
     return EXIT_OK
 
 
@@ -120,24 +183,34 @@ def _spawn(args, cfg: MountConfig) -> int:
     """Start ``zshardfs mount --foreground`` detached and wait for its word."""
     read_fd, write_fd = os.pipe()
     argv = [sys.executable, "-m", "zshardfs.cli", *args.raw_argv, "--foreground", "--ready-fd", str(write_fd)]
-    with open(os.devnull, "rb") as devnull_in, open(os.devnull, "wb") as devnull_out:
-        proc = subprocess.Popen(argv, stdin=devnull_in, stdout=devnull_out, stderr=devnull_out,
+    # The child's stderr goes to an unlinked temporary file until it is
+    # ready (then it points it at the log or /dev/null): if it dies first,
+    # its last words are the reason we show.
+    with open(os.devnull, "rb") as devnull_in, open(os.devnull, "wb") as devnull_out, \
+            tempfile.TemporaryFile() as early_err:
+        proc = subprocess.Popen(argv, stdin=devnull_in, stdout=devnull_out, stderr=early_err,
                                 pass_fds=(write_fd,), start_new_session=True, close_fds=True)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as pipe:
-        answer = pipe.readline().decode(errors="replace").strip()
-    if answer == "ok":
-        return EXIT_OK
-    if answer.startswith("error: "):
-        return _fail(answer[len("error: "):])
-    code = proc.wait()
-    return _fail(f"the daemon exited ({code}) before the mount was ready")
+        os.close(write_fd)
+        with os.fdopen(read_fd, "rb") as pipe:
+            answer = pipe.readline().decode(errors="replace").strip()
+        if answer == "ok":
+            return EXIT_OK
+        if answer.startswith("error: "):
+            return _fail(answer[len("error: "):])
+        code = proc.wait()
+        early_err.seek(0)
+        lines = [ln.strip() for ln in early_err.read()[-4096:].decode(errors="replace").splitlines() if ln.strip()]
+    reason = f": {lines[-1]}" if lines else ""
+    return _fail(f"the daemon exited ({code}) before the mount was ready{reason}")
 
 
 def _control(mountpoint: str, name: str) -> bytes:
     try:
         return os.getxattr(mountpoint, name)
-    except OSError:
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise ConfigError(f"{mountpoint!r} is a dead mount (its daemon is gone); "
+                              f"'zshardfs umount {mountpoint}' removes it") from None
         raise ConfigError(f"{mountpoint!r} is not a zshardfs mount point") from None
 
 
@@ -162,28 +235,65 @@ def cmd_sync(args) -> int:
     return _fail(problem) if problem else EXIT_OK
 
 
+def _unescape_mount_field(field: str) -> str:
+    """/proc/mounts writes space, tab, newline and backslash as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _is_zshardfs_mount(mnt: str) -> bool:
+    """True if /proc/mounts lists a zshardfs mount at ``mnt`` (works when
+    the daemon is dead and every access to ``mnt`` fails with ENOTCONN)."""
+    try:
+        with open("/proc/mounts", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 3 and fields[2] == "fuse.zshardfs" and _unescape_mount_field(fields[1]) == mnt:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` runs.  A zombie has finished: its parent (often
+    init, which may reap late) is none of our business."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
 def cmd_umount(args) -> int:
     mnt = os.path.abspath(args.mountpoint)
     try:
-        pid = int(_control(mnt, "user.zshardfs.pid"))
+        pid: int | None = int(_control(mnt, "user.zshardfs.pid"))
     except ConfigError as exc:
-        return _fail(str(exc))
-    problem = _sync(mnt)
-    if problem:
-        return _fail(problem + "; not unmounted, the data is still held by the daemon")
+        if not _is_zshardfs_mount(mnt):
+            return _fail(str(exc))
+        pid = None  # the daemon is gone (killed): only the dead mount is left to remove
+    if pid is not None:
+        problem = _sync(mnt)
+        if problem:
+            return _fail(problem + "; not unmounted, the data is still held by the daemon")
     result = subprocess.run(["fusermount3", "-u", *(["-z"] if args.lazy else []), mnt],
                             capture_output=True, text=True)
     if result.returncode != 0:
         return _fail(f"cannot unmount {mnt}: {result.stderr.strip() or 'fusermount3 failed'}")
+    if pid is None:
+        return EXIT_OK
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _running(pid):
             return EXIT_OK
-        except PermissionError:
-            return EXIT_OK
-        time.sleep(0.05)
+        time.sleep(0.02)
     return _fail(f"unmounted, but daemon {pid} is still running after {args.timeout:g}s")
 
 
@@ -246,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
+        return EXIT_FAIL
+    except BrokenPipeError:  # zshardfs stats | head
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
         return EXIT_FAIL
 
 

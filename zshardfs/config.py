@@ -63,6 +63,9 @@ class MountConfig:
     log_level: str = "INFO"
     log_file: str | None = None
     fsname: str | None = None
+    prefetch: str = "auto"
+    prefetch_max: int = 16 << 20
+    prefetch_gap: int = 1 << 20
     max_dirty: int = 256 << 20
     flush_delay: float = 2.0
     shard: tuple[int, ...] | None = None
@@ -89,6 +92,9 @@ OPTIONS = {
     "log_level": ("log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
     "log_file": ("log_file", str, "write the log to this file (default: stderr in --foreground, else syslog)"),
     "fsname": ("fsname", str, "name shown in /proc/mounts (default: the source)"),
+    "prefetch": ("prefetch", str, "read-ahead within shards during scans: on, off, auto (= on for S3; default)"),
+    "prefetch_max": ("prefetch_max", parse_size, "bytes one read-ahead fetches at most (default 16M)"),
+    "prefetch_gap": ("prefetch_gap", parse_size, "gap between chunks still read in one range (default 1M)"),
     "max_dirty": ("max_dirty", parse_size, "written-but-unflushed bytes before writers wait (default 256M)"),
     "flush_delay": ("flush_delay", parse_seconds, "seconds after its last write (and close) a shard is flushed (default 2)"),
     "shard": ("shard", None, "K or K1xK2x...: store new Zarr v3 arrays sharded, K inner chunks per shard and dimension"),
@@ -133,6 +139,8 @@ def parse_options(cfg: MountConfig, opts: list[str]) -> MountConfig:
         cfg.log_level = "DEBUG"
     if cfg.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError(f"option log_level: {cfg.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
+    if cfg.prefetch not in ("on", "off", "auto"):
+        raise ConfigError(f"option prefetch: {cfg.prefetch!r} is not on, off or auto")
     if cfg.shard is not None and cfg.read_only:
         raise ConfigError("option shard: only makes sense on a read-write mount (add -o rw)")
     if cfg.index_cache < 1 << 16:

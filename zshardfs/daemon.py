@@ -11,6 +11,7 @@ secure, no extra file in the view.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -48,6 +49,8 @@ def open_backend(cfg: MountConfig):
         raise ConfigError(f"source {cfg.source!r}: only local paths and s3:// URLs are supported")
     from .backends.local import LocalBackend
 
+    if not os.path.exists(cfg.source):
+        raise ConfigError(f"source {cfg.source!r} does not exist")
     if not os.path.isdir(cfg.source):
         raise ConfigError(f"source {cfg.source!r} is not a directory")
     if not os.access(cfg.source, os.R_OK | os.X_OK):
@@ -55,8 +58,17 @@ def open_backend(cfg: MountConfig):
     return LocalBackend(cfg.source)
 
 
+def fuse_option_value(text: str) -> str:
+    """``text`` as the value of one libfuse ``-o`` option: libfuse splits
+    options at ',' (escape: backslash) and pyfuse3 passes them as ASCII, so a
+    source path with a comma or an accent must not end the mount."""
+    text = text.encode("ascii", "backslashreplace").decode("ascii") if not text.isascii() else text
+    text = "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in text)
+    return text.replace("\\", "\\\\").replace(",", "\\,")
+
+
 def fuse_options(cfg: MountConfig) -> set[str]:
-    opts = {"default_permissions", f"fsname={cfg.fsname or cfg.source}", "subtype=zshardfs"}
+    opts = {"default_permissions", f"fsname={fuse_option_value(cfg.fsname or cfg.source)}", "subtype=zshardfs"}
     if cfg.read_only:
         opts.add("ro")
     if cfg.allow_other:
@@ -66,6 +78,62 @@ def fuse_options(cfg: MountConfig) -> set[str]:
     return opts
 
 
+# -- ``-o debug``: one log line per request ------------------------------------
+
+request_log = logging.getLogger("zshardfs.requests")
+
+#: the pyfuse3 handlers worth tracing (all of them but init/destroy)
+TRACED = ("lookup", "forget", "getattr", "setattr", "readlink", "mknod", "mkdir", "unlink", "rmdir", "symlink",
+          "rename", "link", "open", "read", "write", "flush", "release", "fsync", "opendir", "readdir",
+          "releasedir", "fsyncdir", "statfs", "setxattr", "getxattr", "listxattr", "removexattr", "access",
+          "create")
+
+
+def _show(value) -> str:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        if len(value) <= 64:
+            try:
+                return repr(os.fsdecode(bytes(value)))
+            except (UnicodeDecodeError, ValueError):
+                pass
+        return f"<{len(value)} bytes>"
+    if isinstance(value, pyfuse3.EntryAttributes):
+        return f"ino={value.st_ino} mode={value.st_mode:o} size={value.st_size}"
+    if isinstance(value, pyfuse3.FileInfo):
+        return f"fh={value.fh}"
+    if isinstance(value, (pyfuse3.RequestContext, pyfuse3.ReaddirToken, pyfuse3.StatvfsData)):
+        return type(value).__name__
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _traced(name: str, handler):
+    async def traced(*args):
+        shown = ", ".join(_show(a) for a in args if not isinstance(a, pyfuse3.RequestContext))
+        try:
+            result = await handler(*args)
+        except pyfuse3.FUSEError as exc:
+            request_log.debug("%s(%s) -> %s", name, shown, errno.errorcode.get(exc.errno, exc.errno))
+            raise
+        except BaseException as exc:
+            request_log.debug("%s(%s) -> %s", name, shown, type(exc).__name__)
+            raise
+        request_log.debug("%s(%s) -> %s", name, shown, _show(result))
+        return result
+
+    traced.__name__ = name
+    return traced
+
+
+def trace_requests(ops) -> None:
+    """Log every kernel request ``ops`` answers (pyfuse3 looks handlers up
+    on the instance, so wrapping them there is enough)."""
+    for name in TRACED:
+        handler = getattr(ops, name, None)
+        if handler is not None:
+            setattr(ops, name, _traced(name, handler))
+
+
 class Mount:
     """Everything one mount owns, wired bottom-up."""
 
@@ -73,14 +141,18 @@ class Mount:
         self.cfg = cfg
         self.started = time.time()
         self.store = AsyncStore(backend, max_connections=cfg.max_connections, timeout=cfg.timeout)
+        prefetch = cfg.prefetch == "on" or (cfg.prefetch == "auto" and cfg.source.startswith("s3://"))
         self.shards = ShardCache(self.store, index_cache_bytes=cfg.index_cache, index_ttl=cfg.index_ttl,
-                                 chunk_cache_bytes=cfg.chunk_cache)
+                                 chunk_cache_bytes=cfg.chunk_cache, prefetch=prefetch,
+                                 prefetch_max=cfg.prefetch_max, prefetch_gap=cfg.prefetch_gap)
         self.writeback = WriteBack(self.store, self.shards, max_dirty_bytes=cfg.max_dirty,
                                    idle_delay=cfg.flush_delay)
         self.view = View(self.store, self.shards, self.writeback, metadata_ttl=cfg.metadata_ttl,
                          read_only=cfg.read_only, shard_option=cfg.shard)
         self.ops = Operations(self.view, read_only=cfg.read_only, entry_timeout=cfg.attr_timeout,
                               attr_timeout=cfg.attr_timeout, control=self)
+        if cfg.debug:
+            trace_requests(self.ops)
 
     def stats(self) -> dict:
         c = self.store.counters
@@ -100,6 +172,7 @@ class Mount:
             "chunk_cache": {"hits": self.shards.chunks.hits, "misses": self.shards.chunks.misses,
                             "entries": len(self.shards.chunks), "bytes": self.shards.chunks.bytes,
                             "max_bytes": self.shards.chunks.max_bytes},
+            "prefetches": self.shards.prefetches,
             "inodes": len(self.ops.inodes),
             "writeback": {"dirty_shards": len(self.writeback.dirty), "dirty_bytes": self.writeback.dirty_bytes,
                           "flushes": self.writeback.flushes, "flush_errors": self.writeback.flush_errors},

@@ -91,6 +91,9 @@ class ByteLRU:
             _, (_, n) = self._d.popitem(last=False)
             self.bytes -= n
 
+    def __contains__(self, key) -> bool:
+        return key in self._d
+
     def pop(self, key) -> None:
         item = self._d.pop(key, None)
         if item is not None:
@@ -98,6 +101,16 @@ class ByteLRU:
 
     def __len__(self):
         return len(self._d)
+
+
+@dataclass
+class _Stream:
+    """Recent reads below one directory of shards (about one dataset)."""
+
+    shard: str = ""
+    reads: int = 0  # distinct chunks read from ``shard`` so far
+    prefetched: bool = False
+    previous_reads: int = 0  # ... and from the shard before it
 
 
 @dataclass
@@ -111,13 +124,22 @@ class ShardCache:
     reads chunks pinned to the cached version."""
 
     def __init__(self, store: AsyncStore, *, index_cache_bytes: int = 64 << 20, index_ttl: float = 1.0,
-                 chunk_cache_bytes: int = 64 << 20):
+                 chunk_cache_bytes: int = 64 << 20, prefetch: bool = False, prefetch_max: int = 16 << 20,
+                 prefetch_gap: int = 1 << 20):
         self.store = store
         self.indexes = ByteLRU(index_cache_bytes)
         self.chunks = ByteLRU(chunk_cache_bytes)
         self.index_ttl = index_ttl
         # one loader per shard at a time: concurrent readers share one request
         self._loading: dict[str, trio.Event] = {}
+        # read-ahead: a scan through shards fetches each shard's chunks in a
+        # few coalesced ranged GETs instead of one GET per chunk
+        self.prefetch = prefetch
+        self.prefetch_max = min(prefetch_max, max(chunk_cache_bytes // 4, 1))
+        self.prefetch_gap = prefetch_gap
+        self._streams: OrderedDict[str, _Stream] = OrderedDict()
+        self._prefetching: dict[tuple[str, str], tuple[set[int], trio.Event]] = {}
+        self.prefetches = 0
 
     async def index(self, fmt: ShardFormat, key: str, shard_ctx: Any = None) -> ShardIndex | None:
         """The current index of shard ``key`` (None: no such shard)."""
@@ -174,12 +196,22 @@ class ShardCache:
             data = self.chunks.get(ckey)
             if data is not None:
                 return data
+            inflight = self._prefetching.get((key, index.info.etag))
+            if inflight is not None and chunk_id in inflight[0]:
+                await inflight[1].wait()
+                data = self.chunks.get(ckey)
+                if data is not None:
+                    return data
             if nbytes == 0:
                 return fmt.decode_chunk(b"")
             if offset + nbytes > index.info.size:
                 raise CorruptData(f"{key}: chunk {chunk_id} at {offset}+{nbytes} lies past the end of the shard "
                                   f"({index.info.size} bytes)", key)
             try:
+                if self.prefetch and self._scanning(key):
+                    data = await self._prefetch(fmt, key, index, chunk_id, offset)
+                    if data is not None:
+                        return data
                 blob = await self.store.get(key, offset, nbytes, if_match=index.info.etag)
             except (PreconditionFailed, NotFound):
                 log.debug("%s changed while reading; reloading its index", key)
@@ -191,3 +223,68 @@ class ShardCache:
             self.chunks.put(ckey, data, len(data) + 64)
             return data
         raise CorruptData(f"{key}: shard keeps changing while being read", key)
+
+    def _scanning(self, key: str) -> bool:
+        """Record a chunk read (a cache miss) of shard ``key``; True when the
+        reads look like a walk through shards, so the rest of this shard is
+        worth fetching now: the second chunk read from a shard, or the first
+        one from a shard whose predecessor was read chunk after chunk.  A
+        random single-chunk read never triggers it."""
+        name = key.rpartition("/")[0]
+        stream = self._streams.get(name)
+        if stream is None:
+            stream = self._streams[name] = _Stream()
+            while len(self._streams) > 256:
+                self._streams.popitem(last=False)
+        self._streams.move_to_end(name)
+        if stream.shard != key:
+            stream.previous_reads = stream.reads
+            stream.shard, stream.reads, stream.prefetched = key, 0, False
+        stream.reads += 1
+        if stream.prefetched:
+            return False
+        if stream.reads >= 2 or stream.previous_reads >= 2:
+            stream.prefetched = True
+            return True
+        return False
+
+    async def _prefetch(self, fmt: ShardFormat, key: str, index: ShardIndex, chunk_id: int, offset: int):
+        """Fetch the shard's stored chunks from ``offset`` on (wrapping to the
+        start) that are not cached, in coalesced ranged GETs of at most
+        ``prefetch_max`` bytes in all; returns the wanted chunk's data."""
+        entries = sorted((off, n, cid) for cid, off, n in await index.entries()
+                         if n and off + n <= index.info.size and (key, index.info.etag, cid) not in self.chunks)
+        entries = [e for e in entries if e[0] >= offset] + [e for e in entries if e[0] < offset]
+        chosen, total = [], 0
+        for e in entries:
+            if total + e[1] > self.prefetch_max and chosen:
+                break
+            chosen.append(e)
+            total += e[1]
+        chosen.sort()
+        ids = {cid for _, _, cid in chosen}
+        event = trio.Event()
+        self._prefetching[(key, index.info.etag)] = (ids, event)
+        self.prefetches += 1
+        try:
+            i = 0
+            while i < len(chosen):
+                start, end, j = chosen[i][0], chosen[i][0] + chosen[i][1], i + 1
+                while j < len(chosen) and chosen[j][0] - end <= self.prefetch_gap:
+                    end = max(end, chosen[j][0] + chosen[j][1])
+                    j += 1
+                blob = await self.store.get(key, start, end - start, if_match=index.info.etag)
+                for off, n, cid in chosen[i:j]:
+                    piece = blob.data[off - start: off - start + n]
+                    if len(piece) != n:
+                        continue
+                    try:
+                        decoded = fmt.decode_chunk(piece)
+                    except (CorruptData, ValueError, OSError):
+                        continue  # reported if and when that chunk itself is read
+                    self.chunks.put((key, index.info.etag, cid), decoded, len(decoded) + 64)
+                i = j
+        finally:
+            del self._prefetching[(key, index.info.etag)]
+            event.set()
+        return self.chunks.get((key, index.info.etag, chunk_id))

@@ -154,3 +154,78 @@ async def probe(ctx: LayoutContext, dir_key: str) -> GridDataset | None:
     dataset = GridDataset(ctx, dir_key, dir_key, meta.grid, meta.keys, meta.fmt)
     dataset.layout = NAME
     return dataset
+
+
+def _sharded_doc(doc: dict, factors: tuple[int, ...]) -> dict | None:
+    """``doc`` (an unsharded regular array) stored sharded with ``factors``
+    inner chunks per shard and dimension (``-o shard=K``)."""
+    grid = doc.get("chunk_grid") or {}
+    inner = (grid.get("configuration") or {}).get("chunk_shape")
+    shape = doc.get("shape")
+    if grid.get("name") != "regular" or not isinstance(inner, list) or not inner or len(inner) != len(shape or []):
+        return None  # 0-d or variable grids are stored as written
+    if len(factors) == 1:
+        factors = factors * len(inner)
+    if len(factors) != len(inner):
+        raise ValueError(f"-o shard has {len(factors)} factors but the array has {len(inner)} dimensions")
+    out = dict(doc)
+    out["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [c * k for c, k in zip(inner, factors)]}}
+    out["codecs"] = [{"name": SHARDING, "configuration": {
+        "chunk_shape": inner,
+        "codecs": doc.get("codecs") or [{"name": "bytes", "configuration": {"endian": "little"}}],
+        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+        "index_location": "end",
+    }}]
+    return out
+
+
+def accept_document(key: str, new: bytes, stored: bytes | None, shard_option) -> bytes | None:
+    """What to store when a tool writes ``zarr.json`` through the view.
+
+    - over a sharded array: the view's document mapped back onto the stored
+      one (attributes, fill value, shape...); a change that would make the
+      stored chunks unreadable (inner chunk shape, codecs, data type, key
+      encoding) raises ValueError;
+    - a new unsharded array with ``-o shard=K``: stored sharded;
+    - anything else: None (stored as written).
+    """
+    if key.rsplit("/", 1)[-1] != "zarr.json":
+        return None
+    doc = load_json(new, key)
+    if doc is None or doc.get("node_type") != "array":
+        return None
+    old = load_json(stored, key) if stored is not None else None
+    old_meta = None
+    if old is not None:
+        try:
+            old_meta = sharded_array_meta(old)
+        except Unsupported:
+            old_meta = None
+    if old_meta is not None:
+        try:
+            if sharded_array_meta(doc) is not None:
+                return None  # the tool wrote a sharded document itself
+        except Unsupported:
+            return None
+        view = view_array_doc(old, old_meta)
+        for field_name in ("codecs", "chunk_grid", "data_type", "chunk_key_encoding"):
+            if doc.get(field_name) != view.get(field_name):
+                raise ValueError(f"changing {field_name} of a sharded array would make its stored chunks unreadable")
+        out = dict(doc)
+        out["codecs"] = old["codecs"]
+        out["chunk_grid"] = old["chunk_grid"]
+        try:
+            ShardGrid.build(out["shape"], parse_chunk_grid(out["chunk_grid"], out["shape"]),
+                            old_meta.inner_chunk_shape)
+        except (GridError, TypeError, KeyError) as exc:
+            raise ValueError(f"the new shape does not fit the stored shard grid: {exc}") from None
+        return dump_json(out)
+    if shard_option:
+        try:
+            if sharded_array_meta(doc) is not None:
+                return None
+        except Unsupported:
+            return None
+        sharded = _sharded_doc(doc, tuple(shard_option))
+        return dump_json(sharded) if sharded is not None else None
+    return None

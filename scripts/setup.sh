@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Set up everything zshardfs needs on a fresh Debian-like machine:
+# FUSE (Debian fuse3, libfuse3-dev), a Python 3.12 virtualenv in .venv with
+# zshardfs and its test peers, and .venv-zarr2 with zarr-python 2.18 (the
+# storage-transformer oracle, which cannot share an environment with zarr 3).
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
+dpkg -s libfuse3-dev >/dev/null 2>&1 || need_apt+=(libfuse3-dev)
+command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    echo "setup: installing ${need_apt[*]}"
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+find_python() {
+    for cand in python3.12 "$(command -v pyenv >/dev/null 2>&1 && echo "$(pyenv root)/versions/3.12"*/bin/python3.12)" \
+                /root/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do
+        [ -n "$cand" ] || continue
+        if "$cand" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+            command -v "$cand" 2>/dev/null || echo "$cand"; return 0
+        fi
+    done
+    return 1
+}
+PY=$(find_python) || { echo "setup: Python 3.12 is needed (zarr-python 3.4, the test oracle, requires it)" >&2; exit 1; }
+
+stamp_ok() { [ -f "$1/.stamp" ] && [ "$(cat "$1/.stamp")" = "$2" ]; }
+deps_hash=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+
+if ! stamp_ok .venv "$deps_hash"; then
+    echo "setup: creating .venv with $PY"
+    "$PY" -m venv .venv
+    .venv/bin/pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+    .venv/bin/pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
+    .venv/bin/python -c 'import zshardfs, pyfuse3, zarr, tensorstore, moto' 
+    echo "$deps_hash" > .venv/.stamp
+fi
+if ! stamp_ok .venv-zarr2 "$deps_hash"; then
+    echo "setup: creating .venv-zarr2 (zarr-python 2.18)"
+    "$PY" -m venv .venv-zarr2
+    .venv-zarr2/bin/pip install -q 'zarr==2.18.7' 'numcodecs<0.16' numpy crc32c pytest 2>&1 | grep -v '^WARNING: Location' || true
+    .venv-zarr2/bin/python -c 'import zarr; assert zarr.__version__.startswith("2.18")'
+    echo "$deps_hash" > .venv-zarr2/.stamp
+fi
+echo "setup: ready (.venv: $(.venv/bin/python --version))"
