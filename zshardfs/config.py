@@ -57,13 +57,13 @@ class MountConfig:
     chunk_cache: int = 64 << 20
     metadata_ttl: float = 1.0
     index_ttl: float = 1.0
-    attr_timeout: float = 1.0
+    attr_timeout: float = 5.0
     max_connections: int = 16
     timeout: float = 30.0
     log_level: str = "INFO"
     log_file: str | None = None
     fsname: str | None = None
-    prefetch: str = "auto"
+    prefetch: str = "on"
     prefetch_max: int = 16 << 20
     prefetch_gap: int = 1 << 20
     max_dirty: int = 256 << 20
@@ -86,13 +86,13 @@ OPTIONS = {
     "chunk_cache": ("chunk_cache", parse_size, "bytes of chunk data kept in memory (default 64M)"),
     "metadata_ttl": ("metadata_ttl", parse_seconds, "seconds a metadata document/probe is trusted (default 1)"),
     "index_ttl": ("index_ttl", parse_seconds, "seconds a shard index is trusted before re-validation (default 1)"),
-    "attr_timeout": ("attr_timeout", parse_seconds, "kernel entry/attribute cache time in seconds (default 1)"),
+    "attr_timeout": ("attr_timeout", parse_seconds, "kernel entry/attribute cache time in seconds (default 5)"),
     "max_connections": ("max_connections", parse_int, "storage requests in flight at once (default 16)"),
     "timeout": ("timeout", parse_seconds, "deadline of one storage operation in seconds; then EIO (default 30)"),
     "log_level": ("log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
     "log_file": ("log_file", str, "write the log to this file (default: stderr in --foreground, else syslog)"),
     "fsname": ("fsname", str, "name shown in /proc/mounts (default: the source)"),
-    "prefetch": ("prefetch", str, "read-ahead within shards during scans: on, off, auto (= on for S3; default)"),
+    "prefetch": ("prefetch", str, "read-ahead within shards during scans: on, off (default on)"),
     "prefetch_max": ("prefetch_max", parse_size, "bytes one read-ahead fetches at most (default 16M)"),
     "prefetch_gap": ("prefetch_gap", parse_size, "gap between chunks still read in one range (default 1M)"),
     "max_dirty": ("max_dirty", parse_size, "written-but-unflushed bytes before writers wait (default 256M)"),
@@ -139,8 +139,8 @@ def parse_options(cfg: MountConfig, opts: list[str]) -> MountConfig:
         cfg.log_level = "DEBUG"
     if cfg.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError(f"option log_level: {cfg.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
-    if cfg.prefetch not in ("on", "off", "auto"):
-        raise ConfigError(f"option prefetch: {cfg.prefetch!r} is not on, off or auto")
+    if cfg.prefetch not in ("on", "off"):
+        raise ConfigError(f"option prefetch: {cfg.prefetch!r} is not on or off")
     if cfg.shard is not None and cfg.read_only:
         raise ConfigError("option shard: only makes sense on a read-write mount (add -o rw)")
     if cfg.index_cache < 1 << 16:

@@ -141,7 +141,7 @@ class Mount:
         self.cfg = cfg
         self.started = time.time()
         self.store = AsyncStore(backend, max_connections=cfg.max_connections, timeout=cfg.timeout)
-        prefetch = cfg.prefetch == "on" or (cfg.prefetch == "auto" and cfg.source.startswith("s3://"))
+        prefetch = cfg.prefetch == "on"
         self.shards = ShardCache(self.store, index_cache_bytes=cfg.index_cache, index_ttl=cfg.index_ttl,
                                  chunk_cache_bytes=cfg.chunk_cache, prefetch=prefetch,
                                  prefetch_max=cfg.prefetch_max, prefetch_gap=cfg.prefetch_gap)

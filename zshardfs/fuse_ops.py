@@ -174,8 +174,13 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def getattr(self, inode, ctx=None):
         node = self._node(inode)
-        if not node.is_dir and time.monotonic() - node.created > self.attr_timeout:
-            fresh = await self.view.refresh(node)
+        if not node.is_dir:
+            # written data lives in memory: its size is known without I/O and
+            # must not wait for the attribute TTL (the kernel asks right after
+            # each write, then reads only that many bytes)
+            fresh = self.view.in_memory(node)
+            if fresh is None and time.monotonic() - node.created > self.attr_timeout:
+                fresh = await self.view.refresh(node)
             if fresh is not None:
                 node = self.inodes[inode].node = fresh
         return self._attrs(inode, node)
@@ -325,6 +330,10 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def flush(self, fh):
+        if self.read_only:
+            # ENOSYS once tells the kernel never to send FLUSH again: one
+            # request less per close on read-only mounts.
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         await self.view.flush(self._handle(fh))
 
     @_translate
@@ -374,8 +383,23 @@ class Operations(pyfuse3.Operations):
         old_parent, new_parent = self._node(parent_inode_old), self._node(parent_inode_new)
         old, new = os.fsdecode(name_old), os.fsdecode(name_new)
         await self.view.rename(old_parent, old, new_parent, new)
-        self._forget_path(f"{old_parent.path}/{old}".lstrip("/"))
-        self._forget_path(f"{new_parent.path}/{new}".lstrip("/"))
+        old_path, new_path = f"{old_parent.path}/{old}".lstrip("/"), f"{new_parent.path}/{new}".lstrip("/")
+        # The kernel now shows the *source's* inode under the new name (it
+        # moves the dentry, it does not look the name up again): that inode
+        # must answer for the new path, or reads right after a tmp+rename
+        # write (zarr-python, DirectoryStore) see the vanished temporary.
+        ino = self.by_path.pop(old_path, None)
+        self._forget_path(new_path)
+        if ino is not None and ino in self.inodes:
+            try:
+                node = await self.view.lookup(new_parent, new)
+            except StoreError:
+                node = None
+            if node is not None:
+                self.inodes[ino].node = node
+                self.by_path[new_path] = ino
+            else:
+                self._drop_if_unused(ino)
 
     async def _unsupported(self, *args, **kwargs):
         raise pyfuse3.FUSEError(errno.EROFS if self.read_only else errno.EPERM)

@@ -108,9 +108,11 @@ class _Stream:
     """Recent reads below one directory of shards (about one dataset)."""
 
     shard: str = ""
-    reads: int = 0  # distinct chunks read from ``shard`` so far
+    last_id: int = -2  # the chunk read last from ``shard``...
+    last_end: int = -1  # ...and where it ends in the shard
+    sequential: bool = False  # two neighbouring chunks of ``shard`` were read
+    previous_sequential: bool = False  # ... of the shard read before it
     prefetched: bool = False
-    previous_reads: int = 0  # ... and from the shard before it
 
 
 @dataclass
@@ -208,7 +210,7 @@ class ShardCache:
                 raise CorruptData(f"{key}: chunk {chunk_id} at {offset}+{nbytes} lies past the end of the shard "
                                   f"({index.info.size} bytes)", key)
             try:
-                if self.prefetch and self._scanning(key):
+                if self.prefetch and self._scanning(key, chunk_id, offset, nbytes):
                     data = await self._prefetch(fmt, key, index, chunk_id, offset)
                     if data is not None:
                         return data
@@ -224,12 +226,12 @@ class ShardCache:
             return data
         raise CorruptData(f"{key}: shard keeps changing while being read", key)
 
-    def _scanning(self, key: str) -> bool:
-        """Record a chunk read (a cache miss) of shard ``key``; True when the
-        reads look like a walk through shards, so the rest of this shard is
-        worth fetching now: the second chunk read from a shard, or the first
-        one from a shard whose predecessor was read chunk after chunk.  A
-        random single-chunk read never triggers it."""
+    def _scanning(self, key: str, chunk_id: int, offset: int, nbytes: int) -> bool:
+        """Record a chunk read (a cache miss); True when reads walk through
+        shards, so the rest of this shard is worth fetching now: a read of a
+        neighbour (next chunk id, or next bytes) of the previous read in the
+        same shard, or the first read of a shard whose predecessor was read
+        that way.  Random single-chunk reads rarely look like that."""
         name = key.rpartition("/")[0]
         stream = self._streams.get(name)
         if stream is None:
@@ -238,15 +240,15 @@ class ShardCache:
                 self._streams.popitem(last=False)
         self._streams.move_to_end(name)
         if stream.shard != key:
-            stream.previous_reads = stream.reads
-            stream.shard, stream.reads, stream.prefetched = key, 0, False
-        stream.reads += 1
-        if stream.prefetched:
+            stream.previous_sequential = stream.sequential
+            stream.shard, stream.sequential, stream.prefetched = key, False, False
+        elif abs(chunk_id - stream.last_id) == 1 or offset == stream.last_end:
+            stream.sequential = True
+        stream.last_id, stream.last_end = chunk_id, offset + nbytes
+        if stream.prefetched or not (stream.sequential or stream.previous_sequential):
             return False
-        if stream.reads >= 2 or stream.previous_reads >= 2:
-            stream.prefetched = True
-            return True
-        return False
+        stream.prefetched = True
+        return True
 
     async def _prefetch(self, fmt: ShardFormat, key: str, index: ShardIndex, chunk_id: int, offset: int):
         """Fetch the shard's stored chunks from ``offset`` on (wrapping to the

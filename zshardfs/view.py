@@ -194,7 +194,8 @@ class View:
                     target: ChunkTarget | None) -> Node | None:
         """A chunk file, with unflushed writes taking precedence over storage."""
         if target is None and entry is not None:
-            target = dataset.target(rel) or ChunkTarget(entry.shard_key, entry.chunk_id, entry.shard_ctx, None)
+            # capacity is only needed for writes; open() asks the dataset then
+            target = ChunkTarget(entry.shard_key, entry.chunk_id, entry.shard_ctx, None)
         if target is not None:
             dirty = self.writeback.pending(target.shard_key, target.chunk_id)
             if dirty is not None:
@@ -258,6 +259,16 @@ class View:
             info = await self.store.stat(node.key)
             return await self._stored_file(node.path, info) if info is not None else None
         return node
+
+    def in_memory(self, node: Node) -> Node | None:
+        """The node as it is now if its content lives in memory (a write
+        buffer, a scratch file, an unflushed chunk); None otherwise.  No I/O."""
+        buf = self.buffers.get(node.path)
+        if buf is not None:
+            return self._buffer_node(buf)
+        if node.is_chunk and self.writeback.pending(node.target.shard_key, node.target.chunk_id) is not None:
+            return self._chunk_node(node.path, node.dataset, node.rel, None, node.target)
+        return None
 
     async def resolve(self, path: str) -> Node | None:
         """Walk from the root (for tools and tests, not for the kernel)."""
@@ -372,6 +383,8 @@ class View:
         self._check_writable()
         if node.is_chunk:
             t = node.target
+            if t.capacity is None:
+                t = node.target = node.dataset.target(node.rel) or t
             initial = b"" if truncate else await self.content(node)
             chunk = self.writeback.open_chunk(t.shard_key, node.dataset.shard_format, t.shard_ctx, t.chunk_id,
                                               initial, t.capacity)

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: reads up to this size may be served on the event loop when they cannot block
+NOWAIT_MAX = 1 << 20
+
 
 # --------------------------------------------------------------------------
 # errors
@@ -191,6 +194,8 @@ class AsyncStore:
         self.url = backend.url
         self.limiter = trio.CapacityLimiter(max_connections)
         self.timeout = timeout
+        # optional non-blocking fast path (local files in the page cache)
+        self._nowait = getattr(backend, "get_nowait", None)
 
     @property
     def counters(self) -> Counter:
@@ -215,6 +220,10 @@ class AsyncStore:
 
     async def get(self, key: str, start: int = 0, length: int | None = None, *,
                   suffix: int | None = None, if_match: str | None = None) -> Blob:
+        if if_match is not None and length and length <= NOWAIT_MAX and suffix is None and self._nowait is not None:
+            blob = self._nowait(key, start, length, if_match)  # page-cache hit: no thread hop
+            if blob is not None:
+                return blob
         return await self._run(self.backend.get, key, start, length, suffix=suffix, if_match=if_match)
 
     async def get_or_none(self, key: str) -> Blob | None:

@@ -13,9 +13,10 @@ the view can still be the regular inner grid (DESIGN.md §2).
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 
 class GridError(ValueError):
@@ -169,15 +170,27 @@ class ShardGrid:
         b = self.bounds[dim]
         return range(b[shard_coord], min(b[shard_coord + 1], self.inner_counts[dim]))
 
-    def chunks_in_shard(self, shard):
-        """All in-array inner coordinates of a shard, with their linear
-        (C-order) position in its index."""
+    def chunks_in_shard(self, shard, fixed=()) -> tuple[np.ndarray, np.ndarray]:
+        """In-array inner chunks of a shard whose leading coordinates are
+        ``fixed``: (coords as an (n, ndim) array in C order, their linear
+        positions in the shard's index).  Vectorised: listings of big
+        shards must not loop in Python per chunk."""
         ext = self.shard_extent(shard)
         origin = self.shard_origin(shard)
-        ranges = [self.shard_range(d, s) for d, s in enumerate(shard)]
-        for coords in itertools.product(*ranges):
-            pos = tuple(c - o for c, o in zip(coords, origin))
-            yield coords, linear_index(pos, ext)
+        ranges = []
+        for d, s in enumerate(shard):
+            r = self.shard_range(d, s)
+            if d < len(fixed):
+                r = range(fixed[d], fixed[d] + 1) if fixed[d] in r else range(0)
+            ranges.append(np.arange(r.start, r.stop, dtype=np.int64))
+        if not ranges:
+            return np.zeros((1, 0), dtype=np.int64), np.zeros(1, dtype=np.int64)
+        mesh = np.meshgrid(*ranges, indexing="ij")
+        coords = np.stack([m.ravel() for m in mesh], axis=1)
+        linear = np.zeros(len(coords), dtype=np.int64)
+        for d in range(len(ext)):
+            linear = linear * ext[d] + (coords[:, d] - origin[d])
+        return coords, linear
 
 
 def linear_index(pos, extent) -> int:

@@ -289,10 +289,11 @@ class GridDataset(Dataset):
             return
         if index is None:
             return
-        present = index.present_mask()
-        for coords, cid in self.grid.chunks_in_shard(shard):
-            if coords[: len(fixed)] == fixed and present[cid]:
-                yield coords, ChunkEntry(key, cid, int(index.table[cid, 1]), index.info.mtime, extent)
+        coords, linear = self.grid.chunks_in_shard(shard, fixed)
+        keep = index.present_mask()[linear]
+        sizes = index.table[linear[keep], 1].tolist()
+        for c, cid, size in zip(coords[keep].tolist(), linear[keep].tolist(), sizes):
+            yield tuple(c), ChunkEntry(key, cid, size, index.info.mtime, extent)
 
     async def listdir(self, rel) -> AsyncIterator[tuple[str, Entry]]:
         keys, grid = self.keys, self.grid

@@ -1,0 +1,140 @@
+"""Read benchmark: the mount against the native file system and zarr-python.
+
+    .venv/bin/python scripts/bench_read.py [--chunks 4096] [--repeat 5] [--workdir DIR]
+
+Builds (once, in --workdir) a Zarr v3 array of 32 KiB uncompressed inner
+chunks, sharded (512 chunks per shard), and its unsharded twin written by
+zarr-python.  Then, repeated --repeat times, it measures:
+
+1. ``cat`` of every chunk file (find | xargs cat):
+   - native: the unsharded twin on the local file system, page cache warm;
+   - cold: through a fresh zshardfs mount of the sharded store (``-o ro``);
+   - warm: the same again on that mount (kernel caches warm);
+   and prints files/s and the ratio to native.
+2. zarr-python reading random single chunks: through the mount (as an
+   unsharded array) against zarr-python reading the sharded store directly.
+
+Medians over the repeats are printed; these machines are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ZSHARDFS = [sys.executable, "-m", "zshardfs.cli"]
+
+
+def build(workdir: Path, n_chunks: int) -> tuple[Path, Path, tuple]:
+    import zarr
+
+    side = round(n_chunks ** (1 / 3))
+    while side ** 3 < n_chunks:
+        side += 1
+    grid = (side, side, max(1, n_chunks // (side * side)))
+    shape = tuple(g * 32 for g in grid)
+    sharded, twin = workdir / "sharded", workdir / "twin"
+    if (sharded / "a" / "zarr.json").exists() and (twin / "a" / "zarr.json").exists():
+        return sharded, twin, shape
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    kw = dict(shape=shape, dtype="uint8", chunks=(32, 32, 32), compressors=None, fill_value=0)
+    zarr.create_array(sharded / "a", shards=(256, 256, 256 if shape[2] >= 256 else shape[2]), **kw)[:] = data
+    zarr.create_array(twin / "a", **kw)[:] = data
+    return sharded, twin, shape
+
+
+def cat_all(root: Path) -> tuple[float, int]:
+    """Seconds to cat every file below ``root`` (find | xargs cat)."""
+    t0 = time.perf_counter()
+    find = subprocess.Popen(["find", str(root), "-type", "f", "-print0"], stdout=subprocess.PIPE)
+    out = subprocess.run(["xargs", "-0", "cat"], stdin=find.stdout, stdout=subprocess.PIPE, check=True)
+    find.wait()
+    return time.perf_counter() - t0, len(out.stdout)
+
+
+def count_files(root: Path) -> int:
+    return sum(len(files) for _, _, files in os.walk(root))
+
+
+def mount(source: Path, mnt: Path, *opts: str) -> None:
+    mnt.mkdir(parents=True, exist_ok=True)
+    subprocess.run([*ZSHARDFS, "mount", str(source), str(mnt), "-o", ",".join(["ro", *opts])], check=True)
+
+
+def umount(mnt: Path) -> None:
+    subprocess.run([*ZSHARDFS, "umount", str(mnt)], check=True)
+
+
+def zarr_random_reads(path: Path, shape, picks) -> float:
+    import zarr
+
+    arr = zarr.open_array(path, mode="r")
+    t0 = time.perf_counter()
+    for i, j, k in picks:
+        arr[i * 32:(i + 1) * 32, j * 32:(j + 1) * 32, k * 32:(k + 1) * 32]
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--random-reads", type=int, default=300)
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "zshardfs-bench-read"))
+    args = ap.parse_args()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    sharded, twin, shape = build(workdir, args.chunks)
+    files = count_files(twin / "a") - 0
+    print(f"store: shape {shape}, 32 KiB chunks, {files} files incl. zarr.json, shards of 512 chunks")
+
+    native, cold, warm = [], [], []
+    cat_all(twin)  # warm the page cache of the twin and of the shards
+    cat_all(sharded)
+    mnt = workdir / "mnt"
+    for _ in range(args.repeat):
+        native.append(cat_all(twin)[0])
+        mount(sharded, mnt)
+        try:
+            t, nbytes = cat_all(mnt)
+            cold.append(t)
+            warm.append(cat_all(mnt)[0])
+        finally:
+            umount(mnt)
+    med = statistics.median
+    print("\ncat of every chunk file (median of %d runs)" % args.repeat)
+    print(f"  native twin (warm page cache) {files / med(native):10.0f} files/s")
+    print(f"  zshardfs cold                 {files / med(cold):10.0f} files/s   ratio {med(native) / med(cold):.2f}x native")
+    print(f"  zshardfs warm                 {files / med(warm):10.0f} files/s   ratio {med(native) / med(warm):.2f}x native")
+
+    rng = random.Random(1)
+    grid = tuple(s // 32 for s in shape)
+    direct, through = [], []
+    for _ in range(args.repeat):
+        picks = [tuple(rng.randrange(g) for g in grid) for _ in range(args.random_reads)]
+        direct.append(zarr_random_reads(sharded / "a", shape, picks))
+        mount(sharded, mnt)
+        try:
+            through.append(zarr_random_reads(mnt / "a", shape, picks))
+        finally:
+            umount(mnt)
+    n = args.random_reads
+    print(f"\nzarr-python, {n} random single chunks (median of {args.repeat} runs, fresh mount each)")
+    print(f"  zarr-python on the sharded store  {n / med(direct):8.0f} chunks/s")
+    print(f"  zarr-python through zshardfs      {n / med(through):8.0f} chunks/s   "
+          f"ratio {med(direct) / med(through):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
