@@ -41,8 +41,11 @@ def open_backend(cfg: MountConfig):
         from .backends.s3 import S3Backend, parse_s3_url
 
         bucket, prefix = parse_s3_url(cfg.source)
+        # per-attempt timeouts sized so that all attempts end before the
+        # operation deadline (-o timeout): no abandoned call outlives it
         backend = S3Backend(bucket, prefix, endpoint_url=cfg.endpoint_url, region=cfg.region, profile=cfg.profile,
-                            max_pool_connections=max(10, cfg.max_connections))
+                            connect_timeout=max(1.0, cfg.timeout / 10), read_timeout=max(2.0, cfg.timeout / 5),
+                            max_attempts=3, max_pool_connections=max(10, cfg.max_connections))
         backend.check()
         return backend
     if "://" in cfg.source:

@@ -1,0 +1,603 @@
+"""One conformance suite for every storage backend, plus S3-only failure tests.
+
+The same tests run against a local directory and against S3 (moto's
+stand-alone server over HTTP), through the sync API and through
+:class:`AsyncStore` on trio.  The S3 failure tests pause or kill the real
+server process, so "unreachable" and "hung" mean what they mean in
+production: refused connections and silent sockets.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import botocore.exceptions as bce
+import pytest
+import trio
+
+from tests.s3server import CLEARED_ENV, DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, MotoServer, dummy_credentials_env, free_port
+from zshardfs.backends.base import (
+    AccessDenied,
+    AsyncStore,
+    NotFound,
+    PreconditionFailed,
+    StoreError,
+    Unavailable,
+)
+from zshardfs.backends.local import LocalBackend
+from zshardfs.backends.s3 import S3Backend, S3URLError, parse_s3_url
+
+DATA = bytes(range(256)) * 4  # 1024 bytes, every offset distinguishable
+PREFIX = "store/root"
+
+
+@pytest.fixture(autouse=True)
+def aws_env(monkeypatch):
+    """Dummy credentials and no ~/.aws for every test, also for those that
+    never start the moto server."""
+    for name in CLEARED_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in dummy_credentials_env().items():
+        monkeypatch.setenv(name, value)
+
+
+@dataclass
+class Store:
+    kind: str
+    backend: object
+    seed: Callable[[dict[str, bytes]], None]  # write objects behind the backend's back
+
+
+def s3_backend(endpoint: str, bucket: str, prefix: str = PREFIX, **kw) -> S3Backend:
+    """Short timeouts so failure tests finish quickly."""
+    opts = dict(connect_timeout=1, read_timeout=5, max_attempts=2)
+    opts.update(kw)
+    return S3Backend(bucket, prefix, endpoint_url=endpoint, **opts)
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        root = tmp_path / "store"
+        root.mkdir()
+
+        def seed(items):
+            for key, data in items.items():
+                path = root / key
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+
+        yield Store("local", LocalBackend(str(root)), seed)
+    else:
+        server = request.getfixturevalue("moto_server")
+        endpoint, bucket = request.getfixturevalue("s3_bucket")
+        backend = s3_backend(endpoint, bucket)
+
+        def seed(items):
+            server.put_many(bucket, {f"{PREFIX}/{k}": v for k, v in items.items()})
+
+        yield Store("s3", backend, seed)
+        backend.close()
+
+
+@pytest.fixture
+def s3(moto_server, s3_bucket):
+    """(server, bucket, backend) for S3-only tests."""
+    endpoint, bucket = s3_bucket
+    backend = s3_backend(endpoint, bucket)
+    yield moto_server, bucket, backend
+    backend.close()
+
+
+def assert_clean_message(exc: BaseException) -> None:
+    """One sentence for a human; no credential anywhere in the report."""
+    msg = str(exc)
+    assert msg and "\n" not in msg and msg.endswith("."), msg
+    assert ". " not in msg.rstrip("."), f"more than one sentence: {msg}"
+    report = "".join(traceback.format_exception(exc))
+    for secret in (DUMMY_SECRET_KEY, DUMMY_ACCESS_KEY):
+        assert secret not in report
+
+
+# ---------------------------------------------------------------------------
+# conformance: reads
+
+
+def test_get_whole_range_suffix_past_end(store):
+    b = store.backend
+    put = b.put("a/obj", DATA)
+    assert put.size == len(DATA) and put.etag
+
+    def check(blob, data):
+        assert blob.data == data
+        assert blob.info.size == len(DATA)  # total size, also for ranges
+        assert blob.info.etag == put.etag
+        assert blob.info.key == "a/obj"
+        assert blob.info.mtime > 0
+
+    check(b.get("a/obj"), DATA)
+    check(b.get("a/obj", 10, 20), DATA[10:30])
+    check(b.get("a/obj", 1000), DATA[1000:])
+    check(b.get("a/obj", 1000, 100), DATA[1000:])  # short read at the end only
+    check(b.get("a/obj", 1024, 10), b"")
+    check(b.get("a/obj", 5000), b"")  # past the end: empty, size still known
+    check(b.get("a/obj", 3, 0), b"")
+    check(b.get("a/obj", suffix=16), DATA[-16:])
+    check(b.get("a/obj", suffix=5000), DATA)
+    check(b.get("a/obj", suffix=0), b"")
+
+
+def test_get_empty_object(store):
+    b = store.backend
+    b.put("empty", b"")
+    for blob in (b.get("empty"), b.get("empty", 0, 10), b.get("empty", 5), b.get("empty", suffix=4)):
+        assert blob.data == b""
+        assert blob.info.size == 0
+
+
+def test_get_if_match(store):
+    b = store.backend
+    v1 = b.put("k", DATA)
+    assert b.get("k", if_match=v1.etag).data == DATA
+    assert b.get("k", 4, 4, if_match=v1.etag).data == DATA[4:8]
+    assert b.get("k", suffix=4, if_match=v1.etag).data == DATA[-4:]
+    v2 = b.put("k", DATA[::-1])
+    assert v2.etag != v1.etag
+    for call in (lambda: b.get("k", if_match=v1.etag), lambda: b.get("k", 4, 4, if_match=v1.etag),
+                 lambda: b.get("k", 5000, if_match=v1.etag)):
+        with pytest.raises(PreconditionFailed) as info:
+            call()
+        assert info.value.errno == errno.EAGAIN
+    assert b.counters["precondition_failed"] == 3
+
+
+def test_missing_key(store):
+    b = store.backend
+    for call in (lambda: b.get("nope"), lambda: b.get("nope", 0, 10), lambda: b.get("nope", suffix=3),
+                 lambda: b.get("nope", 10, 0), lambda: b.get("no/such/dir/key")):
+        with pytest.raises(NotFound) as info:
+            call()
+        assert info.value.errno == errno.ENOENT
+    assert b.stat("nope") is None
+    b.delete("nope")  # absent is fine without a condition
+
+
+def test_stat(store):
+    b = store.backend
+    put = b.put("d/e/f", b"xyz")
+    info = b.stat("d/e/f")
+    assert (info.key, info.size, info.etag) == ("d/e/f", 3, put.etag)
+    assert abs(info.mtime - time.time()) < 300
+    assert b.stat("d/e") is None  # a "directory" is not an object
+    assert b.stat("d/e/f/g") is None
+    assert b.stat("missing") is None
+
+
+def test_is_dir(store):
+    b = store.backend
+    b.put("a/b/c", b"1")
+    assert b.is_dir("")
+    assert b.is_dir("a")
+    assert b.is_dir("a/b")
+    assert not b.is_dir("a/b/c")
+    assert not b.is_dir("a/x")
+    assert not b.is_dir("ab")
+
+
+def test_list_nested(store):
+    b = store.backend
+    store.seed({"top": b"1", "a/x": b"22", "a/b/c": b"333", "a/b/d": b"4444", "z/q": b""})
+    root = b.list("")
+    assert root.dirs == ["a", "z"]
+    assert [f.key for f in root.files] == ["top"]
+    a = b.list("a")
+    assert a.dirs == ["b"]
+    assert [(f.key, f.size) for f in a.files] == [("a/x", 2)]
+    ab = b.list("a/b")
+    assert ab.dirs == []
+    assert [(f.key, f.size) for f in ab.files] == [("a/b/c", 3), ("a/b/d", 4)]
+    assert ab.files[0].etag == b.stat("a/b/c").etag
+    assert b.list("nope").dirs == [] and b.list("nope").files == []
+    assert b.list("a/b/c").files == []  # a file is not a directory
+
+
+def test_list_many(store):
+    """More than one S3 page (1000 entries) of files and sub-directories."""
+    b = store.backend
+    items = {f"many/f{i:05d}": b"x" for i in range(1010)}
+    items.update({f"many/d{i:02d}/inner": b"y" for i in range(20)})
+    store.seed(items)
+    before = b.counters["list"]
+    listing = b.list("many")
+    assert listing.dirs == [f"d{i:02d}" for i in range(20)]
+    assert [f.key for f in listing.files] == [f"many/f{i:05d}" for i in range(1010)]
+    if store.kind == "s3":
+        assert b.counters["list"] - before == 2  # one count per page
+
+
+# ---------------------------------------------------------------------------
+# conformance: writes
+
+
+def test_put_conditional(store):
+    b = store.backend
+    v1 = b.put("s/shard", b"one", if_none_match=True)
+    with pytest.raises(PreconditionFailed):
+        b.put("s/shard", b"two", if_none_match=True)
+    assert b.get("s/shard").data == b"one"
+    v2 = b.put("s/shard", b"two", if_match=v1.etag)
+    assert v2.etag != v1.etag and v2.size == 3
+    with pytest.raises(PreconditionFailed):
+        b.put("s/shard", b"three", if_match=v1.etag)  # stale version
+    assert b.get("s/shard").data == b"two"
+    with pytest.raises(PreconditionFailed):
+        b.put("s/missing", b"x", if_match=v2.etag)  # pinned object gone
+    assert b.stat("s/missing") is None
+    v3 = b.put("s/shard", b"three")  # unconditional replace
+    assert b.get("s/shard", if_match=v3.etag).data == b"three"
+    assert b.stat("s/shard").etag == v3.etag
+    assert b.counters["precondition_failed"] == 3
+
+
+def test_delete(store):
+    b = store.backend
+    v1 = b.put("d/x", b"1")
+    b.put("d/keep", b"2")
+    v2 = b.put("d/x", b"11")
+    with pytest.raises(PreconditionFailed):
+        b.delete("d/x", if_match=v1.etag)
+    assert b.get("d/x").data == b"11"
+    b.delete("d/x", if_match=v2.etag)
+    assert b.stat("d/x") is None
+    with pytest.raises(PreconditionFailed):
+        b.delete("d/x", if_match=v2.etag)  # already gone
+    b.delete("d/keep")
+    assert b.stat("d/keep") is None
+    assert not b.is_dir("d")
+    assert b.list("").dirs == []
+
+
+def test_counters(store):
+    b = store.backend
+    b.put("c/k", DATA[:100])
+    b.get("c/k")
+    b.get("c/k", 10, 10)
+    b.get("c/k", suffix=5)
+    b.stat("c/k")
+    b.list("c")
+    c = b.counters
+    assert c["put"] == 1 and c["bytes_written"] == 100
+    assert c["get"] == 1 and c["get_range"] == 2
+    assert c["bytes_read"] == 100 + 10 + 5
+    assert c["head"] == 1 and c["list"] == 1
+    assert c["errors"] == c["retries"] == c["precondition_failed"] == 0
+    # Neither a lost race nor a missing key is an error.  (Whether a failed
+    # request also counts as "put"/"get" is backend-specific: S3 counts
+    # requests sent, the local backend operations completed.)
+    with pytest.raises(PreconditionFailed):
+        b.put("c/k", b"x", if_match="bogus")
+    with pytest.raises(NotFound):
+        b.get("c/nope")
+    assert b.stat("c/nope") is None
+    assert c["precondition_failed"] == 1 and c["errors"] == 0
+    assert c["bytes_written"] == 100 and c["bytes_read"] == 115
+
+
+# ---------------------------------------------------------------------------
+# conformance: AsyncStore on trio
+
+
+def test_async_store(store):
+    astore = AsyncStore(store.backend, max_connections=4, timeout=30)
+
+    async def main():
+        v1 = await astore.put("x/shard", DATA)
+        results = {}
+
+        async def read(i):
+            results[i] = (await astore.get("x/shard", i * 100, 100, if_match=v1.etag)).data
+
+        async with trio.open_nursery() as nursery:
+            for i in range(10):
+                nursery.start_soon(read, i)
+        assert b"".join(results[i] for i in range(10)) == DATA[:1000]
+        assert (await astore.get("x/shard", suffix=24)).data == DATA[-24:]
+        assert (await astore.stat("x/shard")).etag == v1.etag
+        assert await astore.is_dir("x")
+        assert [f.key for f in (await astore.list("x")).files] == ["x/shard"]
+        with pytest.raises(PreconditionFailed):
+            await astore.put("x/shard", b"new", if_match="bogus")
+        await astore.delete("x/shard", if_match=v1.etag)
+        assert await astore.get_or_none("x/shard") is None
+        assert await astore.stat("x/shard") is None
+
+    trio.run(main)
+    assert astore.counters is store.backend.counters
+
+
+def test_async_store_timeout(store, monkeypatch):
+    """A call that does not finish in time is EIO, and the loop is free."""
+    b = store.backend
+    b.put("slow", b"1")
+
+    def slow_get(*args, **kwargs):
+        time.sleep(1.5)
+        return None
+
+    monkeypatch.setattr(b, "get", slow_get)
+    astore = AsyncStore(b, timeout=0.2)
+
+    async def main():
+        t0 = trio.current_time()
+        with pytest.raises(Unavailable) as info:
+            await astore.get("slow")
+        assert trio.current_time() - t0 < 1.0
+        assert info.value.errno == errno.EIO
+        assert (await astore.stat("slow")).size == 1  # other calls still work
+
+    trio.run(main)
+    assert b.counters["errors"] == 1
+
+
+# ---------------------------------------------------------------------------
+# S3 only: layout, requests on the wire
+
+
+def test_parse_s3_url():
+    assert parse_s3_url("s3://bucket") == ("bucket", "")
+    assert parse_s3_url("s3://bucket/") == ("bucket", "")
+    assert parse_s3_url("s3://bucket/a/b/") == ("bucket", "a/b")
+    assert parse_s3_url("s3://bucket//a//b") == ("bucket", "a/b")
+    for bad in ("s3://", "http://bucket/a", "bucket/a", "s3://bucket/a?x=1", "s3://key:secret@bucket/a"):
+        with pytest.raises(ValueError):
+            parse_s3_url(bad)
+        with pytest.raises(S3URLError):
+            parse_s3_url(bad)
+
+
+def test_s3_key_layout(moto_server, s3_bucket):
+    endpoint, bucket = s3_bucket
+    raw = moto_server.s3
+
+    def raw_keys():
+        return sorted(o["Key"] for o in raw.list_objects_v2(Bucket=bucket).get("Contents", []))
+
+    b = s3_backend(endpoint, bucket, prefix="/deep//prefix/")
+    assert b.url == f"s3://{bucket}/deep/prefix"
+    b.put("a/b", b"1")
+    assert raw_keys() == ["deep/prefix/a/b"]
+    root = s3_backend(endpoint, bucket, prefix="")
+    assert root.url == f"s3://{bucket}"
+    root.put("top", b"2")
+    assert raw_keys() == ["deep/prefix/a/b", "top"]
+    assert root.list("").dirs == ["deep"]
+    assert [f.key for f in root.list("").files] == ["top"]
+    assert [f.key for f in root.list("deep/prefix/a").files] == ["deep/prefix/a/b"]
+    assert [f.key for f in b.list("a").files] == ["a/b"]
+    # A "directory marker" object some tools write is a directory, not a file.
+    raw.put_object(Bucket=bucket, Key="deep/prefix/m/", Body=b"")
+    assert b.list("").dirs == ["a", "m"]
+    assert b.list("m").files == []
+
+
+def test_s3_one_request_per_call(s3):
+    server, bucket, b = s3
+    b.put("k", DATA)
+    mark = server.mark()
+    b.get("k", 100, 50)
+    b.get("k")
+    b.stat("k")
+    b.list("")
+    b.is_dir("x")
+    b.delete("k")
+    reqs = server.requests(since=mark)
+    key_path = f"/{bucket}/{PREFIX}/k"
+    assert [(r.method, r.route, r.status) for r in reqs] == [
+        ("GET", key_path, 206), ("GET", key_path, 200), ("HEAD", key_path, 200),
+        ("GET", f"/{bucket}", 200), ("GET", f"/{bucket}", 200), ("DELETE", key_path, 204),
+    ]
+    assert reqs[3].query["prefix"] == [f"{PREFIX}/"] and reqs[3].query["delimiter"] == ["/"]
+    assert reqs[4].query["max-keys"] == ["1"]
+
+
+def test_s3_body_read_is_retried(s3, monkeypatch):
+    """botocore does not retry a body that breaks mid-stream; get() does."""
+    server, bucket, b = s3
+    b.put("k", DATA)
+    real = b.client.get_object
+    broken = []
+
+    class BrokenBody:
+        def read(self):
+            raise bce.ResponseStreamingError(error="connection reset")
+
+        def close(self):
+            pass
+
+    def flaky(**kwargs):
+        resp = real(**kwargs)
+        if not broken:
+            broken.append(True)
+            resp["Body"].close()
+            resp["Body"] = BrokenBody()
+        return resp
+
+    monkeypatch.setattr(b.client, "get_object", flaky)
+    assert b.get("k", 1, 10).data == DATA[1:11]
+    assert b.counters["get_range"] == 2 and b.counters["retries"] == 1
+    broken.clear()
+    monkeypatch.setattr(b, "max_attempts", 1)
+    with pytest.raises(Unavailable):
+        b.get("k")
+
+
+# ---------------------------------------------------------------------------
+# S3 only: mount-time check()
+
+
+def test_check_ok(s3):
+    server, bucket, b = s3
+    assert b.check() is False  # reachable, readable, empty
+    b.put("x", b"1")
+    assert b.check() is True
+
+
+def test_check_missing_bucket(moto_server):
+    b = s3_backend(moto_server.endpoint_url, "zs-no-such-bucket")
+    with pytest.raises(NotFound) as info:
+        b.check()
+    assert "zs-no-such-bucket" in str(info.value)
+    assert_clean_message(info.value)
+
+
+def test_check_unreachable_endpoint_fails_fast():
+    port = free_port()  # nothing listens there
+    b = S3Backend("bucket", "p", endpoint_url=f"http://127.0.0.1:{port}",
+                  connect_timeout=60, read_timeout=60, max_attempts=10)
+    t0 = time.monotonic()
+    with pytest.raises(Unavailable) as info:
+        b.check()
+    assert time.monotonic() - t0 < 5
+    assert f"127.0.0.1:{port}" in str(info.value)
+    assert_clean_message(info.value)
+
+
+def test_check_silent_endpoint_fails_fast():
+    """An endpoint that accepts connections but never answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        port = sock.getsockname()[1]
+        b = S3Backend("bucket", "", endpoint_url=f"http://127.0.0.1:{port}",
+                      connect_timeout=60, read_timeout=60, max_attempts=10)
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable) as info:
+            b.check()
+        assert time.monotonic() - t0 < 10
+    assert "timed out" in str(info.value)
+    assert_clean_message(info.value)
+
+
+@pytest.mark.parametrize("url", ["not a url", "ftp://host", "http://", "http://host:port", "127.0.0.1:9000"])
+def test_check_invalid_endpoint_url(url):
+    b = S3Backend("bucket", "", endpoint_url=url)
+    with pytest.raises(StoreError) as info:
+        b.check()
+    assert "endpoint URL" in str(info.value)
+    assert_clean_message(info.value)
+    with pytest.raises(StoreError):
+        b.get("x")
+
+
+@pytest.mark.parametrize("template", ["http://user:{secret}@127.0.0.1:{port}", "user:{secret}@127.0.0.1:{port}",
+                                      "http://user:{secret}@127.0.0.1:bad"])
+def test_check_endpoint_url_credentials_are_redacted(template):
+    url = template.format(secret=DUMMY_SECRET_KEY, port=free_port())
+    with pytest.raises(StoreError) as info:
+        S3Backend("bucket", "", endpoint_url=url).check()
+    assert_clean_message(info.value)
+
+
+@pytest.fixture(scope="module")
+def auth_server(tmp_path_factory, moto_server):
+    """A second moto server that checks credentials (dummy keys are unknown)."""
+    server = MotoServer(tmp_path_factory.mktemp("moto-auth") / "access.log",
+                        env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_check_bad_credentials(auth_server):
+    b = s3_backend(auth_server.endpoint_url, "some-bucket")
+    with pytest.raises(AccessDenied) as info:
+        b.check()
+    assert "InvalidAccessKeyId" in str(info.value)
+    assert_clean_message(info.value)
+    with pytest.raises(AccessDenied) as info:
+        b.get("x")
+    assert info.value.errno == errno.EACCES
+    assert DUMMY_SECRET_KEY not in str(info.value) and DUMMY_ACCESS_KEY not in str(info.value)
+
+
+def test_check_no_credentials(moto_server, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    b = s3_backend(moto_server.endpoint_url, "some-bucket")
+    t0 = time.monotonic()
+    with pytest.raises(AccessDenied) as info:
+        b.check()
+    assert time.monotonic() - t0 < 5
+    assert "credentials" in str(info.value)
+    assert_clean_message(info.value)
+
+
+def test_check_unknown_profile(moto_server):
+    b = s3_backend(moto_server.endpoint_url, "some-bucket", profile="zs-no-such-profile")
+    with pytest.raises(AccessDenied) as info:
+        b.check()
+    assert "zs-no-such-profile" in str(info.value)
+    assert_clean_message(info.value)
+
+
+# ---------------------------------------------------------------------------
+# S3 only: a hung or dying server
+
+
+def test_async_timeout_on_hung_server(s3):
+    server, bucket, b = s3
+    b.put("k", DATA)
+    astore = AsyncStore(b, timeout=0.5)
+    server.pause()
+    try:
+        async def main():
+            t0 = trio.current_time()
+            with pytest.raises(Unavailable):
+                await astore.get("k")
+            assert trio.current_time() - t0 < 2
+
+        trio.run(main)
+    finally:
+        server.resume()
+    assert b.get("k").data == DATA
+
+
+def test_server_killed_during_call_then_restarted(s3):
+    """A call in flight when the server dies fails promptly with Unavailable
+    (after botocore's retries); once the server is back the same call works
+    on the same backend (its pooled connections are dead and replaced)."""
+    server, bucket, b = s3
+    b = s3_backend(server.endpoint_url, bucket, connect_timeout=1, read_timeout=10, max_attempts=3)
+    payload = os.urandom(1 << 20)
+    b.put("shard", payload)
+    b.get("shard", 0, 10)  # leave a pooled keep-alive connection
+    state = server.snapshot([bucket])
+    server.pause()  # the next request waits inside the server...
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            call = pool.submit(b.get, "shard", 4096, 65536)
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            server.kill()  # ...which dies under it
+            with pytest.raises(Unavailable) as info:
+                call.result(timeout=20)
+            assert time.monotonic() - t0 < 5
+        assert info.value.errno == errno.EIO
+        assert b.counters["retries"] == 2  # all three attempts were made
+        assert b.counters["errors"] == 1
+        with pytest.raises(Unavailable):  # dead server: refused at once
+            b.stat("shard")
+    finally:
+        server.start()
+        server.restore(state)
+    blob = b.get("shard", 4096, 65536)
+    assert blob.data == payload[4096:4096 + 65536]
+    assert blob.info.size == len(payload)
+    b.close()

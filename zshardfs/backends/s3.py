@@ -1,0 +1,522 @@
+"""An S3 bucket/prefix (AWS or any S3-compatible endpoint) as a store.
+
+One PUT replaces an object atomically, so a shard is always its old or its
+new version.  Versions are S3 ETags, kept exactly as S3 returns them
+(*with* the surrounding double quotes) and sent back verbatim in
+``If-Match``; callers must treat them as opaque strings.
+
+Conditional requests map onto the protocol like this:
+
+- ``get(if_match=)``   -> GET with ``If-Match``; 412 -> PreconditionFailed
+- ``put(if_match=)``   -> PUT with ``If-Match``; 412, 409 (concurrent
+  conditional writes) or 404 (object gone) -> PreconditionFailed
+- ``put(if_none_match=True)`` -> PUT with ``If-None-Match: *``
+- ``delete(if_match=)`` -> DELETE with ``If-Match``; 412/404 -> PreconditionFailed
+
+Retries, timeouts and the connection pool are botocore's (standard retry
+mode).  A failed *body* read is not retried by botocore, so ``get`` repeats
+the whole request itself; bytes of two responses are never stitched together.
+
+Error messages are written here, never copied from botocore, and mapped
+errors are raised ``from None``: no credential, signature or request header
+can reach a log through them.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import Counter
+from urllib.parse import urlsplit
+
+import boto3
+import botocore.exceptions as bce
+from botocore.config import Config
+
+from .base import (
+    AccessDenied,
+    Blob,
+    Listing,
+    NotFound,
+    ObjectInfo,
+    PreconditionFailed,
+    StoreError,
+    Unavailable,
+    bump,
+)
+
+# check() must answer within seconds even if the endpoint is a black hole.
+CHECK_CONNECT_TIMEOUT = 2.0
+CHECK_READ_TIMEOUT = 3.0
+CHECK_ATTEMPTS = 2
+
+_DENIED_CODES = {
+    "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+    "ExpiredToken", "InvalidToken", "TokenRefreshRequired", "AccountProblem",
+    "InvalidSecurity", "RequestTimeTooSkewed",
+}
+_UNAVAILABLE_CODES = {
+    "InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "Throttling",
+    "ThrottlingException",
+}
+_TRANSPORT_ERRORS = (
+    bce.HTTPClientError,  # connection closed, read timeout, streaming errors
+    bce.ConnectionError,  # endpoint unreachable, connect timeout, SSL, proxy
+    bce.IncompleteReadError,
+    OSError,
+)
+_CREDENTIAL_ERRORS = (
+    bce.NoCredentialsError,
+    bce.PartialCredentialsError,
+    bce.CredentialRetrievalError,
+    bce.UnknownCredentialError,
+)
+_CONTENT_RANGE = re.compile(r"bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)")
+
+
+class S3URLError(StoreError, ValueError):
+    """A malformed ``s3://`` source; a ValueError for callers that parse
+    arguments, a StoreError for those that report storage problems."""
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket[/prefix]`` -> ``(bucket, prefix)``, prefix without
+    leading/trailing '/' ('' for the bucket root)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme != "s3" or not parts.netloc or "@" in parts.netloc:
+        raise S3URLError(f"{url!r} is not an S3 URL of the form s3://bucket[/prefix].")
+    if parts.query or parts.fragment:
+        raise S3URLError(f"The S3 URL {url!r} must not have a query or fragment.")
+    prefix = "/".join(p for p in parts.path.split("/") if p)
+    return parts.netloc, prefix
+
+
+def _redact(url: str) -> str:
+    """Drop any ``user:password@`` from an endpoint URL before showing it.
+    Plain string surgery, so malformed URLs are redacted too."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    authority, slash, path = rest.partition("/")
+    authority = authority.rpartition("@")[2]
+    return f"{scheme}{sep}{authority}{slash}{path}"
+
+
+def _valid_endpoint(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        parts.port  # raises ValueError on a bad port
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
+
+
+class S3Backend:
+    """Thread-safe; one botocore client (and its connection pool) shared by
+    all worker threads.  The client is built on first use, so configuration
+    problems (bad endpoint URL, unknown profile) surface as StoreError from
+    :meth:`check` like every other mount-time problem."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        profile: str | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 10.0,
+        max_attempts: int = 3,
+        max_pool_connections: int = 32,
+        addressing_style: str | None = None,
+    ):
+        """``max_attempts`` counts the first try too (botocore's
+        ``total_max_attempts``).  Worst case for one call against a hung
+        endpoint is about ``max_attempts * (connect_timeout + read_timeout)``
+        plus backoff; keep AsyncStore's deadline above that, or abandoned
+        worker threads hold limiter slots until they give up.
+
+        ``addressing_style`` defaults to "path" with a custom endpoint
+        (MinIO, Ceph, moto need it) and to botocore's choice for AWS."""
+        self.bucket = bucket
+        self.prefix = "/".join(p for p in prefix.split("/") if p)
+        self.endpoint_url = endpoint_url
+        self.region = region
+        self.profile = profile
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.max_attempts = max(1, int(max_attempts))
+        self.max_pool_connections = max_pool_connections
+        self.addressing_style = addressing_style or ("path" if endpoint_url else None)
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.counters: Counter = Counter()
+        self._lock = threading.Lock()
+        self._session = None
+        self._client = None
+        self._tls = threading.local()
+
+    # -- client ----------------------------------------------------------------
+
+    @property
+    def _where(self) -> str:
+        return f"S3 endpoint {_redact(self.endpoint_url)}" if self.endpoint_url else "AWS S3"
+
+    def _new_client(self, connect_timeout, read_timeout, attempts, pool):
+        """Build a client; the caller holds ``self._lock`` (sessions are not
+        thread-safe)."""
+        if self.endpoint_url is not None and not _valid_endpoint(self.endpoint_url):
+            raise StoreError(
+                f"Invalid S3 endpoint URL {_redact(self.endpoint_url)!r}: expected http(s)://host[:port]."
+            )
+        try:
+            if self._session is None:
+                self._session = boto3.Session(profile_name=self.profile)
+            config = Config(
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                retries={"mode": "standard", "total_max_attempts": attempts},
+                max_pool_connections=pool,
+                s3={"addressing_style": self.addressing_style} if self.addressing_style else None,
+                # Third-party S3 servers often reject the default trailing
+                # checksums of botocore >= 1.36; TLS/TCP and the shard
+                # checksums already protect the bytes.
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+                user_agent_extra="zshardfs",
+            )
+            client = self._session.client(
+                "s3", endpoint_url=self.endpoint_url, region_name=self.region, config=config
+            )
+        except bce.ProfileNotFound:
+            raise AccessDenied(f"The AWS profile {self.profile!r} is not defined in the AWS config files.") from None
+        except ValueError:
+            raise StoreError(
+                f"Invalid S3 endpoint URL {_redact(self.endpoint_url or '')!r}: expected http(s)://host[:port]."
+            ) from None
+        except bce.BotoCoreError as exc:
+            raise StoreError(f"Cannot set up the S3 client for {self.url}: {type(exc).__name__}.") from None
+        # Count every attempt botocore sends, so that retries are known even
+        # when all of them fail without a response (RetryAttempts is only in
+        # ResponseMetadata when a response arrived).
+        client.meta.events.register("before-send.s3", self._count_attempt)
+        return client
+
+    def _count_attempt(self, **kwargs):
+        self._tls.attempts = getattr(self._tls, "attempts", 0) + 1
+        return None  # anything else would replace the HTTP response
+
+    @property
+    def client(self):
+        client = self._client
+        if client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._new_client(
+                        self.connect_timeout, self.read_timeout, self.max_attempts, self.max_pool_connections
+                    )
+                client = self._client
+        return client
+
+    # -- keys ------------------------------------------------------------------
+
+    def _obj(self, key: str) -> str:
+        """Store key -> S3 object key."""
+        key = key.strip("/")
+        if not self.prefix:
+            return key
+        return f"{self.prefix}/{key}" if key else self.prefix
+
+    def _dir(self, key: str) -> str:
+        """Store directory -> S3 listing prefix ('' or ending in '/')."""
+        obj = self._obj(key)
+        return f"{obj}/" if obj else ""
+
+    def _rel(self, obj_key: str) -> str:
+        """S3 object key -> store key."""
+        return obj_key[len(self.prefix) + 1:] if self.prefix else obj_key
+
+    # -- request plumbing ------------------------------------------------------
+
+    def _call(self, counter: str, op: str, key: str, *, tolerate: tuple[int, ...] = (),
+              gone_is_conflict: bool = False, **params):
+        """One botocore call: counts it and its retries, maps errors.
+
+        A status in ``tolerate`` is an expected answer, not an error: the
+        call returns None.  ``gone_is_conflict``: a 404 means the pinned
+        version is gone (conditional writes), i.e. PreconditionFailed.
+        """
+        bump(self.counters, counter)
+        self._tls.attempts = 0
+        try:
+            return getattr(self.client, op)(Bucket=self.bucket, **params)
+        except StoreError:
+            raise  # from building the client
+        except bce.ClientError as exc:
+            status, code = _status(exc)
+            if status in tolerate and code != "NoSuchBucket":
+                return None
+            raise self._map(exc, key, op, gone_is_conflict) from None
+        except Exception as exc:
+            raise self._map(exc, key, op) from None
+        finally:
+            if self._tls.attempts > 1:
+                bump(self.counters, "retries", self._tls.attempts - 1)
+
+    def _map(self, exc: Exception, key: str, op: str, gone_is_conflict: bool = False) -> StoreError:
+        """botocore exception -> StoreError with a message of our own."""
+        where = f"{self.url}: {key}" if key else self.url
+        if isinstance(exc, bce.ClientError):
+            status, code = _status(exc)
+            what = code or str(status)
+            missing = code != "NoSuchBucket" and (status == 404 or code in ("NoSuchKey", "NotFound"))
+            if (status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict")
+                    or (status == 409 and op in ("put_object", "delete_object"))
+                    or (missing and gone_is_conflict)):
+                bump(self.counters, "precondition_failed")
+                return PreconditionFailed(f"{where}: changed since it was read ({what})", key)
+            if missing:  # an answer, not an error (lookups of absent chunks are normal)
+                return NotFound(f"{where}: not found", key)
+            bump(self.counters, "errors")
+            if code == "NoSuchBucket":
+                return NotFound(f"{self.url}: bucket {self.bucket!r} does not exist", key)
+            if status == 403 or code in _DENIED_CODES:
+                return AccessDenied(f"{where}: access denied ({what})", key)
+            if status >= 500 or code in _UNAVAILABLE_CODES:
+                return Unavailable(f"{where}: server error ({what}) after {self.max_attempts} attempts", key)
+            return StoreError(f"{where}: {op} failed ({what})", key)
+        bump(self.counters, "errors")
+        if isinstance(exc, _CREDENTIAL_ERRORS):
+            return AccessDenied(f"{self.url}: no usable AWS credentials ({type(exc).__name__})", key)
+        if isinstance(exc, _TRANSPORT_ERRORS):
+            return Unavailable(f"{where}: {self._where} unreachable or not answering ({_reason(exc)})", key)
+        if isinstance(exc, bce.ParamValidationError):
+            return StoreError(f"{where}: invalid request parameters for {op}", key)
+        return StoreError(f"{where}: {op} failed ({type(exc).__name__})", key)
+
+    @staticmethod
+    def _info(key: str, meta: dict, size: int) -> ObjectInfo:
+        modified = meta.get("LastModified")
+        mtime = modified.timestamp() if modified is not None else time.time()
+        return ObjectInfo(key, size, meta.get("ETag", ""), mtime)
+
+    # -- reads -----------------------------------------------------------------
+
+    def _head(self, key: str, if_match: str | None = None) -> ObjectInfo | None:
+        params = {"Key": self._obj(key)}
+        if if_match is not None:
+            params["IfMatch"] = if_match
+        resp = self._call("head", "head_object", key, tolerate=(404,), **params)
+        if resp is None:
+            return None
+        return self._info(key, resp, resp.get("ContentLength", 0))
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        if not key:
+            return None
+        return self._head(key)
+
+    def is_dir(self, key: str) -> bool:
+        if not key:
+            return True
+        resp = self._call("list", "list_objects_v2", key, Prefix=self._dir(key), MaxKeys=1)
+        return resp.get("KeyCount", 0) > 0 or bool(resp.get("Contents"))
+
+    def _empty(self, key: str, if_match: str | None) -> Blob:
+        """Zero bytes requested or available: S3 cannot express that as a
+        range (416), so the version comes from a HEAD."""
+        info = self._head(key, if_match)
+        if info is None:
+            raise NotFound(f"{self.url}: {key}: not found", key)
+        return Blob(b"", info)
+
+    def get(self, key, start=0, length=None, *, suffix=None, if_match=None) -> Blob:
+        if length == 0 or suffix == 0:
+            return self._empty(key, if_match)
+        if suffix is not None:
+            rng = f"bytes=-{suffix}"
+        elif start > 0 or length is not None:
+            rng = f"bytes={start}-{start + length - 1}" if length is not None else f"bytes={start}-"
+        else:
+            rng = None
+        params = {"Key": self._obj(key)}
+        if rng:
+            params["Range"] = rng
+        if if_match is not None:
+            params["IfMatch"] = if_match
+        kind = "get_range" if rng else "get"
+
+        for attempt in range(1, self.max_attempts + 1):
+            resp = self._call(kind, "get_object", key, tolerate=(416,), **params)
+            if resp is None:  # range starts at or past the end (or object empty)
+                return self._empty(key, if_match)
+            body = resp["Body"]
+            try:
+                data = body.read()
+                break
+            except _TRANSPORT_ERRORS as exc:
+                # botocore retries requests, not body reads: repeat the GET.
+                if attempt == self.max_attempts:
+                    bump(self.counters, "errors")
+                    raise Unavailable(
+                        f"{self.url}: {key}: response body lost ({type(exc).__name__}) after {attempt} attempts", key
+                    ) from None
+                bump(self.counters, "retries")
+            finally:
+                body.close()
+
+        total = None
+        content_range = resp.get("ContentRange")
+        if content_range:
+            m = _CONTENT_RANGE.match(content_range)
+            if m and m.group(3) != "*":
+                total = int(m.group(3))
+        elif rng:
+            # The server ignored Range and sent the whole object: cut it here.
+            total = len(data)
+            data = data[-suffix:] if suffix is not None else data[start:None if length is None else start + length]
+        if total is None:  # no range asked, or an unparsable Content-Range
+            total = start + len(data)
+        bump(self.counters, "bytes_read", len(data))
+        return Blob(data, self._info(key, resp, total))
+
+    def list(self, prefix: str) -> Listing:
+        """Immediate children, following continuation tokens (1000 entries
+        per page; one ``list`` count per page)."""
+        dir_prefix = self._dir(prefix)
+        dirs: list[str] = []
+        files: list[ObjectInfo] = []
+        params = {"Prefix": dir_prefix, "Delimiter": "/"}
+        while True:
+            resp = self._call("list", "list_objects_v2", prefix, **params)
+            for cp in resp.get("CommonPrefixes", ()):
+                name = cp["Prefix"][len(dir_prefix):].rstrip("/")
+                if name:
+                    dirs.append(name)
+            for obj in resp.get("Contents", ()):
+                name = obj["Key"][len(dir_prefix):]
+                if not name or name.endswith("/"):
+                    continue  # "directory marker" objects written by some tools
+                files.append(self._info(self._rel(obj["Key"]), obj, obj.get("Size", 0)))
+            token = resp.get("NextContinuationToken")
+            if not resp.get("IsTruncated") or not token:
+                break
+            params["ContinuationToken"] = token
+        dirs.sort()
+        files.sort(key=lambda f: f.key)
+        return Listing(dirs, files)
+
+    # -- writes ----------------------------------------------------------------
+
+    def put(self, key, data, *, if_match=None, if_none_match=False) -> ObjectInfo:
+        data = bytes(data)
+        params = {"Key": self._obj(key), "Body": data}
+        if if_match is not None:
+            params["IfMatch"] = if_match
+        if if_none_match:
+            params["IfNoneMatch"] = "*"
+        resp = self._call("put", "put_object", key, gone_is_conflict=if_match is not None, **params)
+        bump(self.counters, "bytes_written", len(data))
+        # PutObject does not return LastModified; "now" is close enough.
+        return ObjectInfo(key, len(data), resp.get("ETag", ""), time.time())
+
+    def delete(self, key, *, if_match=None) -> None:
+        params = {"Key": self._obj(key)}
+        if if_match is not None:
+            params["IfMatch"] = if_match
+        # Absent is fine without a condition (S3 answers 204 anyway); with
+        # If-Match a 404 means the pinned version is gone.
+        self._call("delete", "delete_object", key, tolerate=() if if_match is not None else (404,),
+                   gone_is_conflict=if_match is not None, **params)
+
+    # -- mount-time check ------------------------------------------------------
+
+    def check(self) -> bool:
+        """Prove the bucket is reachable and readable, quickly.
+
+        Uses its own client with short timeouts and few attempts, so a dead
+        or black-holed endpoint fails in seconds.  Raises a StoreError whose
+        message is one sentence meant for the user.  Returns True when some
+        object exists below the prefix (False: an empty store).
+        """
+        with self._lock:
+            client = self._new_client(
+                min(self.connect_timeout, CHECK_CONNECT_TIMEOUT),
+                min(self.read_timeout, CHECK_READ_TIMEOUT),
+                min(self.max_attempts, CHECK_ATTEMPTS),
+                1,
+            )
+        bump(self.counters, "list")
+        try:
+            resp = client.list_objects_v2(Bucket=self.bucket, Prefix=self._dir(""), MaxKeys=1)
+        except bce.ClientError as exc:
+            status, code = _status(exc)
+            bump(self.counters, "errors")
+            if code == "NoSuchBucket" or (status == 404 and code in ("", "404", "NotFound")):
+                raise NotFound(f"The S3 bucket {self.bucket!r} does not exist at {self._where}.") from None
+            if status == 403 or code in _DENIED_CODES:
+                raise AccessDenied(
+                    f"Access to {self.url} was denied ({code or status}): check the AWS credentials, "
+                    f"profile and bucket policy."
+                ) from None
+            if code in ("InvalidBucketName",):
+                raise StoreError(f"{self.bucket!r} is not a valid S3 bucket name.") from None
+            if status >= 500 or code in _UNAVAILABLE_CODES:
+                raise Unavailable(f"The {self._where} answered with a server error ({code or status}).") from None
+            raise StoreError(f"Reading {self.url} failed with {code or 'HTTP'} {status}.") from None
+        except _CREDENTIAL_ERRORS:
+            bump(self.counters, "errors")
+            raise AccessDenied(
+                "No AWS credentials were found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                "a profile, or another source of the standard credential chain."
+            ) from None
+        except bce.ParamValidationError:
+            bump(self.counters, "errors")
+            raise StoreError(f"{self.bucket!r} is not a valid S3 bucket name.") from None
+        except _TRANSPORT_ERRORS as exc:
+            bump(self.counters, "errors")
+            raise Unavailable(
+                f"Cannot reach the {self._where} ({_reason(exc)}); check the endpoint URL and the network."
+            ) from None
+        except bce.BotoCoreError as exc:
+            bump(self.counters, "errors")
+            raise StoreError(f"Checking {self.url} failed ({type(exc).__name__}).") from None
+        finally:
+            client.close()
+        return resp.get("KeyCount", 0) > 0
+
+    def make_dir(self, key: str) -> None:
+        """S3 has no directories: a prefix exists once an object is below it."""
+
+    def remove_dir(self, key: str) -> None:
+        """S3 has no directories to remove."""
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+def _status(exc: bce.ClientError) -> tuple[int, str]:
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0
+    code = str(exc.response.get("Error", {}).get("Code", "") or "")
+    return int(status), code
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, (bce.ConnectTimeoutError, bce.ReadTimeoutError)):
+        return "timed out"
+    if isinstance(exc, bce.SSLError):
+        return "TLS handshake failed"
+    if isinstance(exc, bce.ProxyConnectionError):
+        return "proxy connection failed"
+    if isinstance(exc, bce.EndpointConnectionError):
+        return "connection failed"
+    return "connection lost"
+
+
+__all__ = ["S3Backend", "S3URLError", "parse_s3_url"]
