@@ -349,10 +349,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+COMMANDS = ("mount", "umount", "sync", "stats")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):
+        argv = ["mount", *argv]  # mount.fuse3 calls "zshardfs SOURCE MOUNTPOINT -o OPTS"
     args = parser.parse_args(argv)
-    args.raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args.raw_argv = argv
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -366,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def mount_helper(argv: list[str] | None = None) -> int:
-    """``mount.zshardfs SOURCE MOUNTPOINT [-o opts]`` as mount(8) and fstab call it."""
+    """``mount.zshardfs SOURCE MOUNTPOINT [-o opts]`` as mount(8) calls it
+    for ``-t zshardfs`` (fstab type ``zshardfs``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     return main(["mount", *argv])
 
