@@ -200,7 +200,7 @@ def _spawn(args, cfg: MountConfig) -> int:
         code = proc.wait()
         early_err.seek(0)
         lines = [ln.strip() for ln in early_err.read()[-4096:].decode(errors="replace").splitlines() if ln.strip()]
-    reason = f": {lines[-1]}" if lines else ""
+    reason = f": {lines[-1]}" if lines else (f" (see {cfg.log_file})" if cfg.log_file else "")
     return _fail(f"the daemon exited ({code}) before the mount was ready{reason}")
 
 
@@ -287,8 +287,8 @@ def cmd_umount(args) -> int:
                             capture_output=True, text=True)
     if result.returncode != 0:
         return _fail(f"cannot unmount {mnt}: {result.stderr.strip() or 'fusermount3 failed'}")
-    if pid is None:
-        return EXIT_OK
+    if pid is None or args.lazy:
+        return EXIT_OK  # lazy: the daemon ends when the last open file is closed
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         if not _running(pid):

@@ -94,11 +94,13 @@ TRACED = ("lookup", "forget", "getattr", "setattr", "readlink", "mknod", "mkdir"
 
 def _show(value) -> str:
     if isinstance(value, (bytes, bytearray, memoryview)):
-        if len(value) <= 64:
+        if len(value) <= 255:  # a name, or a short xattr value
             try:
-                return repr(os.fsdecode(bytes(value)))
-            except (UnicodeDecodeError, ValueError):
-                pass
+                text = bytes(value).decode("utf-8")
+            except UnicodeDecodeError:
+                text = None
+            if text is not None and text.isprintable():
+                return repr(text)
         return f"<{len(value)} bytes>"
     if isinstance(value, pyfuse3.EntryAttributes):
         return f"ino={value.st_ino} mode={value.st_mode:o} size={value.st_size}"
@@ -143,7 +145,9 @@ class Mount:
     def __init__(self, cfg: MountConfig, backend):
         self.cfg = cfg
         self.started = time.time()
-        self.store = AsyncStore(backend, max_connections=cfg.max_connections, timeout=cfg.timeout)
+        # S3 listings are kept for metadata_ttl (local ones cost less than keeping them)
+        list_ttl = cfg.metadata_ttl if cfg.source.startswith("s3://") else 0.0
+        self.store = AsyncStore(backend, max_connections=cfg.max_connections, timeout=cfg.timeout, list_ttl=list_ttl)
         prefetch = cfg.prefetch == "on"
         self.shards = ShardCache(self.store, index_cache_bytes=cfg.index_cache, index_ttl=cfg.index_ttl,
                                  chunk_cache_bytes=cfg.chunk_cache, prefetch=prefetch,
@@ -206,6 +210,7 @@ class Mount:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._signals, nursery)
+                self.shards.nursery = nursery  # background read-ahead of scans
                 await nursery.start(self.writeback.run)
                 await pyfuse3.main()
                 nursery.cancel_scope.cancel()

@@ -17,6 +17,7 @@ traceback in the log, never a dead daemon.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import logging
@@ -28,22 +29,17 @@ from dataclasses import dataclass, field
 import pyfuse3
 
 from .backends.base import CorruptData, StoreError
+from .logonce import log_once
 from .view import Handle, Node, View
 
 log = logging.getLogger(__name__)
 
-_last_logged: dict[str, float] = {}
-
 
 def _log_once(level: int, msg: str) -> None:
     """One log line per distinct message per minute: a damaged shard read a
-    thousand times is one line, not a thousand."""
-    now = time.monotonic()
-    if now - _last_logged.get(msg, -1e9) > 60:
-        _last_logged[msg] = now
-        if len(_last_logged) > 10000:
-            _last_logged.clear()
-        log.log(level, msg)
+    thousand times is one line, not a thousand (shared with the layouts'
+    listings, see logonce.py)."""
+    log_once(log, level, msg)
 
 
 def _translate(fn):
@@ -175,14 +171,17 @@ class Operations(pyfuse3.Operations):
     async def getattr(self, inode, ctx=None):
         node = self._node(inode)
         if not node.is_dir:
-            # written data lives in memory: its size is known without I/O and
+            # Written data lives in memory: its size is known without I/O and
             # must not wait for the attribute TTL (the kernel asks right after
-            # each write, then reads only that many bytes)
-            fresh = self.view.in_memory(node)
-            if fresh is None and time.monotonic() - node.created > self.attr_timeout:
+            # each write, then reads only that many bytes).  Not kept in the
+            # table: the memory state ends with a flush or a refusal.
+            live = self.view.in_memory(node)
+            if live is not None:
+                return self._attrs(inode, live)
+            if time.monotonic() - node.created > self.attr_timeout:
                 fresh = await self.view.refresh(node)
-            if fresh is not None:
-                node = self.inodes[inode].node = fresh
+                if fresh is not None:
+                    node = self.inodes[inode].node = fresh
         return self._attrs(inode, node)
 
     # -- directories --------------------------------------------------------
@@ -252,6 +251,8 @@ class Operations(pyfuse3.Operations):
         node = self._node(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
+        if node.created == float("-inf"):  # written through a handle since: what is it now?
+            node = self.inodes[inode].node = (await self.view.refresh(node)) or node
         write = bool(flags & (os.O_WRONLY | os.O_RDWR))
         if write and self.read_only:
             raise pyfuse3.FUSEError(errno.EROFS)
@@ -275,6 +276,8 @@ class Operations(pyfuse3.Operations):
             log.exception("release failed")
         ino = self.inodes.get(inode)
         if ino:
+            if handle.writable:  # its size may have changed: ask the view on the next getattr
+                ino.node = dataclasses.replace(ino.node, created=float("-inf"))
             ino.handles -= 1
             self._drop_if_unused(inode)
 

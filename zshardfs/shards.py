@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import trio
 
-from .backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed
+from .backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,11 @@ class ByteLRU:
     def __contains__(self, key) -> bool:
         return key in self._d
 
+    def peek(self, key):
+        """The value without touching the LRU order or the hit counters."""
+        item = self._d.get(key)
+        return None if item is None else item[0]
+
     def pop(self, key) -> None:
         item = self._d.pop(key, None)
         if item is not None:
@@ -103,16 +108,10 @@ class ByteLRU:
         return len(self._d)
 
 
-@dataclass
-class _Stream:
-    """Recent reads below one directory of shards (about one dataset)."""
-
-    shard: str = ""
-    last_id: int = -2  # the chunk read last from ``shard``...
-    last_end: int = -1  # ...and where it ends in the shard
-    sequential: bool = False  # two neighbouring chunks of ``shard`` were read
-    previous_sequential: bool = False  # ... of the shard read before it
-    prefetched: bool = False
+#: shards whose last read position the scan detector remembers
+SCAN_SHARDS = 4096
+#: shards a scan reads ahead of the one it is in, in the background
+READ_AHEAD_SHARDS = 4
 
 
 @dataclass
@@ -139,16 +138,38 @@ class ShardCache:
         self.prefetch = prefetch
         self.prefetch_max = min(prefetch_max, max(chunk_cache_bytes // 4, 1))
         self.prefetch_gap = prefetch_gap
-        self._streams: OrderedDict[str, _Stream] = OrderedDict()
-        self._prefetching: dict[tuple[str, str], tuple[set[int], trio.Event]] = {}
+        # scan detection: where the last read of each recent shard ended
+        # (chunk id, end offset), and whether reads currently walk forward
+        self._positions: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._scan = False
+        self._prefetching: dict[tuple[str, str], list[tuple[set[int], trio.Event]]] = {}
         self.prefetches = 0
+        # read-ahead across shards: indexes in the order they were loaded (a
+        # listing loads them in the order a scan of the view reads them), and
+        # the nursery background fetches run in (set by the daemon; None: none)
+        self.nursery: trio.Nursery | None = None
+        self._load_seq = 0
+        self._loaded: OrderedDict[str, tuple[int, ShardFormat, Any]] = OrderedDict()  # key -> (seq, fmt, ctx)
+        self._by_seq: dict[int, str] = {}
+        self._read_ahead: OrderedDict[tuple[str, str], None] = OrderedDict()  # (key, etag) fetched or in flight
+        self._read_ahead_running = 0
+        # any fresh answer from storage about a shard re-validates its index
+        observers = getattr(store, "observers", None)
+        if observers is not None:
+            observers.append(self._observe)
 
-    async def index(self, fmt: ShardFormat, key: str, shard_ctx: Any = None) -> ShardIndex | None:
-        """The current index of shard ``key`` (None: no such shard)."""
+    async def index(self, fmt: ShardFormat, key: str, shard_ctx: Any = None, *,
+                    expired_ok: bool = False) -> ShardIndex | None:
+        """The current index of shard ``key`` (None: no such shard).
+
+        ``expired_ok``: a cached index past ``index_ttl`` is returned without
+        re-validation, for a caller that pins its next read to that version
+        (the pinned GET re-validates it, or fails with 412 and the caller
+        reloads): a HEAD saved."""
         while True:
             cached: _Cached | None = self.indexes.get(key)
             if cached is not None:
-                if time.monotonic() - cached.checked < self.index_ttl:
+                if time.monotonic() - cached.checked < self.index_ttl or (expired_ok and cached.index is not None):
                     return cached.index
                 if await self._still_valid(key, cached):
                     cached.checked = time.monotonic()
@@ -162,6 +183,12 @@ class ShardCache:
         try:
             index = await fmt.load_index(self.store, key, shard_ctx)
             self.indexes.put(key, _Cached(index), 256 + (index.nbytes if index else 0))
+            if index is not None and key not in self._loaded:
+                self._load_seq += 1
+                self._loaded[key] = (self._load_seq, fmt, shard_ctx)
+                self._by_seq[self._load_seq] = key
+                while len(self._loaded) > SCAN_SHARDS:
+                    self._by_seq.pop(self._loaded.popitem(last=False)[1][0], None)
             return index
         finally:
             del self._loading[key]
@@ -173,9 +200,26 @@ class ShardCache:
             return info is None
         return info is not None and info.etag == cached.index.info.etag
 
+    def _observe(self, info: ObjectInfo) -> None:
+        """Storage just told us the current version of ``info.key`` (a
+        listing, a HEAD, a pinned GET): a cached index of that version is
+        valid for another ``index_ttl``, one of another version is dropped.
+        This is what saves a scan its re-validation HEADs."""
+        cached: _Cached | None = self.indexes.peek(info.key)
+        if cached is None or cached.index is None:
+            return
+        if cached.index.info.etag == info.etag:
+            cached.checked = time.monotonic()
+        else:
+            self.indexes.pop(info.key)
+
     def forget(self, key: str) -> None:
         """Drop what is cached of one shard (after a write, or a mismatch)."""
         self.indexes.pop(key)
+
+    def _expired(self, key: str) -> bool:
+        cached: _Cached | None = self.indexes.peek(key)
+        return cached is not None and time.monotonic() - cached.checked >= self.index_ttl
 
     async def locate(self, fmt: ShardFormat, key: str, chunk_id: int, shard_ctx: Any = None):
         """(index, offset, nbytes) of a stored chunk, or None."""
@@ -189,29 +233,43 @@ class ShardCache:
 
     async def read_chunk(self, fmt: ShardFormat, key: str, chunk_id: int, shard_ctx: Any = None) -> bytes | None:
         """The whole stored chunk as the view shows it, or None if absent."""
+        scan = None
         for attempt in range(3):
-            found = await self.locate(fmt, key, chunk_id, shard_ctx)
-            if found is None:
+            index = await self.index(fmt, key, shard_ctx, expired_ok=True)
+            where = await index.locate(chunk_id) if index is not None else None
+            if ((where is None or where[1] == 0 or (key, index.info.etag, chunk_id) in self.chunks)
+                    and self._expired(key)):
+                # answered from caches alone (no pinned GET): only a current version may do that
+                index = await self.index(fmt, key, shard_ctx)
+                where = await index.locate(chunk_id) if index is not None else None
+            if where is None:
                 return None
-            index, offset, nbytes = found
+            offset, nbytes = where
             ckey = (key, index.info.etag, chunk_id)
             data = self.chunks.get(ckey)
+            if scan is None and self.prefetch:
+                scan = self._scanning(key, chunk_id, offset, nbytes, hit=data is not None)
             if data is not None:
                 return data
-            inflight = self._prefetching.get((key, index.info.etag))
-            if inflight is not None and chunk_id in inflight[0]:
-                await inflight[1].wait()
-                data = self.chunks.get(ckey)
-                if data is not None:
-                    return data
+            for ids, event in list(self._prefetching.get((key, index.info.etag), ())):
+                if chunk_id in ids:
+                    await event.wait()
+                    data = self.chunks.get(ckey)
+                    if data is not None:
+                        return data
+                    break
             if nbytes == 0:
                 return fmt.decode_chunk(b"")
             if offset + nbytes > index.info.size:
                 raise CorruptData(f"{key}: chunk {chunk_id} at {offset}+{nbytes} lies past the end of the shard "
                                   f"({index.info.size} bytes)", key)
             try:
-                if self.prefetch and self._scanning(key, chunk_id, offset, nbytes):
-                    data = await self._prefetch(fmt, key, index, chunk_id, offset)
+                if scan:
+                    self._read_ahead[(key, index.info.etag)] = None
+                    try:
+                        data = await self._prefetch(fmt, key, index, chunk_id)
+                    except CorruptData:
+                        data = None  # read-ahead is best effort: damage elsewhere in the shard is not this chunk's
                     if data is not None:
                         return data
                 blob = await self.store.get(key, offset, nbytes, if_match=index.info.etag)
@@ -226,67 +284,122 @@ class ShardCache:
             return data
         raise CorruptData(f"{key}: shard keeps changing while being read", key)
 
-    def _scanning(self, key: str, chunk_id: int, offset: int, nbytes: int) -> bool:
-        """Record a chunk read (a cache miss); True when reads walk through
-        shards, so the rest of this shard is worth fetching now: a read of a
-        neighbour (next chunk id, or next bytes) of the previous read in the
-        same shard, or the first read of a shard whose predecessor was read
-        that way.  Random single-chunk reads rarely look like that."""
-        name = key.rpartition("/")[0]
-        stream = self._streams.get(name)
-        if stream is None:
-            stream = self._streams[name] = _Stream()
-            while len(self._streams) > 256:
-                self._streams.popitem(last=False)
-        self._streams.move_to_end(name)
-        if stream.shard != key:
-            stream.previous_sequential = stream.sequential
-            stream.shard, stream.sequential, stream.prefetched = key, False, False
-        elif abs(chunk_id - stream.last_id) == 1 or offset == stream.last_end:
-            stream.sequential = True
-        stream.last_id, stream.last_end = chunk_id, offset + nbytes
-        if stream.prefetched or not (stream.sequential or stream.previous_sequential):
-            return False
-        stream.prefetched = True
-        return True
+    def _scanning(self, key: str, chunk_id: int, offset: int, nbytes: int, hit: bool) -> bool:
+        """Record a chunk read; True when a miss should fetch ahead.
 
-    async def _prefetch(self, fmt: ShardFormat, key: str, index: ShardIndex, chunk_id: int, offset: int):
-        """Fetch the shard's stored chunks from ``offset`` on (wrapping to the
-        start) that are not cached, in coalesced ranged GETs of at most
-        ``prefetch_max`` bytes in all; returns the wanted chunk's data."""
-        entries = sorted((off, n, cid) for cid, off, n in await index.entries()
-                         if n and off + n <= index.info.size and (key, index.info.etag, cid) not in self.chunks)
-        entries = [e for e in entries if e[0] >= offset] + [e for e in entries if e[0] < offset]
+        Reads *walk* when a read continues the previous read of the same
+        shard (the next chunk id, or the bytes right after it), whatever was
+        read from other shards in between.  That matters: the view lists a
+        multi-dimensional array in C order over the inner-chunk grid, so a
+        scan (``cp -r``, ``find | xargs cat``) visits each shard in many
+        short runs, interleaved with the runs of all its neighbours along the
+        last dimensions; "the previous read" must be per shard.
+
+        While reads walk, a miss fetches ahead in this shard (the first
+        read of a shard included, which is how a scan gets one GET per
+        shard).  A miss that does not continue its shard's previous read
+        ends the walk (random reads); cache hits never end it (sparse shards
+        and chunks clipped at the array's edge skip ids)."""
+        prev = self._positions.pop(key, None)
+        self._positions[key] = (chunk_id, offset + nbytes)
+        if len(self._positions) > SCAN_SHARDS:
+            self._positions.popitem(last=False)
+        if prev is not None:
+            if chunk_id == prev[0] + 1 or (offset == prev[1] and chunk_id != prev[0]):
+                self._scan = True
+            elif not hit:
+                self._scan = False
+        elif self._scan:
+            self._start_read_ahead(key)
+        return self._scan and not hit
+
+    def _start_read_ahead(self, key: str) -> None:
+        """A scan entered shard ``key``: fetch, in the background, the
+        shards whose indexes were loaded right after its own (the view's
+        listing order, which is the order the scan reads them), so that
+        their data is here when the scan gets to them.  At most
+        READ_AHEAD_SHARDS fetches run at once, of at most a quarter of the
+        chunk cache together; a shard already fetched is not fetched again."""
+        loaded = self._loaded.get(key)
+        if self.nursery is None or loaded is None:
+            return
+        budget = self.chunks.max_bytes // 4
+        for seq in range(loaded[0] + 1, loaded[0] + 1 + 4 * READ_AHEAD_SHARDS):
+            if self._read_ahead_running >= READ_AHEAD_SHARDS:
+                return
+            nxt = self._by_seq.get(seq)
+            cached: _Cached | None = self.indexes.peek(nxt) if nxt is not None else None
+            if cached is None or cached.index is None:
+                continue
+            budget -= min(cached.index.info.size, self.prefetch_max)
+            if budget < 0:
+                return
+            tag = (nxt, cached.index.info.etag)
+            if tag in self._read_ahead:
+                continue
+            self._read_ahead[tag] = None
+            while len(self._read_ahead) > SCAN_SHARDS:
+                self._read_ahead.popitem(last=False)
+            self._read_ahead_running += 1
+            self.nursery.start_soon(self._read_ahead_one, self._loaded[nxt][1], nxt, cached.index)
+
+    async def _read_ahead_one(self, fmt: ShardFormat, key: str, index: ShardIndex) -> None:
+        try:
+            await self._prefetch(fmt, key, index, 0)
+        except (PreconditionFailed, NotFound):
+            self.forget(key)  # replaced or gone: whoever reads it next reloads the index
+        except StoreError as exc:  # best effort: the read that needs the data reports errors
+            log.debug("read-ahead of %s failed: %s", key, exc)
+        finally:
+            self._read_ahead_running -= 1
+
+    async def _prefetch(self, fmt: ShardFormat, key: str, index: ShardIndex, chunk_id: int):
+        """Fetch stored chunks of the shard that are not cached, in the order
+        a scan reads them (ascending chunk id from ``chunk_id``, then the
+        ones before it), at most ``prefetch_max`` bytes; in as few ranged
+        GETs as their offsets allow (chunks closer than ``prefetch_gap`` are
+        read in one range).  Every chunk that lies whole in a fetched range
+        is cached.  Returns the wanted chunk's data (None: not fetched)."""
+        etag, size = index.info.etag, index.info.size
+        running = self._prefetching.setdefault((key, etag), [])
+        busy = set().union(*(ids for ids, _ in running)) if running else set()
+        entries = [(cid, off, n) for cid, off, n in await index.entries() if n and off + n <= size]
+        todo = sorted((e for e in entries if e[0] not in busy and (key, etag, e[0]) not in self.chunks),
+                      key=lambda e: (e[0] < chunk_id, e[0]))
         chosen, total = [], 0
-        for e in entries:
-            if total + e[1] > self.prefetch_max and chosen:
+        for e in todo:
+            if total + e[2] > self.prefetch_max and chosen:
                 break
             chosen.append(e)
-            total += e[1]
-        chosen.sort()
-        ids = {cid for _, _, cid in chosen}
-        event = trio.Event()
-        self._prefetching[(key, index.info.etag)] = (ids, event)
+            total += e[2]
+        if not chosen:
+            return None
+        chosen.sort(key=lambda e: e[1])
+        ranges, start, end = [], chosen[0][1], chosen[0][1] + chosen[0][2]
+        for _, off, n in chosen[1:]:
+            if off - end > self.prefetch_gap:
+                ranges.append((start, end))
+                start = off
+            end = max(end, off + n)
+        ranges.append((start, end))
+        entry = ({cid for cid, _, _ in chosen}, trio.Event())
+        running.append(entry)
         self.prefetches += 1
         try:
-            i = 0
-            while i < len(chosen):
-                start, end, j = chosen[i][0], chosen[i][0] + chosen[i][1], i + 1
-                while j < len(chosen) and chosen[j][0] - end <= self.prefetch_gap:
-                    end = max(end, chosen[j][0] + chosen[j][1])
-                    j += 1
-                blob = await self.store.get(key, start, end - start, if_match=index.info.etag)
-                for off, n, cid in chosen[i:j]:
-                    piece = blob.data[off - start: off - start + n]
-                    if len(piece) != n:
+            by_offset = sorted(entries, key=lambda e: e[1])
+            for start, end in ranges:
+                blob = await self.store.get(key, start, end - start, if_match=etag)
+                for cid, off, n in by_offset:
+                    if off < start or off + n > start + len(blob.data) or (key, etag, cid) in self.chunks:
                         continue
                     try:
-                        decoded = fmt.decode_chunk(piece)
+                        decoded = fmt.decode_chunk(blob.data[off - start: off - start + n])
                     except (CorruptData, ValueError, OSError):
                         continue  # reported if and when that chunk itself is read
-                    self.chunks.put((key, index.info.etag, cid), decoded, len(decoded) + 64)
-                i = j
+                    self.chunks.put((key, etag, cid), decoded, len(decoded) + 64)
         finally:
-            del self._prefetching[(key, index.info.etag)]
-            event.set()
-        return self.chunks.get((key, index.info.etag, chunk_id))
+            running.remove(entry)
+            if not running:
+                self._prefetching.pop((key, etag), None)
+            entry[1].set()
+        return self.chunks.peek((key, etag, chunk_id))

@@ -80,6 +80,7 @@ class FileBuffer:
     dirty: bool = False
     handles: int = 0
     mtime: float = field(default_factory=time.time)
+    in_store: bool = True  # False: created here and not stored yet (nothing to delete)
 
 
 @dataclass(eq=False)
@@ -346,10 +347,7 @@ class View:
             if dirty.data is None:
                 raise NotFound(f"{node.path}: deleted", node.path)
             return bytes(dirty.data)
-        data = await self.shards.read_chunk(node.dataset.shard_format, t.shard_key, t.chunk_id, t.shard_ctx)
-        if data is None:
-            raise NotFound(f"{node.path}: no longer stored", node.path)
-        return data
+        return await node.dataset.read(t)
 
     async def read(self, handle: Handle | Node, offset: int, size: int) -> bytes:
         """Bytes of a file (whole chunks are cached by the shard layer)."""
@@ -374,6 +372,10 @@ class View:
         if self.read_only:
             raise ViewError(errno.EROFS, "read-only mount")
 
+    def _check_chunk_writable(self, node: Node) -> None:
+        if node.is_chunk and not node.target.writable:
+            raise ViewError(errno.EPERM, f"{node.path}: the view cannot store this file (read-only part of the dataset)")
+
     def _remember_new_chunk(self, node: Node) -> None:
         self.new_chunks.setdefault(_parent(node.path), {})[node.name] = (node.dataset, node.rel, node.target)
 
@@ -385,6 +387,7 @@ class View:
             t = node.target
             if t.capacity is None:
                 t = node.target = node.dataset.target(node.rel) or t
+            self._check_chunk_writable(node)
             initial = b"" if truncate else await self.content(node)
             chunk = self.writeback.open_chunk(t.shard_key, node.dataset.shard_format, t.shard_ctx, t.chunk_id,
                                               initial, t.capacity)
@@ -428,7 +431,7 @@ class View:
             key = None  # scratch: a temporary name inside the chunk namespace
         else:
             key = join_key(parent.key, name)
-        buf = self.buffers[path] = FileBuffer(path, key, bytearray(), dirty=True)
+        buf = self.buffers[path] = FileBuffer(path, key, bytearray(), dirty=True, in_store=False)
         buf.handles += 1
         return Handle(self._buffer_node(buf), True, buffer=buf)
 
@@ -471,14 +474,16 @@ class View:
         buf = handle.buffer
         if buf is None or not buf.dirty or buf.key is None:
             return
-        if self._is_scratch_in_dataset_root(buf):
+        if await self._is_scratch_in_dataset_root(buf):
             return  # stored at fsync/sync, or moved by a rename before that
         await self._store_buffer(buf)
 
-    def _is_scratch_in_dataset_root(self, buf: FileBuffer) -> bool:
-        cached = self.datasets.get(_parent(buf.key))
-        is_doc = any(layout.is_document(buf.key) for layout in LAYOUTS)
-        return bool(cached and cached[0] is not None and not is_doc)
+    async def _is_scratch_in_dataset_root(self, buf: FileBuffer) -> bool:
+        # asked of the dataset, not of the probe cache: a temporary held open
+        # longer than the metadata TTL must not land in the store
+        if any(layout.is_document(buf.key) for layout in LAYOUTS):
+            return False
+        return await self.dataset_at(_parent(buf.key)) is not None
 
     async def _store_buffer(self, buf: FileBuffer) -> None:
         data = bytes(buf.data)
@@ -490,12 +495,18 @@ class View:
                                                       self.shard_option)
                 except ValueError as exc:
                     log.error("refused to store %s: %s", buf.key, exc)
+                    # refused for good: the view shows the stored document
+                    # again, and sync/unmount do not retry it forever
+                    buf.dirty = False
+                    if self.buffers.get(buf.path) is buf:
+                        del self.buffers[buf.path]
                     raise ViewError(errno.EPERM, f"{buf.key}: {exc}") from None
                 if accepted is not None:
                     data = accepted
                     break
         await self.store.put(buf.key, data)
         buf.dirty = False
+        buf.in_store = True
         self.datasets.pop(_parent(buf.key))
         self.datasets.pop(buf.key)
 
@@ -524,13 +535,14 @@ class View:
             raise ViewError(errno.ENOENT, f"{name}: no such file")
         if node.is_dir:
             raise ViewError(errno.EISDIR, f"{name}: is a directory")
+        self._check_chunk_writable(node)
         buf = self.buffers.pop(node.path, None)
         if node.is_chunk:
             t = node.target
             self.writeback.delete(t.shard_key, node.dataset.shard_format, t.shard_ctx, t.chunk_id)
             return
-        if buf is not None and buf.key is None:
-            return  # scratch: never stored
+        if buf is not None and (buf.key is None or not buf.in_store):
+            return  # scratch, or a new file not stored yet: nothing in storage to remove
         if node.key is not None:
             try:
                 await self.store.delete(node.key)
@@ -574,6 +586,7 @@ class View:
             raise ViewError(errno.ENOENT, f"{name}: no such file")
         if node.is_dir:
             raise ViewError(errno.EXDEV, f"{name}: directories cannot be renamed here")
+        self._check_chunk_writable(node)
         buf = self.buffers.get(node.path)
         data = bytes(buf.data) if buf is not None else (
             await self.content(node) if node.is_chunk else await self._stored_bytes(node))

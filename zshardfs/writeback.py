@@ -65,7 +65,10 @@ class DirtyShard:
 
     @property
     def nbytes(self) -> int:
-        return sum(len(c.data) for c in self.chunks.values() if c.data is not None)
+        """Bytes not in storage yet (a chunk flushed while still open is not
+        dirty until it changes again: counting it would keep a writer waiting
+        for room that no flush can make)."""
+        return sum(len(c.data) for c in self.chunks.values() if c.data is not None and c.clean != c.version)
 
     @property
     def busy(self) -> bool:
@@ -180,17 +183,25 @@ class WriteBack:
         if shard is None:
             return
         async with shard.lock:
-            if self.dirty.get(key) is not shard or not shard.chunks:
+            if self.dirty.get(key) is not shard:
                 return
-            snapshot = {cid: (c.version, None if c.data is None else bytes(c.data)) for cid, c in shard.chunks.items()}
+            # chunks flushed while open and unchanged since are in storage already
+            snapshot = {cid: (c.version, None if c.data is None else bytes(c.data))
+                        for cid, c in shard.chunks.items() if c.clean != c.version}
+            if not snapshot:
+                return
             try:
                 await self._write_shard(shard, {cid: d for cid, (_, d) in snapshot.items()})
             except StoreError as exc:
+                if isinstance(exc, NotFound):
+                    # a place to write that vanished (local: a parent that is
+                    # a file) is a failed write, not a missing file: EIO
+                    exc = StoreError(str(exc), key)
                 shard.error = exc
                 shard.failures += 1
                 self.flush_errors += 1
                 log.error("flush of %s failed (attempt %d, kept in memory): %s", key, shard.failures, exc)
-                raise
+                raise exc from None
             shard.error = None
             shard.failures = 0
             self.flushes += 1

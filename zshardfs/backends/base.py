@@ -20,7 +20,8 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Protocol, TypeVar
 
@@ -187,15 +188,41 @@ class AsyncStore:
     readers overlap their requests but never more than the limit.  A call
     that has not finished after ``timeout`` seconds fails with ``Unavailable``
     (EIO); the worker thread is abandoned, the loop never hangs.
+
+    ``list_ttl`` > 0 keeps listings that long (S3: a LIST is slow and dear,
+    and a scan of the view lists each shard directory once per chunk
+    directory below it).  Writes through this store drop the listings of
+    their key's ancestors at once, so the mount always sees its own writes;
+    other clients' changes show within ``list_ttl``.
+
+    ``observers`` are called with every :class:`ObjectInfo` storage has just
+    answered (HEAD, listing, GET; not cached listings): fresh evidence of
+    an object's current version, which the shard cache uses to re-validate
+    indexes without requests of its own.
     """
 
-    def __init__(self, backend: Backend, *, max_connections: int = 16, timeout: float = 60.0):
+    #: seconds a call that got no answer is not repeated (the same operation
+    #: on the same key fails at once): the kernel repeats a failed page read
+    #: immediately, and a read would otherwise take twice the deadline to fail
+    FAIL_FAST = 2.0
+
+    #: listings kept at most (each bounded by LIST_CACHE_ENTRIES names)
+    LIST_CACHE_ITEMS = 256
+    LIST_CACHE_ENTRIES = 10_000
+
+    def __init__(self, backend: Backend, *, max_connections: int = 16, timeout: float = 60.0,
+                 list_ttl: float = 0.0):
         self.backend = backend
         self.url = backend.url
         self.limiter = trio.CapacityLimiter(max_connections)
         self.timeout = timeout
         # optional non-blocking fast path (local files in the page cache)
         self._nowait = getattr(backend, "get_nowait", None)
+        self.observers: list[Callable[[ObjectInfo], None]] = []
+        self.list_ttl = list_ttl
+        self._listings: OrderedDict[str, tuple[Listing, float]] = OrderedDict()
+        self._list_generation = 0  # bumped by every write: a listing begun before it is not kept
+        self._unanswered: OrderedDict[tuple, float] = OrderedDict()  # (operation, key) -> when it failed
 
     @property
     def counters(self) -> Counter:
@@ -205,15 +232,43 @@ class AsyncStore:
         def call():
             return fn(*args, **kwargs)
 
-        with trio.move_on_after(self.timeout) as scope:
-            return await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
-        if scope.cancelled_caught:
-            bump(self.backend.counters, "errors")  # worker threads bump concurrently
-            raise Unavailable(f"{self.url}: no answer within {self.timeout:g}s")
-        raise AssertionError("unreachable")  # pragma: no cover
+        what = (getattr(fn, "__name__", ""), args[0] if args else None)
+        failed = self._unanswered.get(what)
+        if failed is not None:
+            if time.monotonic() - failed < min(self.FAIL_FAST, self.timeout):
+                bump(self.backend.counters, "errors")
+                raise Unavailable(f"{self.url}: no answer a moment ago; not asking again yet")
+            del self._unanswered[what]
+        try:
+            with trio.move_on_after(self.timeout) as scope:
+                return await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
+            if scope.cancelled_caught:
+                bump(self.backend.counters, "errors")  # worker threads bump concurrently
+                raise Unavailable(f"{self.url}: no answer within {self.timeout:g}s")
+            raise AssertionError("unreachable")  # pragma: no cover
+        except Unavailable:
+            self._unanswered[what] = time.monotonic()
+            while len(self._unanswered) > 1024:
+                self._unanswered.popitem(last=False)
+            raise
+
+    def _seen(self, info: ObjectInfo | None) -> None:
+        if info is not None:
+            for observer in self.observers:
+                observer(info)
+
+    def _changed(self, key: str) -> None:
+        """A write to ``key``: listings of its ancestors are stale."""
+        self._list_generation += 1
+        if self._listings:
+            parts = key.split("/")
+            for i in range(len(parts)):
+                self._listings.pop("/".join(parts[:i]), None)
 
     async def stat(self, key: str) -> ObjectInfo | None:
-        return await self._run(self.backend.stat, key)
+        info = await self._run(self.backend.stat, key)
+        self._seen(info)
+        return info
 
     async def is_dir(self, key: str) -> bool:
         return await self._run(self.backend.is_dir, key)
@@ -223,8 +278,10 @@ class AsyncStore:
         if if_match is not None and length and length <= NOWAIT_MAX and suffix is None and self._nowait is not None:
             blob = self._nowait(key, start, length, if_match)  # page-cache hit: no thread hop
             if blob is not None:
-                return blob
-        return await self._run(self.backend.get, key, start, length, suffix=suffix, if_match=if_match)
+                return blob  # an open file of that version, not news of the current one
+        blob = await self._run(self.backend.get, key, start, length, suffix=suffix, if_match=if_match)
+        self._seen(blob.info)
+        return blob
 
     async def get_or_none(self, key: str) -> Blob | None:
         try:
@@ -233,20 +290,47 @@ class AsyncStore:
             return None
 
     async def list(self, prefix: str) -> Listing:
-        return await self._run(self.backend.list, prefix)
+        if self.list_ttl > 0:
+            cached = self._listings.get(prefix)
+            if cached is not None and time.monotonic() - cached[1] < self.list_ttl:
+                self._listings.move_to_end(prefix)
+                return cached[0]
+        generation = self._list_generation
+        listing = await self._run(self.backend.list, prefix)
+        for info in listing.files:
+            self._seen(info)
+        if (self.list_ttl > 0 and generation == self._list_generation
+                and len(listing.files) + len(listing.dirs) <= self.LIST_CACHE_ENTRIES):
+            self._listings[prefix] = (listing, time.monotonic())
+            self._listings.move_to_end(prefix)
+            while len(self._listings) > self.LIST_CACHE_ITEMS:
+                self._listings.popitem(last=False)
+        return listing
 
     async def put(self, key: str, data: bytes, *, if_match: str | None = None,
                   if_none_match: bool = False) -> ObjectInfo:
-        return await self._run(self.backend.put, key, data, if_match=if_match, if_none_match=if_none_match)
+        try:
+            return await self._run(self.backend.put, key, data, if_match=if_match, if_none_match=if_none_match)
+        finally:
+            self._changed(key)
 
     async def delete(self, key: str, *, if_match: str | None = None) -> None:
-        return await self._run(self.backend.delete, key, if_match=if_match)
+        try:
+            return await self._run(self.backend.delete, key, if_match=if_match)
+        finally:
+            self._changed(key)
 
     async def make_dir(self, key: str) -> None:
-        return await self._run(self.backend.make_dir, key)
+        try:
+            return await self._run(self.backend.make_dir, key)
+        finally:
+            self._changed(key)
 
     async def remove_dir(self, key: str) -> None:
-        return await self._run(self.backend.remove_dir, key)
+        try:
+            return await self._run(self.backend.remove_dir, key)
+        finally:
+            self._changed(key)
 
     def close(self) -> None:
         self.backend.close()

@@ -7,6 +7,6 @@
 ``LAYOUTS`` is the order in which the view asks them.
 """
 
-from . import zarr_sharding, zarr_transformer
+from . import precomputed, zarr_sharding, zarr_transformer
 
-LAYOUTS = [zarr_sharding, zarr_transformer]
+LAYOUTS = [zarr_sharding, zarr_transformer, precomputed]

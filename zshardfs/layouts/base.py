@@ -48,6 +48,7 @@ class ChunkTarget:
     chunk_id: int
     shard_ctx: object
     capacity: int | None  # chunks a complete shard holds (flush when all written)
+    writable: bool = True  # False: writes, unlink and rename give EPERM (the view cannot express them)
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,9 @@ class Dataset(ABC):
         yet; None if ``rel`` is not a valid chunk file name.  No I/O."""
         return None
 
-    async def read(self, entry: ChunkEntry) -> bytes:
-        """The whole content of a chunk file."""
+    async def read(self, entry: ChunkEntry | ChunkTarget) -> bytes:
+        """The whole content of a chunk file (the view reads every chunk file
+        through here, so a layout can show more than one stored chunk)."""
         data = await self.ctx.shards.read_chunk(self.shard_format, entry.shard_key, entry.chunk_id, entry.shard_ctx)
         if data is None:
             from ..backends.base import NotFound

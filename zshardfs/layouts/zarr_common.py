@@ -15,6 +15,7 @@ import crc32c
 import numpy as np
 
 from ..backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo
+from ..logonce import report_damage
 from ..shards import EMPTY
 from .base import ChunkEntry, ChunkTarget, Dataset, DirEntry, Entry, LayoutContext, parse_index_name
 from .grids import ShardGrid, linear_index
@@ -48,6 +49,9 @@ class ZarrShardIndex:
             return None
         if offset == EMPTY or nbytes == EMPTY:
             raise CorruptData(f"{self.info.key}: index entry {chunk_id} is half empty", self.info.key)
+        if offset + nbytes > self.info.size:
+            raise CorruptData(f"{self.info.key}: chunk {chunk_id} at {offset}+{nbytes} lies past the end of the "
+                              f"shard ({self.info.size} bytes)", self.info.key)
         return offset, nbytes
 
     async def entries(self) -> list[tuple[int, int, int]]:
@@ -57,6 +61,14 @@ class ZarrShardIndex:
 
     def present_mask(self) -> np.ndarray:
         return ~((self.table[:, 0] == EMPTY) & (self.table[:, 1] == EMPTY))
+
+    def damaged_mask(self) -> np.ndarray:
+        """Entries ``locate_now`` refuses: half empty, or ending past the shard."""
+        off, n = self.table[:, 0], self.table[:, 1]
+        size = np.uint64(self.info.size)
+        half = (off == EMPTY) != (n == EMPTY)
+        past = (n > size) | (off > size - np.minimum(n, size))  # offset + nbytes > size, without overflow
+        return half | (past & ~((off == EMPTY) & (n == EMPTY)))
 
 
 class ZarrShardFormat:
@@ -285,12 +297,19 @@ class GridDataset(Dataset):
         try:
             index = await self.ctx.shards.index(self.shard_format, key, extent)
         except CorruptData as exc:
-            log.warning("%s", exc)
+            report_damage(log, exc)
             return
         if index is None:
             return
         coords, linear = self.grid.chunks_in_shard(shard, fixed)
         keep = index.present_mask()[linear]
+        damaged = keep & index.damaged_mask()[linear]
+        for cid in linear[damaged].tolist():  # not listed; a lookup gives EIO
+            try:
+                index.locate_now(cid)
+            except CorruptData as exc:
+                report_damage(log, exc)
+        keep &= ~damaged
         sizes = index.table[linear[keep], 1].tolist()
         for c, cid, size in zip(coords[keep].tolist(), linear[keep].tolist(), sizes):
             yield tuple(c), ChunkEntry(key, cid, size, index.info.mtime, extent)

@@ -1,0 +1,336 @@
+"""S3 read benchmark: zshardfs over S3 against zarr-python reading the same
+sharded array directly from the same server.
+
+    .venv/bin/python scripts/bench_s3.py [--repeat 3] [--random 100] [--workdir DIR]
+
+Starts its own moto server on 127.0.0.1 (tests/s3server.py), writes a Zarr v3
+array with zarr-python (uint8, shape 512x512x256, inner chunks 32^3 = 32 KiB
+uncompressed, shards 128^3 = 64 chunks = 2 MiB: 2048 chunks in 32 shards) and
+uploads it.  Then, --repeat times (medians are printed):
+
+1. full scan of the view on a fresh mount (cold caches):
+   ``find MNT -type f -print0 | xargs -0 cat`` (one reader), and the same
+   with ``xargs -P 8`` (eight readers);
+   zarr-python: ``arr[:]`` straight from S3 (zarr.storage.ObjectStore over
+   obstore's S3Store);
+2. random single-chunk reads (--random of them, same picks for both):
+   a fresh mount reading chunk files one after another; zarr-python reading
+   ``arr[chunk]`` one after another.
+
+Reported per case: GET requests per shard (scan) or per read (random),
+counted by the *server* (its access log); bytes the server sent (response
+bytes through a counting TCP proxy, one extra untimed pass per case, HTTP
+headers included); wall time.  zshardfs' own counters are shown beside the
+server's for the scans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.s3server import DUMMY_ACCESS_KEY, DUMMY_REGION, DUMMY_SECRET_KEY, MotoServer, set_dummy_credentials  # noqa: E402
+
+ZSHARDFS = [sys.executable, "-m", "zshardfs.cli"]
+SHAPE, CHUNK, SHARD = (512, 512, 256), (32, 32, 32), (128, 128, 128)
+BUCKET, PREFIX = "zshardfs-bench", "data"
+
+
+# --------------------------------------------------------------------------
+# set-up
+
+
+def build(workdir: Path) -> Path:
+    import zarr
+
+    src = workdir / "src"
+    if not (src / "arr" / "zarr.json").exists():
+        shutil.rmtree(src, ignore_errors=True)
+        data = np.random.default_rng(0).integers(0, 256, size=SHAPE, dtype=np.uint8)
+        zarr.create_array(src / "arr", shape=SHAPE, dtype="uint8", chunks=CHUNK, shards=SHARD,
+                          compressors=None, fill_value=0)[:] = data
+    return src
+
+
+def upload(server: MotoServer, src: Path) -> dict[str, int]:
+    """Object key -> size."""
+    server.create_bucket(BUCKET)
+    items = {f"{PREFIX}/{p.relative_to(src)}": p.read_bytes() for p in src.rglob("*") if p.is_file()}
+    server.put_many(BUCKET, items)
+    return {k: len(v) for k, v in items.items()}
+
+
+class CountingProxy:
+    """TCP proxy in front of the server counting the bytes it sends back."""
+
+    def __init__(self, upstream_port: int):
+        self.upstream = upstream_port
+        self.bytes = 0
+        self.lock = threading.Lock()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(256)
+        self.endpoint_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        try:
+            while data := src.recv(1 << 18):
+                if count:
+                    with self.lock:
+                        self.bytes += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+        except OSError:
+            client.close()
+            return
+        threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+        self._pump(server, client, True)
+        client.close()
+        server.close()
+
+
+# --------------------------------------------------------------------------
+# zshardfs
+
+
+class Mount:
+    def __init__(self, workdir: Path, endpoint: str):
+        self.path = workdir / "mnt"
+        self.path.mkdir(exist_ok=True)
+        log = workdir / "daemon.log"
+        subprocess.run([*ZSHARDFS, "mount", f"s3://{BUCKET}/{PREFIX}", str(self.path), "-o", f"ro,log_file={log}",
+                        "--endpoint-url", endpoint], check=True)
+
+    def stats(self) -> dict:
+        out = subprocess.run([*ZSHARDFS, "stats", "--json", str(self.path)], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    def close(self) -> None:
+        subprocess.run([*ZSHARDFS, "umount", str(self.path)], check=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def cat_all(root: Path, parallel: int = 1) -> int:
+    find = subprocess.Popen(["find", str(root), "-type", "f", "-print0"], stdout=subprocess.PIPE)
+    xargs = ["xargs", "-0"] + (["-P", str(parallel), "-n", "32"] if parallel > 1 else []) + ["cat"]
+    out = subprocess.run(xargs, stdin=find.stdout, stdout=subprocess.PIPE, check=True)
+    find.wait()
+    return len(out.stdout)
+
+
+def fuse_scan(workdir: Path, endpoint: str, parallel: int) -> dict:
+    with Mount(workdir, endpoint) as m:
+        before = m.stats()
+        t0 = time.perf_counter()
+        nbytes = cat_all(m.path / "arr", parallel)
+        wall = time.perf_counter() - t0
+        after = m.stats()
+    assert 0 < nbytes - np.prod(SHAPE) < 4096, nbytes  # every chunk, and the view's zarr.json
+    d = {k: after["requests"][k] - before["requests"][k] for k in after["requests"]}
+    return {"wall": wall, "client_gets": d["get"] + d["get_range"],
+            "index_reads": after["index_cache"]["misses"] - before["index_cache"]["misses"],
+            "client_bytes": after["bytes"]["read"] - before["bytes"]["read"], "lists": d["list"], "heads": d["head"]}
+
+
+def fuse_random(workdir: Path, endpoint: str, picks) -> dict:
+    with Mount(workdir, endpoint) as m:
+        root = m.path / "arr"
+        (root / "zarr.json").read_bytes()
+        t0 = time.perf_counter()
+        for p in picks:
+            with open(root / "c" / "/".join(map(str, p)), "rb") as f:
+                assert len(f.read()) == np.prod(CHUNK)
+        wall = time.perf_counter() - t0
+    return {"wall": wall}
+
+
+# --------------------------------------------------------------------------
+# zarr-python, straight from S3
+
+
+def zarr_array(endpoint: str):
+    import zarr
+    from obstore.store import S3Store
+    from zarr.storage import ObjectStore
+
+    store = S3Store(BUCKET, prefix=PREFIX, endpoint=endpoint, region=DUMMY_REGION, access_key_id=DUMMY_ACCESS_KEY,
+                    secret_access_key=DUMMY_SECRET_KEY, client_options={"allow_http": True},
+                    virtual_hosted_style_request=False)
+    return zarr.open_array(ObjectStore(store, read_only=True), path="arr", mode="r")
+
+
+def zarr_scan(endpoint: str) -> dict:
+    arr = zarr_array(endpoint)
+    t0 = time.perf_counter()
+    data = arr[:]
+    wall = time.perf_counter() - t0
+    assert data.shape == SHAPE
+    return {"wall": wall}
+
+
+def zarr_random(endpoint: str, picks) -> dict:
+    arr = zarr_array(endpoint)
+    t0 = time.perf_counter()
+    for p in picks:
+        arr[tuple(slice(i * c, (i + 1) * c) for i, c in zip(p, CHUNK))]
+    return {"wall": time.perf_counter() - t0}
+
+
+# --------------------------------------------------------------------------
+# accounting by the server
+
+
+def server_gets(server: MotoServer, since: int) -> tuple[Counter, int]:
+    """(GETs per shard key, other requests) the server logged since a mark."""
+    per_shard, other = Counter(), 0
+    for r in server.requests(since):
+        if r.method == "GET" and "/arr/c/" in r.route:
+            per_shard[r.route] += 1
+        elif not r.route.startswith("/moto-api"):
+            other += 1
+    return per_shard, other
+
+
+def measure(server: MotoServer, fn, *args) -> dict:
+    mark = server.mark()
+    out = fn(*args)
+    per_shard, other = server_gets(server, mark)
+    out.update(server_gets=sum(per_shard.values()), shards_read=len(per_shard), other_requests=other)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--random", type=int, default=100, help="random single-chunk reads per run")
+    ap.add_argument("--parallel", type=int, default=8, help="readers of the parallel scan")
+    ap.add_argument("--workdir", default=None, help="default: a temporary directory")
+    args = ap.parse_args()
+
+    set_dummy_credentials()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="zshardfs-bench-s3-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    src = build(workdir)
+    server = MotoServer(workdir / "moto-access.log")
+    server.start()
+    try:
+        sizes = upload(server, src)
+        shards = [k for k in sizes if "/arr/c/" in k]
+        n_chunks = int(np.prod([s // c for s, c in zip(SHAPE, CHUNK)]))
+        print(f"array: {SHAPE} uint8, {n_chunks} chunks of {np.prod(CHUNK) >> 10} KiB in {len(shards)} shards of "
+              f"{sizes[shards[0]] / 2**20:.1f} MiB; moto {server.endpoint_url}; workdir {workdir}")
+        url = server.endpoint_url
+        grid = [s // c for s, c in zip(SHAPE, CHUNK)]
+        rnd = random.Random(1)
+        runs: dict[str, list[dict]] = {k: [] for k in ("fuse", "fuse_par", "zarr", "fuse_rand", "zarr_rand")}
+        for i in range(args.repeat):
+            picks = [tuple(rnd.randrange(g) for g in grid) for _ in range(args.random)]
+            runs["fuse"].append(measure(server, fuse_scan, workdir, url, 1))
+            runs["fuse_par"].append(measure(server, fuse_scan, workdir, url, args.parallel))
+            runs["zarr"].append(measure(server, zarr_scan, url))
+            runs["fuse_rand"].append(measure(server, fuse_random, workdir, url, picks))
+            runs["zarr_rand"].append(measure(server, zarr_random, url, picks))
+            print(f"  run {i + 1}: scan zshardfs {runs['fuse'][-1]['wall']:.2f}s "
+                  f"(x{args.parallel}: {runs['fuse_par'][-1]['wall']:.2f}s), zarr-python {runs['zarr'][-1]['wall']:.2f}s; "
+                  f"random zshardfs {runs['fuse_rand'][-1]['wall']:.2f}s, zarr-python {runs['zarr_rand'][-1]['wall']:.2f}s")
+
+        # bytes on the wire: one more pass of each case through a counting proxy
+        picks = [tuple(rnd.randrange(g) for g in grid) for _ in range(args.random)]
+        wire = {}
+        for name, fn, extra in (("fuse", fuse_scan, (workdir,)), ("zarr", zarr_scan, ()),
+                                ("fuse_rand", fuse_random, (workdir,)), ("zarr_rand", zarr_random, ())):
+            proxy = CountingProxy(server.port)
+            try:
+                if name == "fuse":
+                    fn(workdir, proxy.endpoint_url, 1)
+                elif name == "fuse_rand":
+                    fn(workdir, proxy.endpoint_url, picks)
+                elif name == "zarr":
+                    fn(proxy.endpoint_url)
+                else:
+                    fn(proxy.endpoint_url, picks)
+            finally:
+                proxy.close()
+            wire[name] = proxy.bytes
+    finally:
+        server.stop()
+
+    med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
+    n = len(shards)
+    total = sum(sizes[k] for k in shards)
+    print(f"\nfull scan, median of {args.repeat} runs (fresh mount / fresh store each run); "
+          f"{total / 2**20:.1f} MiB of shards")
+    print(f"  {'':34} {'GETs/shard':>10} {'(data+index)':>13} {'MiB sent':>9} {'wall s':>7} {'MiB/s':>7}")
+    for name, label in (("fuse", "zshardfs, find | xargs cat"),
+                        ("fuse_par", f"zshardfs, xargs -P {args.parallel} cat"),
+                        ("zarr", "zarr-python arr[:] (ObjectStore)")):
+        rs = runs[name]
+        per = med(rs, "server_gets") / n
+        split = ""
+        if "index_reads" in rs[0]:
+            idx = med(rs, "index_reads")
+            split = f"({(med(rs, 'server_gets') - idx) / n:.2f}+{idx / n:.2f})"
+        sent = f"{wire[name] / 2**20:9.1f}" if name in wire else f"{'':>9}"
+        print(f"  {label:34} {per:10.2f} {split:>13} {sent} {med(rs, 'wall'):7.2f} {total / 2**20 / med(rs, 'wall'):7.0f}")
+    f = runs["fuse"]
+    print(f"  zshardfs' own counters (median): {med(f, 'client_gets'):.0f} GETs, {med(f, 'lists'):.0f} LISTs, "
+          f"{med(f, 'heads'):.0f} HEADs, {med(f, 'client_bytes') / 2**20:.1f} MiB read; "
+          f"server saw {med(f, 'server_gets'):.0f} GETs of shards + {med(f, 'other_requests'):.0f} other requests")
+
+    k = args.random
+    print(f"\n{k} random single-chunk reads, one after another, median of {args.repeat} runs (fresh mount each)")
+    print(f"  {'':34} {'GETs/read':>10} {'MiB sent':>9} {'wall s':>7} {'ms/read':>8}")
+    for name, label in (("fuse_rand", "zshardfs (cat a chunk file)"), ("zarr_rand", "zarr-python arr[chunk]")):
+        rs = runs[name]
+        print(f"  {label:34} {med(rs, 'server_gets') / k:10.2f} {wire[name] / 2**20:9.2f} {med(rs, 'wall'):7.2f} "
+              f"{1000 * med(rs, 'wall') / k:8.1f}")
+    print(f"  (shards touched per run: {med(runs['fuse_rand'], 'shards_read'):.0f}: zshardfs reads each index once, "
+          f"zarr-python reads the index with every chunk)")
+
+
+if __name__ == "__main__":
+    main()

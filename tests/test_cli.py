@@ -1,0 +1,558 @@
+"""The command line, for real: ``zshardfs mount | umount | stats`` against
+real FUSE mounts (issue 2).
+
+What is proved here:
+- ``mount`` without ``--foreground`` exits 0 only once the view answers,
+  and the daemon keeps serving after the command has returned;
+- ``--foreground`` serves until SIGINT/SIGTERM, then unmounts (no stale
+  entry in /proc/mounts) and exits 0;
+- ``umount`` and ``stats`` (text and ``--json``);
+- every user error is one line on stderr, a non-zero status, no traceback,
+  and nothing left mounted;
+- the ``-o`` options take effect where they can be observed.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ZSHARDFS, run_mount
+from tests.handmade_zarr import SmallStore
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# --------------------------------------------------------------------------
+# helpers
+
+
+def zs(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*ZSHARDFS, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def mounts_at(path) -> list[dict]:
+    """/proc/mounts entries whose mount point is ``path``."""
+    path = os.path.abspath(path)
+    found = []
+    with open("/proc/mounts", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            src, mnt, fstype, opts = line.split()[:4]
+            unescape = lambda s: re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)  # noqa: E731
+            if unescape(mnt) == path:
+                found.append({"source": unescape(src), "type": fstype, "options": opts.split(",")})
+    return found
+
+
+def is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> str:
+    """A user error: non-zero, exactly one line on stderr, no traceback."""
+    assert result.returncode != 0, f"expected failure, got 0; stderr={result.stderr!r}"
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected one line on stderr, got {lines!r}"
+    line = lines[0]
+    assert line.startswith("zshardfs: "), line
+    for word in words:
+        assert word in line, f"{word!r} not in {line!r}"
+    assert result.stdout == "", result.stdout
+    return line
+
+
+def force_unmount(path) -> None:
+    if mounts_at(path):
+        subprocess.run(["fusermount3", "-uz", str(path)], capture_output=True)
+
+
+@pytest.fixture
+def store(tmp_path) -> SmallStore:
+    return SmallStore(tmp_path / "store")
+
+
+@pytest.fixture
+def mnt(tmp_path):
+    """An empty mount point, force-unmounted at teardown whatever happened."""
+    path = tmp_path / "mnt"
+    path.mkdir()
+    yield path
+    force_unmount(path)
+
+
+def daemon_pid(path) -> int:
+    return int(os.getxattr(str(path), "user.zshardfs.pid"))
+
+
+def first_chunk(store: SmallStore) -> tuple[str, bytes]:
+    name = sorted(store.chunks)[0]
+    return name, store.chunks[name]
+
+
+# --------------------------------------------------------------------------
+# mount in the background, umount
+
+
+def test_background_mount_returns_once_ready_and_keeps_serving(store, mnt):
+    name, data = first_chunk(store)
+    started = time.monotonic()
+    result = zs("mount", store.root, mnt, "-o", "ro")
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "" and result.stdout == ""
+    # ready means ready: the very first access is answered by the view
+    st = os.stat(mnt / name)
+    assert st.st_size == len(data)
+    assert (mnt / name).read_bytes() == data
+    entries = mounts_at(mnt)
+    assert len(entries) == 1 and entries[0]["type"] == "fuse.zshardfs", entries
+    assert elapsed < 10, elapsed
+
+    # a detached daemon: its own session, not our child, and not sitting in
+    # the caller's working directory
+    pid = daemon_pid(mnt)
+    assert is_running(pid)
+    assert os.getsid(pid) == pid
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+    assert ppid != os.getpid()
+    assert os.readlink(f"/proc/{pid}/cwd") == "/"
+
+    time.sleep(0.3)
+    for other, content in store.chunks.items():
+        assert (mnt / other).read_bytes() == content
+    assert (mnt / "README.txt").read_text() == "not an array\n"
+
+    result = zs("umount", mnt)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert mounts_at(mnt) == []
+    # umount waits for the daemon to finish (a zombie waiting for init to
+    # reap it has finished)
+    assert not is_running(pid)
+    assert os.listdir(mnt) == []
+
+
+def test_umount_is_prompt(store, mnt):
+    """umount returns as soon as the daemon has finished, not when some
+    init process gets round to reaping it."""
+    run_mount(store.root, mnt, "ro")
+    started = time.monotonic()
+    result = zs("umount", mnt)
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - started < 1.0
+
+
+def test_relative_paths(store, tmp_path, mnt):
+    """Relative SOURCE, MOUNTPOINT and log_file are taken from the caller's
+    directory, although the daemon itself runs in /."""
+    name, data = first_chunk(store)
+    result = subprocess.run([*ZSHARDFS, "mount", "store", "mnt", "-o", "ro,log_file=rel.log"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert (mnt / name).read_bytes() == data
+    assert mounts_at(mnt)[0]["source"] == str(store.root)
+    assert zs("umount", mnt).returncode == 0
+    assert "mounted" in (tmp_path / "rel.log").read_text()
+
+
+# --------------------------------------------------------------------------
+# --foreground
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_foreground_serves_until_signal_then_unmounts(store, mnt, tmp_path, signum):
+    name, data = first_chunk(store)
+    log = tmp_path / "fg.log"
+    proc = subprocess.Popen([*ZSHARDFS, "mount", "--foreground", str(store.root), str(mnt), "-o",
+                             f"ro,log_file={log}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: bool(mounts_at(mnt)) or proc.poll() is not None, timeout=20)
+        assert proc.poll() is None, proc.communicate()
+        assert (mnt / name).read_bytes() == data
+        assert daemon_pid(mnt) == proc.pid  # the foreground process is the daemon
+        time.sleep(0.2)
+        assert proc.poll() is None  # still serving
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert mounts_at(mnt) == []
+    assert os.listdir(mnt) == []
+    text = log.read_text()
+    assert "unmounted" in text and "Traceback" not in text
+    assert signal.Signals(signum).name in text
+
+
+def test_foreground_unmounted_from_outside(store, mnt):
+    """``zshardfs umount`` (fusermount3 -u) ends a foreground daemon with 0."""
+    proc = subprocess.Popen([*ZSHARDFS, "mount", "-f", str(store.root), str(mnt), "-o", "ro"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: bool(mounts_at(mnt)) or proc.poll() is not None, timeout=20)
+        result = zs("umount", mnt)
+        assert result.returncode == 0, result.stderr
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert mounts_at(mnt) == []
+
+
+# --------------------------------------------------------------------------
+# stats
+
+
+def test_stats_text_and_json(store, mount):
+    m = mount(store.root, "ro")
+    name, data = first_chunk(store)
+    assert (m / name).read_bytes() == data
+
+    result = zs("stats", m.path)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    for label in ("source", "mountpoint", "requests", "bytes", "errors", "index_cache", "chunk_cache", "inodes"):
+        assert re.search(rf"^{label}\b", text, re.M), f"{label} missing from:\n{text}"
+    assert str(store.root) in text and str(m.path) in text
+
+    result = zs("stats", "--json", m.path)
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout)
+    assert stats["source"] == str(store.root)
+    assert stats["mountpoint"] == str(m.path)
+    assert stats["pid"] == daemon_pid(m.path)
+    assert set(stats["requests"]) >= {"get", "get_range", "head", "list", "put", "delete"}
+    assert stats["requests"]["get_range"] >= 2  # one index, one chunk
+    assert stats["bytes"]["read"] >= len(data)
+    assert stats["index_cache"]["entries"] >= 1
+    assert stats["inodes"] >= 1
+
+
+def test_stats_output_to_closed_pipe(store, mount):
+    """``zshardfs stats MNT | head -1``: no BrokenPipeError traceback."""
+    m = mount(store.root, "ro")
+    result = subprocess.run(f"{' '.join(ZSHARDFS)} stats {m.path} | head -c 1 >/dev/null; exit ${{PIPESTATUS[0]}}",
+                            shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+# --------------------------------------------------------------------------
+# errors: one line, non-zero, no traceback, nothing mounted
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("missing_source", ["source", "does not exist"]),
+        ("source_is_file", ["source", "not a directory"]),
+        ("missing_mountpoint", ["mountpoint", "does not exist"]),
+        ("mountpoint_is_file", ["mountpoint", "not a directory"]),
+        ("mountpoint_not_empty", ["mountpoint", "not empty"]),
+        ("unknown_option", ["unknown option", "bogus"]),
+        ("index_cache_abc", ["index_cache", "abc"]),
+        ("max_connections_0", ["max_connections", "at least 1"]),
+        ("flag_with_value", ["ro", "takes no value"]),
+        ("value_missing", ["chunk_cache", "needs a value"]),
+        ("log_level_bad", ["log_level"]),
+        ("negative_timeout", ["timeout"]),
+        ("log_file_unwritable", ["log file", "No such file or directory"]),
+        ("bad_scheme", ["source", "supported"]),
+    ],
+)
+def test_mount_errors(store, tmp_path, mnt, case, words):
+    source, target, opts = str(store.root), str(mnt), []
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    if case == "missing_source":
+        source = str(tmp_path / "nowhere")
+    elif case == "source_is_file":
+        source = str(afile)
+    elif case == "missing_mountpoint":
+        target = str(tmp_path / "no-mnt")
+    elif case == "mountpoint_is_file":
+        target = str(afile)
+    elif case == "mountpoint_not_empty":
+        (mnt / "something").write_text("x")
+    elif case == "unknown_option":
+        opts = ["ro,bogus=1"]
+    elif case == "index_cache_abc":
+        opts = ["index_cache=abc"]
+    elif case == "max_connections_0":
+        opts = ["max_connections=0"]
+    elif case == "flag_with_value":
+        opts = ["ro=1"]
+    elif case == "value_missing":
+        opts = ["chunk_cache"]
+    elif case == "log_level_bad":
+        opts = ["log_level=LOUD"]
+    elif case == "negative_timeout":
+        opts = ["timeout=-1"]
+    elif case == "log_file_unwritable":
+        opts = [f"log_file={tmp_path}/no/such/dir/zs.log"]
+    elif case == "bad_scheme":
+        source = "gs://bucket/prefix"
+    args = ["mount", source, target] + (["-o", ",".join(opts)] if opts else [])
+    result = zs(*args)
+    assert_one_line_error(result, *words)
+    assert mounts_at(mnt) == []
+    if case != "mountpoint_not_empty":
+        assert os.listdir(mnt) == []
+    for stray in tmp_path.rglob("*.log"):
+        raise AssertionError(f"a log file appeared: {stray}")
+
+
+def test_mount_on_a_mount_point(store, mount):
+    m = mount(store.root, "ro")
+    result = zs("mount", store.root, m.path)
+    assert_one_line_error(result, "already a mount point")
+    assert len(mounts_at(m.path)) == 1
+    name, data = first_chunk(store)
+    assert (m / name).read_bytes() == data  # the first mount is untouched
+
+
+def test_dead_mount_is_reported_and_removable(store, mnt):
+    """A daemon killed with SIGKILL leaves a dead mount (ENOTCONN): mount and
+    stats say so in one line, umount removes it, and it can be mounted again."""
+    run_mount(store.root, mnt, "ro")
+    pid = daemon_pid(mnt)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: not is_running(pid), timeout=60), open(f"/proc/{pid}/stat").read()
+
+    def dead() -> bool:
+        try:
+            os.listdir(mnt)
+        except OSError as exc:
+            return exc.errno == errno.ENOTCONN
+        return False
+
+    assert wait_for(dead, timeout=30), "the mount did not become dead after SIGKILL"
+
+    assert_one_line_error(zs("mount", store.root, mnt), "dead mount", "umount")
+    assert_one_line_error(zs("stats", mnt), "dead mount")
+    result = zs("umount", mnt)
+    assert result.returncode == 0, result.stderr
+    assert mounts_at(mnt) == []
+
+    run_mount(store.root, mnt, "ro")
+    name, data = first_chunk(store)
+    assert (mnt / name).read_bytes() == data
+    assert zs("umount", mnt).returncode == 0
+
+
+@pytest.mark.parametrize("command", ["umount", "stats"])
+@pytest.mark.parametrize("where", ["plain_dir", "missing", "inside_a_mount", "other_fs_root"])
+def test_umount_stats_of_non_zshardfs_paths(store, mount, tmp_path, command, where):
+    m = mount(store.root, "ro")
+    path = {
+        "plain_dir": tmp_path,
+        "missing": tmp_path / "nowhere",
+        "inside_a_mount": m / "arr",  # a directory of the view, not its root
+        "other_fs_root": Path("/proc"),
+    }[where]
+    result = zs(command, path)
+    assert_one_line_error(result, "not a zshardfs mount point")
+    assert len(mounts_at(m.path)) == 1  # the real mount is untouched
+
+
+def test_fuse_availability_checks(store, mnt, monkeypatch, capsys):
+    """Missing /dev/fuse or fusermount3 cannot be staged on this machine
+    without breaking it, so the checks are run in-process."""
+    from zshardfs import cli
+    from zshardfs.config import ConfigError
+
+    real_exists = os.path.exists
+    monkeypatch.setattr(cli.os.path, "exists", lambda p: False if p == "/dev/fuse" else real_exists(p))
+    with pytest.raises(ConfigError, match="/dev/fuse"):
+        cli.check_mountpoint(str(mnt))
+    assert cli.main(["mount", str(store.root), str(mnt)]) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("zshardfs: ") and "/dev/fuse" in err
+    monkeypatch.undo()
+
+    monkeypatch.setattr(cli.shutil, "which", lambda name, *a, **k: None if name == "fusermount3" else shutil.which(name))
+    with pytest.raises(ConfigError, match="fusermount3"):
+        cli.check_mountpoint(str(mnt))
+    assert cli.main(["mount", str(store.root), str(mnt)]) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fusermount3" in err and "apt-get install fuse3" in err
+    assert mounts_at(mnt) == []
+
+
+# --------------------------------------------------------------------------
+# awkward source paths
+
+
+@pytest.mark.parametrize("dirname", ["with,comma", "with space", "donn\u00e9es", "back\\slash"])
+def test_source_path_with_awkward_characters(tmp_path, mnt, dirname):
+    """libfuse splits -o options at ',' and pyfuse3 passes them as ASCII: a
+    source path (shown as fsname) must reach neither unescaped."""
+    store = SmallStore(tmp_path / dirname)
+    result = zs("mount", store.root, mnt, "-o", "ro")
+    assert result.returncode == 0, result.stderr
+    name, data = first_chunk(store)
+    assert (mnt / name).read_bytes() == data
+    assert len(mounts_at(mnt)) == 1
+    assert json.loads(zs("stats", "--json", mnt).stdout)["source"] == str(store.root)
+    assert zs("umount", mnt).returncode == 0
+
+
+# --------------------------------------------------------------------------
+# options where they can be observed
+
+
+def test_ro_rw_and_allow_other_in_proc_mounts(store, mount):
+    opts = mounts_at(mount(store.root, "ro").path)[0]["options"]
+    assert "ro" in opts and "allow_other" not in opts
+    opts = mounts_at(mount(store.root, "rw", "allow_other").path)[0]["options"]
+    assert "rw" in opts and "allow_other" in opts
+    opts = mounts_at(mount(store.root, "ro,allow_other").path)[0]["options"]
+    assert "ro" in opts and "allow_other" in opts
+
+
+@pytest.fixture
+def public_mnt():
+    """A mount point other users can reach (pytest's tmp dirs are 0700)."""
+    parent = Path(tempfile.mkdtemp(prefix="zshardfs-public-"))
+    parent.chmod(0o755)
+    path = parent / "mnt"
+    path.mkdir()
+    path.chmod(0o755)
+    yield path
+    force_unmount(path)
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+@pytest.mark.parametrize("allow_other", [False, True])
+def test_allow_other_lets_another_user_read(store, public_mnt, allow_other):
+    name, data = first_chunk(store)
+    run_mount(store.root, public_mnt, "ro", *(["allow_other"] if allow_other else []))
+    try:
+        as_nobody = subprocess.run(["cat", str(public_mnt / name)], capture_output=True, user=65534, group=65534,
+                                   timeout=30)
+        if allow_other:
+            assert as_nobody.returncode == 0, as_nobody.stderr
+            assert as_nobody.stdout == data
+        else:
+            assert as_nobody.returncode != 0
+            assert b"Permission denied" in as_nobody.stderr
+        assert (public_mnt / name).read_bytes() == data  # root always can
+    finally:
+        assert zs("umount", public_mnt).returncode == 0
+
+
+def test_log_file_and_log_level(store, mount):
+    m = mount(store.root, "ro")
+    name, _ = first_chunk(store)
+    (m / name).read_bytes()
+    text = m.log_text()
+    assert re.search(r"INFO zshardfs\.daemon: mounted .* on " + re.escape(str(m.path)), text), text
+    assert " DEBUG " not in text
+
+    quiet = mount(store.root, "ro", "log_level=warning")
+    (quiet / name).read_bytes()
+    assert quiet.log_text() == ""  # nothing at WARNING or above happened
+
+    loud = mount(store.root, "ro", "log_level=DEBUG")
+    (loud / name).read_bytes()
+    assert " DEBUG " in loud.log_text()
+
+
+def test_debug_logs_every_request(store, mount):
+    m = mount(store.root, "ro", "debug")
+    name, data = first_chunk(store)
+    assert (m / name).read_bytes() == data
+    try:
+        os.stat(m / "arr/no-such-file")
+    except FileNotFoundError:
+        pass
+    text = m.log_text()
+    leaf = name.rsplit("/", 1)[1]
+    # the daemon's own request log, with names and outcomes
+    assert re.search(r"DEBUG zshardfs\.requests: lookup\(\d+, 'arr'\) -> ino=\d+", text), text[-3000:]
+    assert re.search(rf"lookup\(\d+, '{leaf}'\) -> ino=\d+ mode=100444 size={len(data)}", text), text[-3000:]
+    assert re.search(r"lookup\(\d+, 'no-such-file'\) -> ENOENT", text), text[-3000:]
+    assert re.search(rf"read\(\d+, 0, \d+\) -> <{len(data)} bytes>|read\(\d+, 0, \d+\) -> '", text), text[-3000:]
+    # and libfuse's own trace of the kernel protocol
+    assert "opcode: LOOKUP" in text
+
+
+def test_cache_options_reach_the_daemon(store, mount):
+    m = mount(store.root, "ro", "index_cache=1M", "chunk_cache=3M", "max_connections=2", "timeout=5")
+    stats = m.stats()
+    assert stats["index_cache"]["max_bytes"] == 1 << 20
+    assert stats["chunk_cache"]["max_bytes"] == 3 << 20
+    name, data = first_chunk(store)
+    assert (m / name).read_bytes() == data
+    assert m.stats()["chunk_cache"]["entries"] == 1
+
+
+def test_fsname_option(store, mount):
+    m = mount(store.root, "ro", "fsname=my-volume")
+    assert mounts_at(m.path)[0]["source"] == "my-volume"
+
+
+def test_mount_helper_as_mount8_calls_it(store, mnt):
+    """``mount.zshardfs SOURCE MOUNTPOINT -o opts`` (fstab) mounts in the background."""
+    helper = Path(sys.executable).parent / "mount.zshardfs"
+    assert helper.exists(), helper
+    result = subprocess.run([str(helper), str(store.root), str(mnt), "-o", "ro,defaults,_netdev"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    name, data = first_chunk(store)
+    assert (mnt / name).read_bytes() == data
+    assert "ro" in mounts_at(mnt)[0]["options"]
+    assert zs("umount", mnt).returncode == 0
+
+
+def test_umount_of_a_busy_mount(store, mnt):
+    """An open file keeps the mount busy: umount fails in one line and the
+    mount keeps working; ``umount -z`` detaches it anyway."""
+    run_mount(store.root, mnt, "ro")
+    name, data = first_chunk(store)
+    pid = daemon_pid(mnt)
+    with open(mnt / name, "rb") as busy:
+        assert_one_line_error(zs("umount", mnt), "cannot unmount", "busy")
+        assert len(mounts_at(mnt)) == 1
+        assert (mnt / name).read_bytes() == data
+        started = time.monotonic()
+        result = zs("umount", "-z", mnt)
+        assert result.returncode == 0, result.stderr
+        assert time.monotonic() - started < 10  # does not wait for the file to be closed
+        assert mounts_at(mnt) == []  # detached at once ...
+        assert busy.read() == data  # ... while the open file still reads
+    # the daemon ends once the last file is closed
+    assert wait_for(lambda: not is_running(pid), timeout=20)
+    assert "Traceback" not in result.stderr

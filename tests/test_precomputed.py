@@ -1,0 +1,783 @@
+"""Neuroglancer precomputed sharded stores through real mounts (issue 5).
+
+Oracles: tensorstore writes every volume case sharded and unsharded, and the
+uint64 key-value directories (``peers_precomputed``); multi-resolution meshes
+and annotation indexes are built here by hand, with their unsharded twins.
+The read-only view of the sharded store must equal the twin file for file and
+byte for byte (``info`` as JSON), and tensorstore and cloud-volume must read
+the view as the unsharded layout.  Writes through the mount are checked after
+unmounting by reading the *backend* with tensorstore and with the format
+parser, never through zshardfs.
+
+Every test runs against a local directory and against S3 (moto's stand-alone
+server over HTTP): the ``source`` fixture is the only code that knows how a
+local tree becomes a mountable source and how to get it back.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import gzip
+import importlib.util
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from tests import peers_precomputed as peers
+from tests.conftest import Mounted, run_mount
+from zshardfs.layouts.precomputed_format import (
+    ScaleGeometry,
+    ShardingSpec,
+    compressed_morton_code,
+    encode_shard,
+    morton_decode,
+    parse_shard,
+)
+
+BACKENDS = ["local", "s3"]
+CASES = [c.name for c in peers.VOLUME_CASES]
+KV_NAMES = list(peers.KV_SHARDINGS)
+CLOUDVOLUME_VENV = Path("/tmp/venv/bin/python")  # cloud-volume may live in its own venv (a subprocess anyway)
+
+
+# --------------------------------------------------------------------------- hand-made twins
+
+
+def make_manifest(frags_per_lod: list[int], rng) -> tuple[bytes, int]:
+    """A multi-resolution mesh manifest with small random fragment sizes."""
+    n = len(frags_per_lod)
+    parts = [np.array([16, 16, 16], "<f4").tobytes(), np.zeros(3, "<f4").tobytes(), struct.pack("<I", n),
+             (2.0 ** np.arange(n)).astype("<f4").tobytes(), np.zeros(3 * n, "<f4").tobytes(),
+             np.array(frags_per_lod, "<u4").tobytes()]
+    total = 0
+    for k in frags_per_lod:
+        parts.append(rng.integers(0, 50, size=3 * k).astype("<u4").tobytes())
+        sizes = rng.integers(0, 200, size=k).astype("<u4")
+        total += int(sizes.sum())
+        parts.append(sizes.tobytes())
+    return b"".join(parts), total
+
+
+def write_multilod_twins(base: Path) -> tuple[Path, Path, dict]:
+    """Sharded multi-resolution meshes laid out as Neuroglancer reads them: each
+    mesh's fragment data (raw) immediately before its manifest (gzip), which is
+    the chunk; plus the unsharded twin (``<id>.index`` + ``<id>``)."""
+    sharding = peers.sharding("identity", 0, 1, 1, "raw", "gzip")
+    spec = ShardingSpec.from_json(sharding)
+    rng = np.random.default_rng(3)
+    meshes = {}
+    for i, cid in enumerate([0, 1, 5, 6, 77, 2**40 + 9, 2**64 - 1]):
+        manifest, total = make_manifest([] if i == 3 else [4, 2, 1][: 1 + i % 3], rng)
+        meshes[cid] = (manifest, rng.integers(0, 256, size=total, dtype=np.uint8).tobytes())
+    info = {"@type": "neuroglancer_multilod_draco", "vertex_quantization_bits": 10,
+            "transform": [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0], "lod_scale_multiplier": 1.0}
+    sharded, twin = base / "sharded", base / "unsharded"
+    sharded.mkdir(parents=True)
+    twin.mkdir(parents=True)
+    (sharded / "info").write_text(json.dumps({**info, "sharding": sharding}))
+    (twin / "info").write_text(json.dumps(info))
+    by_shard: dict[int, dict[int, list[int]]] = {}
+    for cid in sorted(meshes):
+        shard, mini = spec.shard_and_minishard(cid)
+        by_shard.setdefault(shard, {}).setdefault(mini, []).append(cid)
+        (twin / f"{cid}.index").write_bytes(meshes[cid][0])
+        (twin / str(cid)).write_bytes(meshes[cid][1])
+    for shard, minis in by_shard.items():
+        body, table = bytearray(), np.zeros((spec.num_minishards, 2), np.uint64)
+        for mini, ids in sorted(minis.items()):
+            starts, sizes = [], []
+            for cid in ids:
+                body += meshes[cid][1]
+                encoded = gzip.compress(meshes[cid][0], mtime=0)
+                starts.append(len(body))
+                sizes.append(len(encoded))
+                body += encoded
+            prev_end = [0] + [s + n for s, n in zip(starts, sizes)][:-1]
+            index = np.array([np.diff(np.array(ids, np.uint64), prepend=np.uint64(0)),
+                              np.array(starts, np.uint64) - np.array(prev_end, np.uint64), sizes], "<u8").tobytes()
+            table[mini] = (len(body), len(body) + len(index))
+            body += index
+        (sharded / spec.shard_key(shard)).write_bytes(table.astype("<u8").tobytes() + bytes(body))
+    return sharded, twin, meshes
+
+
+ANN_BY_ID = peers.sharding("murmurhash3_x86_128", 0, 1, 1, "gzip", "gzip")
+ANN_REL = peers.sharding("identity", 0, 0, 0, "raw", "raw")
+ANN_SPATIAL = peers.sharding("identity", 1, 1, 2, "raw", "gzip")
+ANN_GRID = [2, 4, 3]
+
+
+def write_annotation_twins(base: Path) -> tuple[Path, Path]:
+    """An annotation collection whose by_id, one relationship and one spatial
+    level are sharded (another relationship and level are not), and its twin."""
+    rng = np.random.default_rng(11)
+    info = {"@type": "neuroglancer_annotations_v1", "dimensions": {"x": [1, "nm"], "y": [1, "nm"], "z": [1, "nm"]},
+            "lower_bound": [0, 0, 0], "upper_bound": [64, 64, 48], "annotation_type": "POINT", "properties": [],
+            "relationships": [{"id": "segments", "key": "rel_segments", "sharding": ANN_REL},
+                              {"id": "cells", "key": "rel_cells"}],
+            "by_id": {"key": "by_id", "sharding": ANN_BY_ID},
+            "spatial": [{"key": "spatial0", "grid_shape": [1, 1, 1], "chunk_size": [64, 64, 48], "limit": 1000},
+                        {"key": "spatial1", "grid_shape": ANN_GRID, "chunk_size": [32, 16, 16], "limit": 10,
+                         "sharding": ANN_SPATIAL}]}
+    sharded, twin = base / "sharded", base / "unsharded"
+
+    def blob():
+        return rng.integers(0, 256, size=int(rng.integers(8, 120)), dtype=np.uint8).tobytes()
+
+    cells = {"_".join(map(str, p)): blob() for p in np.ndindex(*ANN_GRID) if sum(p) % 2 == 0}
+    files = {
+        "by_id": ({str(k): blob() for k in [0, 3, 17, 2**33, 2**64 - 1]}, ANN_BY_ID, None),
+        "rel_segments": ({str(k): blob() for k in [1, 2, 99, 2**50]}, ANN_REL, None),
+        "rel_cells": ({str(k): blob() for k in [4, 5]}, None, None),
+        "spatial0": ({"0_0_0": blob()}, None, None),
+        "spatial1": (cells, ANN_SPATIAL, ANN_GRID),
+    }
+    twin_info = copy.deepcopy(info)
+    for part in [twin_info["by_id"], *twin_info["relationships"], *twin_info["spatial"]]:
+        part.pop("sharding", None)
+    for root, doc in ((sharded, info), (twin, twin_info)):
+        root.mkdir(parents=True)
+        (root / "info").write_text(json.dumps(doc))
+    for key, (items, sharding, grid) in files.items():
+        (twin / key).mkdir()
+        for name, data in items.items():
+            (twin / key / name).write_bytes(data)
+        (sharded / key).mkdir()
+        if sharding is None:
+            for name, data in items.items():
+                (sharded / key / name).write_bytes(data)
+            continue
+        ids = {(compressed_morton_code([int(x) for x in n.split("_")], grid) if grid else int(n)): d
+               for n, d in items.items()}
+        write_kv_shards(sharded / key, sharding, ids)
+    return sharded, twin
+
+
+def write_kv_shards(directory: Path, sharding: dict, items: dict[int, bytes]) -> None:
+    spec = ShardingSpec.from_json(sharding)
+    groups: dict[int, dict[int, bytes]] = {}
+    for cid, data in items.items():
+        groups.setdefault(spec.shard_and_minishard(cid)[0], {})[cid] = data
+    for shard, chunks in groups.items():
+        (directory / spec.shard_key(shard)).write_bytes(encode_shard(chunks, spec))
+
+
+@pytest.fixture(scope="session")
+def peers_tree(tmp_path_factory):
+    """Every case, sharded and unsharded, in one tree: ``<case>/sharded``, ``<case>/unsharded``."""
+    root = tmp_path_factory.mktemp("precomputed_peers")
+    volumes = {c.name: peers.write_volume_twins(root, c) for c in peers.VOLUME_CASES}
+    kvs = {n: peers.write_kv_twins(root, n, s) for n, s in peers.KV_SHARDINGS.items()}
+    write_multilod_twins(root / "multilod")
+    write_annotation_twins(root / "annotations")
+    # a volume with one sharded and one unsharded scale (the twin is the unsharded volume)
+    twins = volumes["img_u8_identity_raw"]
+    mixed = root / "mixed" / "sharded"
+    shutil.copytree(twins.sharded, mixed)
+    info = twins.info()
+    key = info["scales"][1].pop("sharding") and info["scales"][1]["key"]
+    shutil.rmtree(mixed / key)
+    shutil.copytree(twins.unsharded / key, mixed / key)
+    (mixed / "info").write_text(json.dumps(info))
+    return root, volumes, kvs
+
+
+# --------------------------------------------------------------------------- backends
+
+
+class Source:
+    """Makes a local tree mountable on one backend, and gets it back."""
+
+    def __init__(self, backend: str, request, workdir: Path):
+        self.backend, self.workdir = backend, workdir
+        self.server = self.bucket = None
+        if backend == "s3":
+            self.server = request.getfixturevalue("moto_server")
+            self.server.ensure_running()
+            self.bucket = self.server.create_bucket()
+
+    def publish(self, root: Path, prefix: str | None = None) -> tuple[str, list[str], str]:
+        """(source, extra mount arguments, prefix) of a private copy of ``root``."""
+        prefix = prefix or uuid.uuid4().hex[:12]
+        if self.backend == "local":
+            shutil.copytree(root, self.workdir / prefix)
+            return str(self.workdir / prefix), [], prefix
+        items = {f"{prefix}/{p.relative_to(root).as_posix()}": p.read_bytes() for p in root.rglob("*") if p.is_file()}
+        self.server.put_many(self.bucket, items)
+        return f"s3://{self.bucket}/{prefix}", ["--endpoint-url", self.server.endpoint_url], prefix
+
+    def fetch(self, prefix: str) -> Path:
+        """The stored tree as a local directory (S3: a fresh download)."""
+        if self.backend == "local":
+            return self.workdir / prefix
+        dest = self.workdir / f"{prefix}-{uuid.uuid4().hex[:6]}"
+        pages = self.server.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix + "/")
+        for page in pages:
+            for obj in page.get("Contents", ()):
+                path = dest / obj["Key"][len(prefix) + 1:]
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(self.server.s3.get_object(Bucket=self.bucket, Key=obj["Key"])["Body"].read())
+        return dest
+
+    def close(self) -> None:
+        if self.bucket:
+            self.server.delete_bucket(self.bucket)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def source(request, tmp_path_factory):
+    src = Source(request.param, request, tmp_path_factory.mktemp(f"pc_src_{request.param}"))
+    yield src
+    src.close()
+
+
+@pytest.fixture(scope="module")
+def view(source, peers_tree, tmp_path_factory) -> Mounted:
+    """One read-only mount of the whole peers tree per backend."""
+    root = peers_tree[0]
+    src, extra, _ = source.publish(root, "peers")
+    base = tmp_path_factory.mktemp(f"pc_view_{source.backend}")
+    mnt, log = base / "mnt", base / "daemon.log"
+    mnt.mkdir()
+    run_mount(src, mnt, "ro", log=log, extra=extra)
+    mounted = Mounted(mnt, log, src)
+    yield mounted
+    mounted.umount(check=False)
+    assert "Traceback" not in mounted.log_text(), mounted.log_text()[-4000:]
+
+
+def publish_and_mount(source: Source, mount, root: Path, *opts: str) -> tuple[Mounted, str]:
+    src, extra, prefix = source.publish(root)
+    return mount(src, *opts, extra=extra), prefix
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def without_sharding(info: dict) -> dict:
+    """The contract's view of an ``info``: every ``sharding`` the view expresses removed."""
+    out = copy.deepcopy(info)
+    for scale in out.get("scales", ()):
+        scale.pop("sharding", None)
+    for part in [out.get("by_id") or {}, *out.get("relationships", ()), *out.get("spatial", ())]:
+        part.pop("sharding", None)
+    if "scales" not in out and out.get("@type") != "neuroglancer_annotations_v1":
+        out.pop("sharding", None)
+    return out
+
+
+def tree_diff(view: Path, twin: Path) -> list[str]:
+    """Differences between a view and its twin: names, st_size, bytes (``info`` as JSON)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(twin):
+        rel = Path(dirpath).relative_to(twin)
+        try:
+            shown = sorted(os.listdir(view / rel))
+        except OSError as exc:
+            out.append(f"{rel}: {exc}")
+            continue
+        if shown != sorted(dirnames + filenames):
+            extra, missing = set(shown) - set(dirnames + filenames), set(dirnames + filenames) - set(shown)
+            out.append(f"{rel}: only in view {sorted(extra)[:5]}, only in twin {sorted(missing)[:5]}")
+        for name in filenames:
+            a, b = view / rel / name, twin / rel / name
+            if name == "info":
+                if json.loads(a.read_bytes()) != json.loads(b.read_bytes()):
+                    out.append(f"{rel / name}: info differs")
+                continue
+            data = a.read_bytes()
+            if os.stat(a).st_size != len(data) or data != b.read_bytes():
+                out.append(f"{rel / name}: {os.stat(a).st_size} / {len(data)} bytes shown, {b.stat().st_size} in twin")
+    return out
+
+
+def read_or_errno(path: Path) -> bytes | int:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        return exc.errno
+
+
+def ts_read(path: Path, key: str) -> np.ndarray:
+    """tensorstore reading ``path`` as a precomputed volume through the ``file://`` URL."""
+    t = ts.open({"driver": "neuroglancer_precomputed", "kvstore": f"file://{path}/",
+                 "scale_metadata": {"key": key}}, open=True).result()
+    return t.translate_to[0, 0, 0, 0].read().result()
+
+
+CV_READ = r"""
+import sys, numpy as np
+from cloudvolume import CloudVolume
+path, out = sys.argv[1], sys.argv[2]
+info = CloudVolume("file://" + path, progress=False, cache=False).info
+arrays = {}
+for mip in range(len(info["scales"])):
+    vol = CloudVolume("file://" + path, mip=mip, fill_missing=True, progress=False, cache=False)
+    arrays[f"mip{mip}"] = np.asarray(vol.download(vol.bounds, mip=mip))
+np.savez(out, **arrays)
+"""
+
+
+def cloudvolume_python() -> str:
+    """An interpreter that imports cloudvolume: this one (``pip install -e .[test]``)
+    or the one in /tmp/venv.  Missing is a failure, not a skip."""
+    if importlib.util.find_spec("cloudvolume") is not None:
+        return sys.executable
+    assert CLOUDVOLUME_VENV.exists(), (
+        "cloud-volume is required: install the test extras (pip install -e '.[test]') or "
+        f"provide {CLOUDVOLUME_VENV} with cloud-volume installed")
+    return str(CLOUDVOLUME_VENV)
+
+
+def cloudvolume_read(path: Path, out: Path) -> dict[str, np.ndarray]:
+    """Every scale as cloud-volume (in a subprocess) reads it."""
+    r = subprocess.run([cloudvolume_python(), "-c", CV_READ, str(path), str(out)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with np.load(out) as z:
+        return dict(z)
+
+
+def chunk_ids(directory: Path, scale: dict) -> dict[str, int]:
+    """File name -> chunk id of every chunk file of an unsharded scale directory."""
+    g = ScaleGeometry.from_json(scale)
+    return {n: g.chunk_id(g.parse_chunk_name(n)) for n in os.listdir(directory)}
+
+
+# --------------------------------------------------------------------------- 1. the read-only view
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_volume_view_equals_unsharded_twin(view, peers_tree, case):
+    _, volumes, _ = peers_tree
+    twins = volumes[case]
+    shown = json.loads((view / case / "sharded" / "info").read_bytes())
+    assert shown == without_sharding(twins.info("sharded"))
+    assert shown == twins.info("unsharded")  # what tensorstore writes unsharded
+    assert tree_diff(view.path / case / "sharded", twins.unsharded) == []
+
+
+def test_unsharded_scale_passes_through(view, peers_tree):
+    twins = peers_tree[1]["img_u8_identity_raw"]
+    assert tree_diff(view.path / "mixed" / "sharded", twins.unsharded) == []
+
+
+@pytest.mark.parametrize("name", KV_NAMES)
+def test_kv_view_equals_unsharded_twin(view, peers_tree, name):
+    kv = peers_tree[2][name]
+    shown = view.path / name / "sharded"
+    assert {"0", str(2**64 - 1), "12345"} <= set(os.listdir(shown))
+    assert os.stat(shown / "12345").st_size == 0
+    assert tree_diff(shown, kv.unsharded) == []
+    assert "sharding" not in json.loads((shown / "info").read_bytes())
+    for absent in ("424242", "01", str(2**64), "-1", "1.shard"):
+        assert not (shown / absent).exists(), absent
+
+
+def test_multilod_view_equals_unsharded_twin(view, peers_tree):
+    root = peers_tree[0]
+    assert tree_diff(view.path / "multilod" / "sharded", root / "multilod" / "unsharded") == []
+    names = set(os.listdir(view.path / "multilod" / "sharded"))
+    assert {"0", "0.index", str(2**64 - 1), f"{2**64 - 1}.index"} <= names
+    assert os.stat(view.path / "multilod" / "sharded" / "6").st_size == 0  # a mesh without fragments
+
+
+def test_annotations_view_equals_unsharded_twin(view, peers_tree):
+    root = peers_tree[0]
+    assert tree_diff(view.path / "annotations" / "sharded", root / "annotations" / "unsharded") == []
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tensorstore_reads_the_view(view, peers_tree, case):
+    twins = peers_tree[1][case]
+    for scale in twins.info("sharded")["scales"]:
+        expect = peers.read_volume(twins.sharded, scale["key"])
+        assert np.array_equal(ts_read(view.path / case / "sharded", scale["key"]), expect), scale["key"]
+
+
+# png needs cloud-volume's optional codec (pyspng-seunglab); tensorstore covers it above
+@pytest.mark.parametrize("case", [c.name for c in peers.VOLUME_CASES if c.encoding != "png"])
+def test_cloudvolume_reads_the_view(view, peers_tree, case, tmp_path):
+    """cloud-volume's unsharded reader on the view = its sharded reader on the
+    original (same decoders) = tensorstore (for lossless encodings)."""
+    twins = peers_tree[1][case]
+    shown = cloudvolume_read(view.path / case / "sharded", tmp_path / "view.npz")
+    original = cloudvolume_read(twins.sharded, tmp_path / "original.npz")
+    assert shown.keys() == original.keys()
+    for mip, scale in enumerate(twins.info("sharded")["scales"]):
+        assert np.array_equal(shown[f"mip{mip}"], original[f"mip{mip}"]), mip
+        if scale["encoding"] != "jpeg":
+            assert np.array_equal(shown[f"mip{mip}"], peers.read_volume(twins.sharded, scale["key"])), mip
+
+
+# --------------------------------------------------------------------------- 2. cost of a stat
+
+
+def _requests(m: Mounted) -> dict:
+    return m.stats()["requests"]
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+
+def test_stat_reads_only_the_two_indexes(source, mount, peers_tree):
+    """Raw data: a stat costs the shard index and the one minishard index it
+    needs (both cached afterwards), nothing else; gzip: one more ranged read of
+    coalesced trailers, which also sizes the chunk's neighbours."""
+    root = peers_tree[0]
+    m, _ = publish_and_mount(source, mount, root, "ro", "index_ttl=600", "metadata_ttl=600", "attr_timeout=600",
+                             "prefetch=off")
+    twins = peers_tree[1]["img_u8_identity_raw"]
+    scale = twins.info("sharded")["scales"][0]
+    g, spec = ScaleGeometry.from_json(scale), ShardingSpec.from_json(scale["sharding"])
+    d = m.path / "img_u8_identity_raw" / "sharded" / scale["key"]
+
+    def name(cid):
+        return g.chunk_name(morton_decode(cid, g.grid_shape))
+
+    os.stat(d / name(0))  # warm the path and the probe
+    assert [spec.shard_and_minishard(c) for c in (2, 3, 10)] == [(1, 0), (1, 1), (1, 0)]
+    before = _requests(m)
+    assert os.stat(d / name(2)).st_size == 16 * 16 * 16
+    assert _delta(before, _requests(m)) == {"get_range": 2}  # shard index + minishard index
+    before = _requests(m)
+    os.stat(d / name(3))
+    assert _delta(before, _requests(m)) == {"get_range": 1}  # another minishard of a cached shard
+    before = _requests(m)
+    os.stat(d / name(10))
+    assert _delta(before, _requests(m)) == {}  # a cached minishard
+
+    case = "seg_u64_murmur_gzip_sparse_many"
+    twins = peers_tree[1][case]
+    scale = twins.info("sharded")["scales"][0]
+    spec = ShardingSpec.from_json(scale["sharding"])
+    ids = chunk_ids(twins.unsharded / scale["key"], scale)
+    by_minishard: dict = {}
+    for n, cid in sorted(ids.items()):
+        by_minishard.setdefault(spec.shard_and_minishard(cid), []).append(n)
+    names = max(by_minishard.values(), key=len)
+    assert len(names) >= 2
+    d = m.path / case / "sharded" / scale["key"]
+    assert not (d / "warm-up").exists()  # the path and the probe of the scale directory
+    before = _requests(m)
+    assert os.stat(d / names[0]).st_size == (twins.unsharded / scale["key"] / names[0]).stat().st_size
+    assert _delta(before, _requests(m)) == {"get_range": 3}  # + one read of the minishard's trailers
+    before = _requests(m)
+    for n in names[1:]:
+        assert os.stat(d / n).st_size == (twins.unsharded / scale["key"] / n).stat().st_size
+    assert _delta(before, _requests(m)) == {}
+
+
+def test_listing_reads_indexes_and_trailers_not_chunks(source, mount, peers_tree):
+    """Listing a gzip scale: per shard its index, its minishard indexes in
+    coalesced reads and one coalesced trailer read per minishard; no chunk data."""
+    root = peers_tree[0]
+    m, _ = publish_and_mount(source, mount, root, "ro", "index_ttl=600", "metadata_ttl=600", "attr_timeout=600",
+                             "prefetch=off")
+    case = "seg_u64_murmur_gzip_sparse_many"
+    twins = peers_tree[1][case]
+    scale = twins.info("sharded")["scales"][0]
+    spec = ShardingSpec.from_json(scale["sharding"])
+    sdir = twins.sharded / scale["key"]
+    shards = [n for n in os.listdir(sdir) if spec.parse_shard_key(n) is not None]
+    minishards = sum(len(set(parse_shard((sdir / n).read_bytes(), spec)[3].tolist())) for n in shards)
+    d = m.path / case / "sharded" / scale["key"]
+    assert not (d / "warm-up").exists()
+    before = _requests(m)
+    listed = {e.name: e.stat().st_size for e in os.scandir(d)}
+    assert listed == {n: (twins.unsharded / scale["key"] / n).stat().st_size
+                      for n in os.listdir(twins.unsharded / scale["key"])}
+    delta = _delta(before, _requests(m))
+    assert set(delta) <= {"list", "get_range"}
+    assert delta["get_range"] <= 2 * len(shards) + minishards, (delta, len(shards), minishards, len(listed))
+
+
+# --------------------------------------------------------------------------- 3. writes
+
+
+def _random_chunk(scale: dict, data_type: str, name: str, seed: int) -> bytes:
+    g = ScaleGeometry.from_json(scale)
+    lo, hi = g.chunk_bounds(g.parse_chunk_name(name))
+    n = int(np.prod([b - a for a, b in zip(lo, hi)]))
+    return np.random.default_rng(seed).integers(0, 255, size=n, dtype=data_type).tobytes()
+
+
+@pytest.mark.parametrize("case", ["img_u8_identity_raw", "seg_u64_murmur_gzip_sparse_many"])
+def test_volume_writes(source, mount, peers_tree, case, tmp_path):
+    """New chunk, overwrite, unlink, every chunk of a shard unlinked (its file
+    goes): the same operations on the unsharded twin give what tensorstore
+    reads from the backend after unmounting."""
+    twins = peers_tree[1][case]
+    info = twins.info("sharded")
+    scale = info["scales"][0]
+    key, spec = scale["key"], ShardingSpec.from_json(scale["sharding"])
+    twin = tmp_path / "twin"
+    shutil.copytree(twins.unsharded, twin)
+    ids = chunk_ids(twin / key, scale)
+    m, prefix = publish_and_mount(source, mount, twins.sharded)
+    d = m.path / key
+
+    g = ScaleGeometry.from_json(scale)
+    all_names = [g.chunk_name(p) for p in np.ndindex(*g.grid_shape)]
+    stored = sorted(ids)
+    by_shard: dict[int, list[str]] = {}
+    for n in stored:
+        by_shard.setdefault(spec.shard_and_minishard(ids[n])[0], []).append(n)
+    emptied = max(by_shard, key=lambda s: len(by_shard[s]))
+    others = [n for n in stored if n not in by_shard[emptied]]
+    new = [n for n in all_names if n not in ids
+           and spec.shard_and_minishard(g.chunk_id(g.parse_chunk_name(n)))[0] != emptied][:2]
+    ops = [("write", others[0]), ("unlink", others[1])] + [("write", n) for n in new]
+    ops += [("unlink", n) for n in by_shard[emptied]]
+    for i, (op, n) in enumerate(ops):
+        for directory in (d, twin / key):
+            if op == "write":
+                (directory / n).write_bytes(_random_chunk(scale, info["data_type"], n, i))
+            else:
+                os.unlink(directory / n)
+    assert tree_diff(m.path / key, twin / key) == []  # unflushed writes are seen at once
+    m.umount()
+
+    stored_tree = source.fetch(prefix)
+    shard_names = sorted(os.listdir(stored_tree / key))
+    assert spec.shard_key(emptied) not in shard_names
+    assert all(spec.parse_shard_key(n) is not None for n in shard_names)
+    for n in shard_names:  # valid shards: minishard indexes sorted by id, chunks where they hash
+        data = (stored_tree / key / n).read_bytes()
+        got, _, _, minis = parse_shard(data, spec)
+        for cid, mini in zip(got.tolist(), minis.tolist()):
+            assert spec.shard_and_minishard(cid) == (spec.parse_shard_key(n), mini)
+    assert np.array_equal(peers.read_volume(stored_tree, key), peers.read_volume(twin, key))
+    src, extra, _ = source.publish(stored_tree)
+    assert tree_diff(mount(src, "ro", extra=extra).path / key, twin / key) == []
+
+
+@pytest.mark.parametrize("name", KV_NAMES)
+def test_kv_writes(source, mount, peers_tree, name):
+    kv = peers_tree[2][name]
+    spec = ShardingSpec.from_json(kv.sharding)
+    m, prefix = publish_and_mount(source, mount, kv.sharded)
+    expect = dict(kv.items)
+    by_shard: dict[int, list[int]] = {}
+    for k in expect:
+        by_shard.setdefault(spec.shard_and_minishard(k)[0], []).append(k)
+    changes = {2**64 - 1: b"changed", 424242: b"added", 7: b""}
+    touched = {spec.shard_and_minishard(k)[0] for k in changes}
+    emptied = min((s for s in by_shard if s not in touched), key=lambda s: len(by_shard[s]), default=None)
+    for k, v in changes.items():
+        (m.path / str(k)).write_bytes(v)
+        expect[k] = v
+    for k in [1] + (by_shard[emptied] if emptied is not None else []):
+        if k in expect and k not in changes:
+            os.unlink(m.path / str(k))
+            del expect[k]
+    assert {n for n in os.listdir(m.path) if n != "info"} == {str(k) for k in expect}
+    m.umount()
+    stored_tree = source.fetch(prefix)
+    assert peers.read_kvstore(stored_tree, kv.sharding) == expect
+    if emptied is not None:
+        assert not (stored_tree / spec.shard_key(emptied)).exists()
+
+
+def test_tensorstore_writes_through_the_view(source, mount, peers_tree):
+    """tensorstore writing the *unsharded* layout into the mount (temporary
+    files, renames) lands in the shards; tensorstore reads them back sharded."""
+    case = "seg_u64_identity_datagzip_shard0_sparse"
+    twins = peers_tree[1][case]
+    m, prefix = publish_and_mount(source, mount, twins.sharded)
+    key = twins.info()["scales"][0]["key"]
+    t = ts.open({"driver": "neuroglancer_precomputed", "kvstore": f"file://{m.path}/",
+                 "scale_metadata": {"key": key}}, open=True).result().translate_to[0, 0, 0, 0]
+    expect = peers.read_volume(twins.sharded, key)
+    expect[0:8, 0:8, 0:8] = 42
+    expect[9:20, 3:17, 5:17] = 2**64 - 5
+    t[0:8, 0:8, 0:8].write(np.full((8, 8, 8, 1), 42, np.uint64)).result()
+    t[9:20, 3:17, 5:17].write(np.full((11, 14, 12, 1), 2**64 - 5, np.uint64)).result()
+    assert np.array_equal(t.read().result(), expect)
+    m.umount()
+    stored_tree = source.fetch(prefix)
+    assert sorted(os.listdir(stored_tree / key)) == ["0.shard"]
+    assert np.array_equal(peers.read_volume(stored_tree, key), expect)
+
+
+def test_annotation_writes(source, mount, peers_tree):
+    root = peers_tree[0] / "annotations" / "sharded"
+    m, prefix = publish_and_mount(source, mount, root)
+    (m.path / "spatial1" / "1_3_2").write_bytes(b"new cell")
+    (m.path / "spatial1" / "0_0_0").write_bytes(b"overwritten cell")
+    os.unlink(m.path / "spatial1" / "1_1_0")
+    (m.path / "by_id" / "12").write_bytes(b"annotation 12")
+    m.umount()
+    stored_tree = source.fetch(prefix)
+    cells = peers.read_kvstore(stored_tree / "spatial1", ANN_SPATIAL)
+    morton = {compressed_morton_code(p, ANN_GRID): "_".join(map(str, p)) for p in np.ndindex(*ANN_GRID)}
+    named = {morton[k]: v for k, v in cells.items()}
+    assert named["1_3_2"] == b"new cell" and named["0_0_0"] == b"overwritten cell" and "1_1_0" not in named
+    twin_cells = {n for n in os.listdir(peers_tree[0] / "annotations" / "unsharded" / "spatial1")}
+    assert set(named) == (twin_cells - {"1_1_0"}) | {"1_3_2"}
+    assert peers.read_kvstore(stored_tree / "by_id", ANN_BY_ID)[12] == b"annotation 12"
+
+
+def test_multilod_is_read_only(source, mount, peers_tree):
+    """Fragment data is not an indexed chunk, so no shard rewrite could keep
+    it: every write in a multilod directory is refused with EPERM, the store
+    is untouched."""
+    root = peers_tree[0] / "multilod" / "sharded"
+    m, prefix = publish_and_mount(source, mount, root)
+    for attempt in (lambda: (m.path / "5").write_bytes(b"x"),
+                    lambda: (m.path / "5.index").write_bytes(b"x"),
+                    lambda: (m.path / "8.index").write_bytes(b"x"),
+                    lambda: os.unlink(m.path / "5"),
+                    lambda: os.unlink(m.path / "5.index"),
+                    lambda: os.rename(m.path / "5.index", m.path / "9.index")):
+        with pytest.raises(PermissionError):
+            attempt()
+    assert tree_diff(m.path, peers_tree[0] / "multilod" / "unsharded") == []
+    m.umount()
+    stored_tree = source.fetch(prefix)
+    assert {p.name: p.read_bytes() for p in stored_tree.iterdir()} == {p.name: p.read_bytes() for p in root.iterdir()}
+
+
+def test_info_written_through_the_view_keeps_sharding(source, mount, peers_tree):
+    """A tool rewriting ``info`` through the view (view form, no sharding)
+    must not orphan the shards; a grid change of a sharded scale is refused."""
+    twins = peers_tree[1]["img_u8_identity_raw"]
+    m, prefix = publish_and_mount(source, mount, twins.sharded)
+    shown = json.loads((m.path / "info").read_bytes())
+    shown["scales"][0]["resolution"] = [9.0, 9.0, 9.0]
+    (m.path / "info").write_text(json.dumps(shown))
+    assert json.loads((m.path / "info").read_bytes()) == shown
+    bad = copy.deepcopy(shown)
+    bad["scales"][1]["size"] = [99, 99, 99]
+    with pytest.raises(PermissionError):
+        with open(m.path / "info", "w") as f:
+            f.write(json.dumps(bad))
+    m.umount()
+    stored = json.loads((source.fetch(prefix) / "info").read_bytes())
+    assert stored["scales"][0]["sharding"] == twins.info()["scales"][0]["sharding"]
+    assert stored["scales"][0]["resolution"] == [9.0, 9.0, 9.0]
+    assert stored["scales"][1] == twins.info()["scales"][1]
+
+
+# --------------------------------------------------------------------------- 4. damaged input
+
+
+def _damage(tree: Path, volumes) -> dict:
+    """Damage a copy of the gzip volume and add bad-metadata datasets; returns
+    what was damaged where."""
+    case = "img_u8_jpeg_murmur_gzip"
+    info = volumes[case].info()
+    vol = tree / case
+    damaged = {}
+    s0, s1 = info["scales"]
+    spec = ShardingSpec.from_json(s0["sharding"])
+    d0 = vol / s0["key"]
+    shards = sorted(n for n in os.listdir(d0) if spec.parse_shard_key(n) is not None)
+    assert len(shards) >= 3
+    # 1. a truncated shard
+    data = (d0 / shards[0]).read_bytes()
+    (d0 / shards[0]).write_bytes(data[: len(data) * 2 // 3])
+    damaged["truncated"] = (s0["key"], spec.parse_shard_key(shards[0]))
+    # 2. one minishard index range past the end of its shard
+    data = bytearray((d0 / shards[1]).read_bytes())
+    table = np.frombuffer(bytes(data[: spec.shard_index_size]), "<u8").reshape(-1, 2).copy()
+    mini = int(np.flatnonzero(table[:, 0] != table[:, 1])[0])
+    table[mini, 1] = len(data) + 1000
+    data[: spec.shard_index_size] = table.astype("<u8").tobytes()
+    (d0 / shards[1]).write_bytes(bytes(data))
+    damaged["minishard"] = (s0["key"], spec.parse_shard_key(shards[1]), mini)
+    # 3. bad deflate data in one chunk, a wrong gzip trailer (ISIZE) in another
+
+    def flip(key: str, at: str) -> tuple[str, int]:
+        spec = ShardingSpec.from_json(next(s for s in info["scales"] if s["key"] == key)["sharding"])
+        path = vol / key / shards[2]
+        raw = bytearray(path.read_bytes())
+        ids, offs, sizes, _ = parse_shard(bytes(raw), spec)
+        i = int(np.argmax(sizes))
+        raw[int(offs[i] + sizes[i] // 2) if at == "middle" else int(offs[i] + sizes[i] - 2)] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        return key, int(ids[i])
+
+    damaged["middle"] = flip(s0["key"], "middle")
+    damaged["isize"] = flip(s1["key"], "isize")
+    # 4. impossible sharding parameters: one scale of a volume, a key-value dir
+    bad_vol = tree / "bad_scale"
+    shutil.copytree(tree / "img_u8_identity_raw", bad_vol)
+    doc = json.loads((bad_vol / "info").read_bytes())
+    doc["scales"][1]["sharding"]["shard_bits"] = 70
+    (bad_vol / "info").write_text(json.dumps(doc))
+    bad_kv = tree / "bad_kv"
+    shutil.copytree(tree / "kv_identity_raw_shard0", bad_kv)
+    doc = json.loads((bad_kv / "info").read_bytes())
+    doc["sharding"]["minishard_bits"] = 61
+    (bad_kv / "info").write_text(json.dumps(doc))
+    malformed = tree / "malformed"
+    shutil.copytree(tree / "kv_murmur_gzip", malformed)
+    (malformed / "info").write_text('{"@type": "neuroglancer_skeletons", "sharding": ')
+    return damaged
+
+
+def test_damaged_input(source, mount, peers_tree, tmp_path):
+    root, volumes, _ = peers_tree
+    case = "img_u8_jpeg_murmur_gzip"
+    tree = tmp_path / "damaged"
+    tree.mkdir()
+    for name in (case, "img_u8_identity_raw", "kv_identity_raw_shard0", "kv_murmur_gzip"):
+        shutil.copytree(root / name / "sharded", tree / name)
+    damaged = _damage(tree, volumes)
+    m, _ = publish_and_mount(source, mount, tree, "ro")
+    info = volumes[case].info()
+    eio: dict[str, set[int]] = {}
+    for scale in info["scales"]:
+        key = scale["key"]
+        spec = ShardingSpec.from_json(scale["sharding"])
+        twin_dir = volumes[case].unsharded / key
+        listed = set(os.listdir(m.path / case / key))  # never fails, lists only real chunk names
+        assert listed <= set(os.listdir(twin_dir))
+        for n, cid in chunk_ids(twin_dir, scale).items():
+            got = read_or_errno(m.path / case / key / n)
+            if got != (twin_dir / n).read_bytes():  # never wrong bytes: the right ones or EIO
+                assert got == errno.EIO, (key, n, got if isinstance(got, int) else len(got))
+                eio.setdefault(key, set()).add(cid)
+                continue
+            shard, mini = spec.shard_and_minishard(cid)
+            assert (key, shard) != damaged["truncated"] or n in listed
+        # the rest stays readable: only damaged shards / minishards / chunks give EIO
+        for cid in eio.get(key, ()):
+            shard, mini = spec.shard_and_minishard(cid)
+            assert ((key, shard) == damaged["truncated"] or (key, shard, mini) == damaged["minishard"]
+                    or (key, cid) in (damaged["middle"], damaged["isize"])), (key, cid)
+    key0 = info["scales"][0]["key"]
+    spec0 = ShardingSpec.from_json(info["scales"][0]["sharding"])
+    assert any(spec0.shard_and_minishard(c)[0] == damaged["truncated"][1] for c in eio[key0])
+    assert any(spec0.shard_and_minishard(c)[:2] == damaged["minishard"][1:] for c in eio[key0])
+    assert damaged["middle"][1] in eio[damaged["middle"][0]]
+    assert damaged["isize"][1] in eio[damaged["isize"][0]]
+
+    # impossible parameters: that part shown as stored (one warning), the rest unsharded
+    doc = json.loads((m.path / "bad_scale" / "info").read_bytes())
+    raw = json.loads((tree / "bad_scale" / "info").read_bytes())
+    assert "sharding" not in doc["scales"][0] and doc["scales"][1] == raw["scales"][1]
+    twins = volumes["img_u8_identity_raw"]
+    k0, k1 = raw["scales"][0]["key"], raw["scales"][1]["key"]
+    assert tree_diff(m.path / "bad_scale" / k0, twins.unsharded / k0) == []
+    assert sorted(os.listdir(m.path / "bad_scale" / k1)) == sorted(os.listdir(tree / "bad_scale" / k1))
+    for name in ("bad_kv", "malformed"):
+        assert (m.path / name / "info").read_bytes() == (tree / name / "info").read_bytes()
+        assert sorted(os.listdir(m.path / name)) == sorted(os.listdir(tree / name))
+    (m.path / "bad_kv" / "info").read_bytes()
+    os.listdir(m.path / "bad_scale" / k1)
+    lines = m.log_text().splitlines()
+    for name in ("bad_scale", "bad_kv", "malformed"):
+        assert sum(f"{name}/info" in line for line in lines) == 1, lines

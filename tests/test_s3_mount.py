@@ -1,0 +1,752 @@
+"""Issue 3: the S3 read path, through real mounts of a moto server.
+
+Every request count is asserted twice: by the daemon's own counters
+(``zshardfs stats --json``) and by the server's access log
+(``MotoServer.requests``), which also says which object each request was for.
+
+The array (written by zarr-python 3, the default Morton layout inside shards):
+shape 96^3 uint8, inner chunks 8^3 (512 bytes, uncompressed), shards 32^3
+(4x4x4 = 64 chunks, about 32 KiB each).  Some chunks hold only the fill value
+and are not stored (the first chunk of the first shard, a row of chunks), and
+one whole shard is missing: 26 shards, 1651 chunk files.
+
+Repeated reads: the kernel page cache (the mount opens files with
+``keep_cache``) would serve a second read without asking the daemon, so the
+tests drop the file's pages (``posix_fadvise(DONTNEED)``) and check, by the
+chunk cache's hit counter, that the read really reached the daemon.
+
+A latency proxy (``DelayProxy``) in front of moto makes every request take
+``delay`` seconds, so that overlapping requests are visible in wall time and
+the proxy counts how many requests were in flight at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import random
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import unquote
+
+import crc32c
+import numpy as np
+import pytest
+
+from tests.conftest import run_mount
+from tests.s3server import MotoServer, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+SHAPE, INNER, SHARD = (96, 96, 96), (8, 8, 8), (32, 32, 32)
+GRID = tuple(s // c for s, c in zip(SHAPE, INNER))  # inner-chunk grid: 12^3
+PER = tuple(s // c for s, c in zip(SHARD, INNER))  # chunks per shard and dimension: 4^3
+PREFIX = "data"
+EMPTY = 2**64 - 1
+
+
+# --------------------------------------------------------------------------
+# the array
+
+
+class Array:
+    """The array written by zarr-python into ``root/arr``, and what the view
+    must show: ``chunks`` maps a view path below ``arr`` ("c/i/j/k") to its
+    bytes, ``shards`` maps a shard's object key to its chunk paths."""
+
+    def __init__(self, root: Path):
+        import zarr
+
+        rng = np.random.default_rng(3)
+        data = rng.integers(1, 256, size=SHAPE, dtype=np.uint8)
+        data[0:8, 0:8, 0:8] = 0  # chunk (0,0,0): fill only, not stored
+        data[32:64, 32:64, 32:64] = 0  # shard (1,1,1): not stored at all
+        data[88:96, 40:48, :] = 0  # a row of chunks across three shards
+        self.root = root
+        arr = zarr.create_array(root / "arr", shape=SHAPE, dtype="uint8", chunks=INNER, shards=SHARD,
+                                compressors=None, fill_value=0)
+        arr[:] = data
+        self.chunks: dict[str, bytes] = {}
+        self.shards: dict[str, list[str]] = {}
+        for idx in np.ndindex(*GRID):
+            block = data[tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, INNER))]
+            if block.any():
+                path = "c/" + "/".join(map(str, idx))
+                self.chunks[path] = block.tobytes()
+                shard = tuple(i // p for i, p in zip(idx, PER))
+                self.shards.setdefault(self.shard_key(shard), []).append(path)
+        stored = {str(p.relative_to(root)) for p in (root / "arr").rglob("*") if p.is_file()}
+        assert stored == {"arr/zarr.json"} | {k[len(PREFIX) + 1:] for k in self.shards}, "zarr-python layout"
+
+    @staticmethod
+    def shard_key(shard) -> str:
+        return f"{PREFIX}/arr/c/" + "/".join(map(str, shard))
+
+    @staticmethod
+    def shard_of(path: str) -> str:
+        idx = tuple(int(x) for x in path.split("/")[1:])
+        return Array.shard_key(tuple(i // p for i, p in zip(idx, PER)))
+
+    @staticmethod
+    def chunk_id(path: str) -> int:
+        idx = [int(x) % p for x, p in zip(path.split("/")[1:], PER)]
+        return (idx[0] * PER[1] + idx[1]) * PER[2] + idx[2]
+
+    def layout(self, shard: str) -> dict[int, tuple[int, int]]:
+        """chunk id -> (offset, nbytes) in the stored shard, from its index."""
+        raw = (self.root / shard[len(PREFIX) + 1:]).read_bytes()[-index_bytes():-4]
+        table = np.frombuffer(raw, "<u8").reshape(-1, 2)
+        return {i: (int(o), int(n)) for i, (o, n) in enumerate(table.tolist()) if o != EMPTY}
+
+    def objects(self) -> dict[str, bytes]:
+        return {f"{PREFIX}/{p.relative_to(self.root)}": p.read_bytes()
+                for p in self.root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def array(tmp_path_factory) -> Array:
+    return Array(tmp_path_factory.mktemp("s3mount_array"))
+
+
+@pytest.fixture
+def bucket(moto_server, s3_bucket, array):
+    """A fresh bucket holding the array below ``PREFIX``."""
+    _, name = s3_bucket
+    moto_server.put_many(name, array.objects())
+    return name
+
+
+def s3_mount(mount, server, bucket: str, *opts: str, endpoint: str | None = None):
+    return mount(f"s3://{bucket}/{PREFIX}", "ro", *opts,
+                 extra=["--endpoint-url", endpoint or server.endpoint_url])
+
+
+# --------------------------------------------------------------------------
+# request accounting, both sides
+
+
+def server_requests(server: MotoServer, bucket: str, since: int) -> list[tuple[str, str, int]]:
+    """(kind, key, status) of the requests for ``bucket`` since a mark; kind
+    is GET, HEAD, LIST, PUT or DELETE, key the object key (LIST: the prefix)."""
+    out = []
+    for r in server.requests(since):
+        parts = r.route.split("/", 2)
+        if len(parts) < 2 or parts[1] != bucket:
+            continue
+        key = unquote(parts[2]) if len(parts) == 3 else ""
+        if r.method == "GET" and not key and "list-type" in r.query:
+            out.append(("LIST", r.query.get("prefix", [""])[0], r.status))
+        else:
+            out.append((r.method, key, r.status))
+    return out
+
+
+def shard_requests(reqs) -> list[tuple[str, str, int]]:
+    """The requests about shards: GET/HEAD of a shard, LIST of a shard directory.
+
+    Other requests (lookups of "arr", probes of metadata documents) can happen
+    at any time: the kernel looks names up again whenever it drops its dentry
+    cache (``echo 2 > /proc/sys/vm/drop_caches``, memory pressure)."""
+    return [r for r in reqs if r[1].startswith(f"{PREFIX}/arr/c/") or r[1] == f"{PREFIX}/arr/c"]
+
+
+def metadata_bytes(reqs, array: "Array") -> int:
+    """Bytes of the whole-object GETs of metadata documents among ``reqs``."""
+    objects = array.objects()
+    return sum(len(objects[key]) for kind, key, status in reqs if kind == "GET" and status == 200 and key in objects)
+
+
+def kinds(reqs) -> Counter:
+    return Counter(kind for kind, _, _ in reqs)
+
+
+def shard_gets(reqs) -> Counter:
+    """GETs per shard object (any status)."""
+    return Counter(key for kind, key, _ in reqs if kind == "GET" and "/c/" in key)
+
+
+class Stats:
+    """Deltas of the daemon's counters between two ``zshardfs stats`` calls."""
+
+    def __init__(self, m):
+        self.m = m
+        self.before = m.stats()
+
+    def delta(self) -> dict:
+        after = self.m.stats()
+        b = self.before
+        return {
+            **{k: after["requests"][k] - b["requests"][k] for k in after["requests"]},
+            "bytes_read": after["bytes"]["read"] - b["bytes"]["read"],
+            "index_misses": after["index_cache"]["misses"] - b["index_cache"]["misses"],
+            "chunk_hits": after["chunk_cache"]["hits"] - b["chunk_cache"]["hits"],
+            "precondition_failed": after["precondition_failed"] - b["precondition_failed"],
+            "errors": after["errors"] - b["errors"],
+            "prefetches": after["prefetches"] - b["prefetches"],
+            "after": after,
+        }
+
+
+def assert_same_counts(client: dict, server_reqs) -> None:
+    """The daemon counted exactly the requests the server received."""
+    srv = kinds(server_reqs)
+    assert client["get"] + client["get_range"] == srv["GET"], (client, srv)
+    assert client["head"] == srv["HEAD"], (client, srv)
+    assert client["list"] == srv["LIST"], (client, srv)
+    assert client["put"] == srv["PUT"] == 0 and client["delete"] == srv["DELETE"] == 0, (client, srv)
+
+
+def drop_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def read_file(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def index_bytes() -> int:
+    return math.prod(PER) * 16 + 4
+
+
+# --------------------------------------------------------------------------
+# full scans
+
+
+@pytest.mark.parametrize("tool", ["cat", "cp"])
+def test_sequential_scan(mount, moto_server, bucket, array, tool, tmp_path):
+    """``find | xargs cat`` or ``cp -r`` of the whole array with default
+    options: every shard's index read once, at most 1.1 data GETs per
+    shard, no HEAD, and far fewer LISTs than directories (listings are kept
+    for metadata_ttl); the bytes are the array's."""
+    m = s3_mount(mount, moto_server, bucket)
+    stats = Stats(m)
+    mark = moto_server.mark()
+    root = m.path / "arr"
+    t0 = time.monotonic()
+    if tool == "cat":
+        files = subprocess.run(["find", str(root), "-type", "f", "-print0"], capture_output=True, check=True).stdout
+        names = [os.fsdecode(p) for p in files.split(b"\0") if p]
+        out = subprocess.run(["xargs", "-0", "cat"], input=files, capture_output=True, check=True).stdout
+        rels = [str(Path(n).relative_to(root)) for n in names]
+        expected = b"".join(array.chunks.get(r, b"") if r != "zarr.json" else (root / r).read_bytes() for r in rels)
+        assert set(rels) == set(array.chunks) | {"zarr.json"}
+        assert out == expected
+    else:
+        subprocess.run(["cp", "-r", str(root), str(tmp_path / "copy")], check=True)
+        copied = {str(p.relative_to(tmp_path / "copy")): p.read_bytes()
+                  for p in (tmp_path / "copy").rglob("*") if p.is_file()}
+        copied.pop("zarr.json")
+        assert copied.keys() == array.chunks.keys()
+        assert all(copied[k] == v for k, v in array.chunks.items())
+    elapsed = time.monotonic() - t0
+
+    reqs = server_requests(moto_server, bucket, mark)
+    client = stats.delta()
+    assert_same_counts(client, reqs)
+    per_shard = shard_gets(reqs)
+    n = len(array.shards)
+    assert set(per_shard) == set(array.shards), "a GET for an object that is not a shard, or a shard never read"
+    index_reads = client["index_misses"]
+    assert index_reads == n, f"every index read once: {index_reads} for {n} shards"
+    data_gets = sum(per_shard.values()) - index_reads
+    assert data_gets <= 1.1 * n, f"{data_gets} data GETs for {n} shards: {sorted(per_shard.values())}"
+    assert client["get_range"] - index_reads == data_gets  # client side agrees
+    assert all(s == 206 for kind, key, s in reqs if kind == "GET" and "/c/" in key)
+    assert not [r for r in reqs if r[0] == "HEAD" and "/c/" in r[1]], "no re-validation HEAD of a shard"
+    # listings: each of the 13 shard directories at most once per metadata_ttl (1 s), not once
+    # per chunk directory below it (144 of them)
+    lists = sum(1 for kind, _, _ in shard_requests(reqs) if kind == "LIST")
+    assert lists <= 13 * (1 + elapsed), (lists, elapsed)
+    # bytes: every stored chunk once, every index once (zarr-python packs chunks without gaps),
+    # give or take a chunk read again inside a coalesced range rather than by one more GET
+    fetched, needed = client["bytes_read"] - metadata_bytes(reqs, array), len(array.chunks) * 512 + n * index_bytes()
+    assert needed <= fetched <= needed + 8 * 512, (fetched, needed)
+    print(f"\n{tool}: {len(array.chunks)} files, {n} shards, {data_gets} data GETs + {index_reads} index GETs, "
+          f"{lists} LISTs of shard directories, {kinds(reqs)['HEAD']} HEADs, {client['bytes_read']} bytes, "
+          f"{elapsed:.2f}s")
+
+
+def test_chunk_cache_budget(mount, moto_server, bucket, array):
+    """The chunk cache stays within ``-o chunk_cache`` during a scan that
+    would need more; the bytes are still right."""
+    m = s3_mount(mount, moto_server, bucket, "chunk_cache=128K")
+    root = m.path / "arr"
+    for rel, data in sorted(array.chunks.items())[:600]:
+        assert read_file(root / rel) == data
+    cache = m.stats()["chunk_cache"]
+    assert cache["max_bytes"] == 128 << 10
+    assert 0 < cache["bytes"] <= cache["max_bytes"]
+
+
+# --------------------------------------------------------------------------
+# random single-chunk reads, repeats, listings
+
+
+def neighbours(array: Array, shard: str, a: str, b: str) -> bool:
+    """True if reading ``b`` after ``a`` looks like walking through the shard
+    (next chunk id, or the bytes right after it): that is a scan's start."""
+    layout, ia, ib = array.layout(shard), Array.chunk_id(a), Array.chunk_id(b)
+    return ib == ia + 1 or layout[ib][0] == sum(layout[ia])
+
+
+def test_random_single_chunks(mount, moto_server, bucket, array):
+    """Cold: at most 2 GETs of the shard (its index, the chunk), and only the
+    chunk's bytes (no read-ahead for random reads).  With the index cached:
+    at most 1 GET."""
+    m = s3_mount(mount, moto_server, bucket)
+    root = m.path / "arr"
+    read_file(root / "zarr.json")  # metadata lookups out of the way
+    rnd = random.Random(7)
+    shards = rnd.sample(sorted(array.shards), 10)
+    for shard in shards:
+        first, second = rnd.sample(array.shards[shard], 2)
+        while neighbours(array, shard, first, second):
+            first, second = rnd.sample(array.shards[shard], 2)
+        for rel, most in ((first, 2), (second, 1)):
+            stats, mark = Stats(m), moto_server.mark()
+            assert read_file(root / rel) == array.chunks[rel]
+            reqs = server_requests(moto_server, bucket, mark)
+            client = stats.delta()
+            assert_same_counts(client, reqs)
+            gets = shard_gets(reqs)
+            assert set(gets) <= {shard} and gets[shard] <= most, (rel, reqs)
+            assert client["get_range"] == gets[shard]  # ranged GETs are for shards only
+            shard_heads = [r for r in shard_requests(reqs) if r[0] != "GET"]
+            assert shard_heads in ([], [("HEAD", shard, 200)]), reqs  # a re-validation at most
+            assert client["prefetches"] == 0
+            expect_bytes = 512 + (index_bytes() if most == 2 else 0)
+            assert client["bytes_read"] - metadata_bytes(reqs, array) == expect_bytes, (rel, client)
+
+
+def test_repeated_reads_come_from_the_cache(mount, moto_server, bucket, array):
+    """Once read, a chunk costs no GET while cached: the kernel's page cache
+    is dropped before every repeat, and the chunk cache's hits prove that
+    the daemon answered."""
+    m = s3_mount(mount, moto_server, bucket, "attr_timeout=0")
+    root = m.path / "arr"
+    rel = "c/5/6/2"
+    assert read_file(root / rel) == array.chunks[rel]
+    for _ in range(3):
+        drop_page_cache(root / rel)
+        stats, mark = Stats(m), moto_server.mark()
+        assert read_file(root / rel) == array.chunks[rel]
+        reqs = server_requests(moto_server, bucket, mark)
+        client = stats.delta()
+        assert_same_counts(client, reqs)
+        assert not shard_gets(reqs), reqs
+        assert client["chunk_hits"] >= 1, "the read never reached the daemon: the test would prove nothing"
+        time.sleep(0.6)  # past index_ttl on the second repeat: at most a HEAD, never a GET
+
+
+def test_listing_costs(mount, moto_server, bucket, array):
+    """Listing a chunk directory costs one LIST of its shard directory plus
+    one index GET per shard in it, and no chunk data; listing another chunk
+    directory of the same shard directory, and stat of every entry, cost
+    nothing more while the TTLs last."""
+    m = s3_mount(mount, moto_server, bucket, "metadata_ttl=60", "index_ttl=60")
+    root = m.path / "arr"
+    read_file(root / "zarr.json")
+    os.stat(root / "c" / "0")
+
+    stats, mark = Stats(m), moto_server.mark()
+    names = sorted(os.listdir(root / "c/0/0"), key=int)
+    reqs = server_requests(moto_server, bucket, mark)
+    client = stats.delta()
+    assert_same_counts(client, reqs)
+    assert names == sorted((p.split("/")[3] for p in array.chunks if p.startswith("c/0/0/")), key=int)
+    row = [("GET", Array.shard_key((0, 0, s)), 206) for s in range(3)]  # one index GET per shard
+    assert shard_requests(reqs) == [("LIST", f"{PREFIX}/arr/c/0/0/", 200), *row], reqs
+    assert client["bytes_read"] - metadata_bytes(reqs, array) == 3 * index_bytes()
+
+    mark = moto_server.mark()
+    for d in ("c/1/2", "c/3/3", "c/0/0"):
+        for name in os.listdir(root / d):
+            os.stat(root / d / name)
+    assert shard_requests(server_requests(moto_server, bucket, mark)) == []
+
+    # a row of shards with a missing one: the listing says so, no GET for it
+    mark = moto_server.mark()
+    assert sorted(os.listdir(root / "c/5/5"), key=int) == [str(k) for k in (*range(4), *range(8, 12))]
+    reqs = shard_requests(server_requests(moto_server, bucket, mark))
+    assert reqs == [("LIST", f"{PREFIX}/arr/c/1/1/", 200), ("GET", Array.shard_key((1, 1, 0)), 206),
+                    ("GET", Array.shard_key((1, 1, 2)), 206)], reqs
+
+
+# --------------------------------------------------------------------------
+# a shard replaced or deleted by another client
+
+
+def shard_layout(chunks: dict[int, bytes], order: list[int]) -> bytes:
+    """A valid shard (index at the end, crc32c) with chunks laid out in ``order``."""
+    n = math.prod(PER)
+    table = np.full((n, 2), EMPTY, dtype="<u8")
+    parts, pos = [], 0
+    for cid in order:
+        table[cid] = (pos, len(chunks[cid]))
+        parts.append(chunks[cid])
+        pos += len(chunks[cid])
+    index = table.tobytes()
+    return b"".join(parts) + index + crc32c.crc32c(index).to_bytes(4, "little")
+
+
+def test_shard_replaced_between_index_and_chunk_read(mount, moto_server, bucket, array):
+    """Another client overwrites a shard after the mount cached its index:
+    the pinned chunk GET gets 412, the index is read again and the chunk
+    comes from the new version, never a mix (the new version lays its
+    chunks out in reverse, so the old offsets hold other chunks' bytes)."""
+    m = s3_mount(mount, moto_server, bucket, "index_ttl=60", "metadata_ttl=60", "attr_timeout=60")
+    root = m.path / "arr"
+    shard = Array.shard_key((2, 0, 1))
+    rels = sorted(array.shards[shard], key=Array.chunk_id)
+    target, other = rels[5], rels[-1]
+    os.stat(root / target)  # the index is cached now
+    os.stat(root / other)
+
+    new = {Array.chunk_id(r): bytes(255 - b for b in array.chunks[r]) for r in rels}
+    order = sorted(new, reverse=True)
+    moto_server.s3.put_object(Bucket=bucket, Key=shard, Body=shard_layout(new, order))
+
+    stats, mark = Stats(m), moto_server.mark()
+    assert read_file(root / target) == new[Array.chunk_id(target)]
+    reqs = server_requests(moto_server, bucket, mark)
+    client = stats.delta()
+    assert_same_counts(client, reqs)
+    assert client["precondition_failed"] == 1
+    assert [(k, s) for k, key, s in reqs if key == shard] == [("GET", 412), ("GET", 206), ("GET", 206)], reqs
+    assert client["index_misses"] == 1
+    # the rest of the shard: the new version too
+    assert read_file(root / other) == new[Array.chunk_id(other)]
+    for rel in rels:
+        drop_page_cache(root / rel)
+        assert read_file(root / rel) == new[Array.chunk_id(rel)]
+
+
+def test_shard_deleted_behind_the_mount(mount, moto_server, bucket, array):
+    """NoSuchKey -> ENOENT: a chunk whose shard another client deleted."""
+    m = s3_mount(mount, moto_server, bucket, "index_ttl=60", "metadata_ttl=60", "attr_timeout=60")
+    root = m.path / "arr"
+    shard = Array.shard_key((0, 2, 2))
+    rel = array.shards[shard][3]
+    os.stat(root / rel)
+    moto_server.s3.delete_object(Bucket=bucket, Key=shard)
+    with pytest.raises(FileNotFoundError):
+        read_file(root / rel)
+    assert m.stats()["errors"] == 0  # an absent object is an answer, not an error
+
+
+# --------------------------------------------------------------------------
+# the server stops
+
+
+def test_server_stopped_mid_read(mount, moto_server, bucket, array):
+    """The endpoint hangs (SIGSTOP) while a file is open: reads fail with
+    EIO within ``-o timeout``, the daemon keeps serving what it holds, and
+    once the server is back (killed and restarted) the same open file reads
+    right again, without a remount.  A dead endpoint (connection refused)
+    fails as fast."""
+    timeout = 3.0
+    m = s3_mount(mount, moto_server, bucket, f"timeout={timeout:g}")
+    root = m.path / "arr"
+    victim, later = "c/9/1/2", "c/4/10/11"
+    os.stat(root / later)
+    state = moto_server.snapshot([bucket])
+    fd = os.open(root / victim, os.O_RDONLY)  # looked up and opened while the server answers
+    try:
+        moto_server.pause()
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as info:
+            os.pread(fd, 4096, 0)
+        assert info.value.errno == errno.EIO
+        assert time.monotonic() - t0 < timeout + 1.5
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as info:
+            os.stat(root / "c/11/11/11")  # a lookup that needs an index
+        assert info.value.errno == errno.EIO
+        assert time.monotonic() - t0 < timeout + 1.5
+        assert m.stats()["errors"] >= 2  # still serving its control channel
+
+        moto_server.kill()  # dead: connections refused
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as info:
+            read_file(root / later)
+        assert info.value.errno == errno.EIO
+        assert time.monotonic() - t0 < timeout + 1.5
+    finally:
+        moto_server.ensure_running()
+        moto_server.restore(state)
+    # back by itself: a call that just failed is not repeated for FAIL_FAST (2 s), no longer
+    t0 = time.monotonic()
+    while True:
+        try:
+            data = os.pread(fd, 4096, 0)
+            break
+        except OSError as exc:
+            assert exc.errno == errno.EIO and time.monotonic() - t0 < 4, exc
+            time.sleep(0.1)
+    assert data == array.chunks[victim]
+    os.close(fd)
+    assert read_file(root / later) == array.chunks[later]
+    assert read_file(root / "c/11/11/11") == array.chunks["c/11/11/11"]
+    assert m.stats()["retries"] >= 1
+
+
+# --------------------------------------------------------------------------
+# mount-time errors through the command line
+
+
+class IAMServer:
+    """A second moto server that checks credentials and IAM policies: the
+    dummy keys are unknown to it; ``key`` belongs to a user whose policy
+    :meth:`allow_reads` switches."""
+
+    def __init__(self, log_path: Path):
+        import boto3
+
+        # the first three requests (the IAM set-up below) are not checked, all others are
+        self.server = MotoServer(log_path, env={"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
+        self.server.start()
+        self.endpoint_url = self.server.endpoint_url
+        iam = self.server_client("iam", None)
+        iam.create_user(UserName="reader")
+        self.key = iam.create_access_key(UserName="reader")["AccessKey"]
+        self.allow_reads(True, iam)
+
+    def server_client(self, service: str, key: dict | None):
+        import boto3
+
+        from tests.s3server import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY
+
+        return boto3.client(service, endpoint_url=self.endpoint_url, region_name="us-east-1",
+                            aws_access_key_id=key["AccessKeyId"] if key else DUMMY_ACCESS_KEY,
+                            aws_secret_access_key=key["SecretAccessKey"] if key else DUMMY_SECRET_KEY)
+
+    def allow_reads(self, allow: bool, iam=None) -> None:
+        statements = [{"Effect": "Allow", "Action": ["s3:*", "iam:*"], "Resource": "*"}]
+        if not allow:
+            statements.append({"Effect": "Deny", "Action": ["s3:GetObject"], "Resource": "*"})
+        iam = iam or self.server_client("iam", self.key)
+        iam.put_user_policy(UserName="reader", PolicyName="reads",
+                            PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": statements}))
+
+
+@pytest.fixture(scope="module")
+def iam_server(tmp_path_factory, moto_server):
+    server = IAMServer(tmp_path_factory.mktemp("moto-iam") / "access.log")
+    yield server
+    server.server.stop()
+
+
+def one_line_failure(result, *needles: str) -> str:
+    assert result.returncode != 0
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("zshardfs: ") and "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def test_mount_errors(moto_server, iam_server, tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cases = [
+        ("missing bucket", f"s3://zs-missing-{uuid.uuid4().hex[:12]}/x", moto_server.endpoint_url,
+         ("does not exist",)),
+        ("bad credentials", "s3://some-bucket/x", iam_server.endpoint_url, ("denied", "InvalidAccessKeyId")),
+        ("unreachable endpoint", "s3://some-bucket/x", f"http://127.0.0.1:{free_port()}", ("Cannot reach",)),
+    ]
+    for what, source, endpoint, needles in cases:
+        t0 = time.monotonic()
+        result = run_mount(source, mnt, "ro", extra=["--endpoint-url", endpoint], check=False)
+        line = one_line_failure(result, *needles)
+        assert time.monotonic() - t0 < 15, what
+        assert not os.path.ismount(mnt), what
+        assert "zshardfs-dummy-secret" not in line
+        print(f"\n{what}: {line}")
+
+
+def test_access_denied_is_eacces(mount, iam_server, array, monkeypatch):
+    """Credentials that stop being allowed to read: EACCES (not EIO, not a
+    hang); allowed again, the same mount reads again."""
+    key = iam_server.key
+    s3 = iam_server.server_client("s3", key)
+    bucket = f"zs-iam-{uuid.uuid4().hex[:12]}"
+    s3.create_bucket(Bucket=bucket)
+    for k, v in array.objects().items():
+        s3.put_object(Bucket=bucket, Key=k, Body=v)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+    m = mount(f"s3://{bucket}/{PREFIX}", "ro", extra=["--endpoint-url", iam_server.endpoint_url])
+    root = m.path / "arr"
+    assert read_file(root / "c/0/0/1") == array.chunks["c/0/0/1"]
+    fd = os.open(root / "c/6/6/9", os.O_RDONLY)
+    try:
+        iam_server.allow_reads(False)
+        with pytest.raises(PermissionError):
+            os.pread(fd, 4096, 0)
+        with pytest.raises(PermissionError):
+            os.stat(root / "c/10/10/10")  # needs its shard's index
+        iam_server.allow_reads(True)
+        assert os.pread(fd, 4096, 0) == array.chunks["c/6/6/9"]
+    finally:
+        os.close(fd)
+    assert read_file(root / "c/10/10/10") == array.chunks["c/10/10/10"]
+
+
+# --------------------------------------------------------------------------
+# many readers at once
+
+
+class DelayProxy:
+    """A TCP proxy that delays every HTTP request by ``delay`` seconds and
+    counts how many requests were in flight at once (sent, not yet answered)."""
+
+    def __init__(self, upstream_port: int, delay: float):
+        self.upstream = upstream_port
+        self.delay = delay
+        self.lock = threading.Lock()
+        self.inflight = self.max_inflight = self.requests = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(256)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def reset(self) -> None:
+        with self.lock:
+            self.max_inflight = self.inflight
+            self.requests = 0
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in list(self.conns):
+            try:
+                c.close()
+            except OSError:
+                pass
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+        except OSError:
+            client.close()
+            return
+        self.conns += [client, server]
+        waiting = [False]
+
+        def close_both():
+            for s in (client, server):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        def upstream():
+            try:
+                while data := client.recv(1 << 16):
+                    if not waiting[0]:
+                        with self.lock:
+                            waiting[0] = True
+                            self.inflight += 1
+                            self.requests += 1
+                            self.max_inflight = max(self.max_inflight, self.inflight)
+                        time.sleep(self.delay)
+                    server.sendall(data)
+            except OSError:
+                pass
+            close_both()
+
+        def downstream():
+            try:
+                while data := server.recv(1 << 16):
+                    with self.lock:
+                        if waiting[0]:
+                            waiting[0] = False
+                            self.inflight -= 1
+                    client.sendall(data)
+            except OSError:
+                pass
+            with self.lock:
+                if waiting[0]:
+                    waiting[0] = False
+                    self.inflight -= 1
+            close_both()
+
+        threading.Thread(target=upstream, daemon=True).start()
+        downstream()
+        client.close()
+        server.close()
+
+
+@pytest.fixture
+def slow_endpoint(moto_server):
+    proxy = DelayProxy(moto_server.port, delay=0.08)
+    yield proxy
+    proxy.close()
+
+
+def test_parallel_readers_overlap(mount, moto_server, bucket, array, slow_endpoint):
+    """Cold single-chunk reads from many threads overlap their requests: with
+    80 ms per request, 12 reads in parallel take a fraction of 12 reads in
+    a row, the server sees many requests at once, never more than
+    ``-o max_connections``."""
+    proxy = slow_endpoint
+    m = s3_mount(mount, moto_server, bucket, "max_connections=8", endpoint=proxy.endpoint_url)
+    root = m.path / "arr"
+    read_file(root / "zarr.json")
+    os.stat(root / "c/0/0")
+    rnd = random.Random(11)
+    shards = rnd.sample(sorted(array.shards), 24)
+    picks = [rnd.choice(array.shards[s]) for s in shards]
+    serial, parallel = picks[:12], picks[12:]
+
+    def read(rel):
+        assert read_file(root / rel) == array.chunks[rel]
+
+    t0 = time.monotonic()
+    proxy.reset()
+    for rel in serial:
+        read(rel)
+    t_serial = time.monotonic() - t0
+    assert proxy.max_inflight == 1
+
+    proxy.reset()
+    stats, mark = Stats(m), moto_server.mark()
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(12) as pool:
+        list(pool.map(read, parallel))
+    t_parallel = time.monotonic() - t0
+    reqs = server_requests(moto_server, bucket, mark)
+    assert_same_counts(stats.delta(), reqs)
+    assert sum(shard_gets(reqs).values()) == 24  # an index and a chunk each
+    print(f"\nserial {t_serial:.2f}s, parallel {t_parallel:.2f}s, {proxy.max_inflight} requests in flight at most")
+    assert t_serial >= 12 * 2 * proxy.delay
+    assert t_parallel < t_serial / 3, (t_serial, t_parallel)
+    assert 4 <= proxy.max_inflight <= 8

@@ -1,0 +1,710 @@
+"""The Zarr view conformance suite (DESIGN.md section 2), through real mounts.
+
+Every peer-written case (zarr-python 3.4, tensorstore, zarr-python 2.18's storage
+transformer, and zarr-python hierarchies with consolidated metadata) is written sharded
+and as its unsharded twin; the sharded store is mounted read-only and must equal the twin
+file for file and byte for byte (``peers_zarr.compare_trees``).  Peers then read the
+mounted view as ordinary unsharded arrays.  Listing semantics (sparse chunks, missing
+shards, edge shards) and damaged input (bad checksum, truncation, offsets past the end,
+half-empty entries, malformed or impossible metadata, a shard vanishing mid-listing) are
+checked on hand-damaged copies.
+
+Efficiency: all cases of one writer live in ONE store (each case under ``<case id>/``),
+written once per session and mounted once per backend; assertions are parametrized per
+case.  Every test runs once per backend (``local``, ``s3``): the ``source`` fixture is
+the only place that knows how a local tree becomes a mountable source.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import textwrap
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from functools import lru_cache
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+
+from tests import peers_zarr as P
+from tests.conftest import Mounted, run_mount
+from tests.s3server import CLEARED_ENV, dummy_credentials_env
+
+BACKENDS = ["local", "s3"]
+#: the conformance stores never change while mounted: long TTLs keep S3 round trips down
+#: (the damage store is mounted with the defaults)
+STATIC_OPTS = ("ro", "metadata_ttl=600", "index_ttl=600", "attr_timeout=600")
+
+# --------------------------------------------------------------------------- the stores
+
+
+def _under(cid: str, case: P.ZarrCase) -> P.ZarrCase:
+    return case.with_(path=f"{cid}/{case.path}" if case.path else cid)
+
+
+#: store name -> [(case id, case as written into the shared store)]
+STORE_CASES: dict[str, list[tuple[str, P.ZarrCase]]] = {
+    "zarr": [(i, _under(i, c)) for i, c in P.ZARR_CASES],
+    "tensorstore": [(i, _under(i, c)) for i, c in P.TENSORSTORE_CASES],
+    "zarr2": [(i, _under(i, c)) for i, c in P.ZARR2_CASES],
+    "hierarchy": [(c.path, c) for c in P.HIERARCHY_CASES],
+}
+V3_STORES = ("zarr", "tensorstore", "hierarchy")
+#: (store, case id, case) — the per-case parametrization (ALL_CASES + hierarchy)
+CASES = [(s, i, c) for s, cases in STORE_CASES.items() for i, c in cases]
+CASE_IDS = [f"{s}-{i}" for s, i, _ in CASES]
+V3_CASES = [(s, i, c) for s, i, c in CASES if s in V3_STORES]
+V3_IDS = [f"{s}-{i}" for s, i, _ in V3_CASES]
+ZARR2_CASES = [(s, i, c) for s, i, c in CASES if s == "zarr2"]
+
+assert {(w, i) for w, i, _ in P.ALL_CASES} == {(s, i) for s, i, _ in CASES if s != "hierarchy"}, \
+    "every case of peers_zarr.ALL_CASES is covered (store names are the writer names)"
+
+
+def _write_store(name: str, sroot: Path, troot: Path) -> dict[str, np.ndarray]:
+    """Write every case of a store; returns case id -> data."""
+    cases = STORE_CASES[name]
+    if name == "zarr":
+        datas = P.write_zarr_hierarchy([c for _, c in cases], sroot, troot, root_attributes={"store": "zarr"})
+    elif name == "tensorstore":
+        datas = {c.path: P.write_tensorstore(c, sroot, troot) for _, c in cases}
+    elif name == "zarr2":
+        datas = P.write_zarr2_hierarchy([c for _, c in cases], sroot, troot, root_attributes={"store": "zarr2"})
+    else:
+        datas = P.write_zarr_hierarchy([c for _, c in cases], sroot, troot, consolidated=True,
+                                       root_attributes={"top": 1})
+    return {i: datas[c.path] for i, c in cases}
+
+
+@pytest.fixture(scope="session")
+def stores(tmp_path_factory):
+    """store name -> (sharded root, twin root, {case id: data}), written once per session."""
+    base = tmp_path_factory.mktemp("zarr_view_stores")
+
+    @lru_cache(maxsize=None)
+    def get(name: str):
+        sroot, troot = base / name / "sharded", base / name / "twin"
+        if name == "damage":
+            return sroot, troot, _write_damage_store(sroot, troot)
+        return sroot, troot, _write_store(name, sroot, troot)
+
+    return get
+
+
+# --------------------------------------------------------------------------- backends, mounts
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+class Source:
+    """Makes a local tree mountable on one backend; the only backend-specific code."""
+
+    def __init__(self, backend: str, request, workdir: Path):
+        self.backend = backend
+        self.workdir = workdir
+        self.server = self.bucket = None
+        self.env = pytest.MonkeyPatch()
+        if backend == "s3":
+            self.server = request.getfixturevalue("moto_server")
+            self.server.ensure_running()
+            self.bucket = self.server.create_bucket()
+            # the daemons need the dummy credentials; a function-scoped monkeypatch that ran
+            # when the session's moto_server started may have removed them since
+            for name in CLEARED_ENV:
+                self.env.delenv(name, raising=False)
+            for name, value in dummy_credentials_env().items():
+                self.env.setenv(name, value)
+
+    def publish(self, root: Path, prefix: str) -> tuple[str, list[str]]:
+        """(source, extra mount arguments) for a private copy of the tree at ``root``."""
+        if self.backend == "local":
+            shutil.copytree(root, self.workdir / prefix, symlinks=True)
+            return str(self.workdir / prefix), []
+        items = {f"{prefix}/{rel}": (root / rel).read_bytes() for rel in P.list_files(root)}
+        self.server.put_many(self.bucket, items)
+        return f"s3://{self.bucket}/{prefix}", ["--endpoint-url", self.server.endpoint_url]
+
+    def delete(self, prefix: str, rel: str) -> None:
+        """Remove one stored object of a published tree (behind the mount's back)."""
+        if self.backend == "local":
+            (self.workdir / prefix / rel).unlink()
+        else:
+            self.server.s3.delete_object(Bucket=self.bucket, Key=f"{prefix}/{rel}")
+
+    def close(self) -> None:
+        if self.bucket:
+            self.server.delete_bucket(self.bucket)
+        self.env.undo()
+
+
+@pytest.fixture(scope="module")
+def source(backend, request, tmp_path_factory):
+    src = Source(backend, request, tmp_path_factory.mktemp(f"zarr_view_src_{backend}"))
+    yield src
+    src.close()
+
+
+@pytest.fixture(scope="module")
+def mounted(source, stores, tmp_path_factory):
+    """``mounted(store name) -> (Mounted, sharded root, twin root, datas)``: one read-only
+    mount per store and backend, unmounted at module end; no daemon log may hold a
+    traceback."""
+    base = tmp_path_factory.mktemp(f"zarr_view_mnt_{source.backend}")
+    made: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in made:
+            sroot, troot, datas = stores(name)
+            src, extra = source.publish(sroot, name)
+            mnt, log = base / name, base / f"{name}.log"
+            mnt.mkdir()
+            opts = ("ro",) if name == "damage" else STATIC_OPTS
+            run_mount(src, mnt, *opts, "log_level=INFO", log=log, extra=extra)
+            made[name] = (Mounted(mnt, log, src), sroot, troot, datas)
+        return made[name]
+
+    yield get
+    problems = []
+    with ThreadPoolExecutor(len(made) or 1) as pool:
+        list(pool.map(lambda m: m.umount(check=False), [m for m, *_ in made.values()]))
+    for m, *_ in made.values():
+        if "Traceback" in m.log_text():
+            problems.append(f"daemon log of {m.path} has a traceback:\n{m.log_text()[-4000:]}")
+    assert not problems, "\n".join(problems)
+
+
+# --------------------------------------------------------------------------- 1. view == twin
+
+
+def _diff_path(line: str) -> str:
+    for head in ("only in view: ", "only in twin: "):
+        if line.startswith(head):
+            return line[len(head):]
+    return line.split(":", 1)[0]
+
+
+def _case_prefixes(store: str, case: P.ZarrCase) -> tuple[str, ...]:
+    if store == "zarr2":
+        return (f"data/root/{case.path}/", f"meta/root/{case.path}.array.json")
+    return (f"{case.path}/",)
+
+
+def _scan(root: Path, rel: str) -> tuple[list[str], list[str]]:
+    dirs, files = [], []
+    with os.scandir(root / rel) as it:
+        for e in it:
+            (dirs if e.is_dir(follow_symlinks=False) else files).append(f"{rel}/{e.name}" if rel else e.name)
+    return dirs, files
+
+
+def mirror(root: Path, dest: Path, threads: int = 16) -> None:
+    """Copy the tree under ``root`` to ``dest``: the directory listings (scandir, what
+    os.walk does) and the file reads run in parallel, which a FUSE mount serves
+    concurrently."""
+    dest.mkdir(parents=True)
+    with ThreadPoolExecutor(threads) as pool:
+        todo, copies = {pool.submit(_scan, root, "")}, []
+        while todo:
+            done, todo = wait(todo, return_when=FIRST_COMPLETED)
+            for fut in done:
+                dirs, files = fut.result()
+                for d in dirs:
+                    (dest / d).mkdir()
+                    todo.add(pool.submit(_scan, root, d))
+                copies += [pool.submit(lambda r: (dest / r).write_bytes((root / r).read_bytes()), f) for f in files]
+        for fut in copies:
+            fut.result()
+
+
+@pytest.fixture(scope="module")
+def tree_diff(mounted, tmp_path_factory):
+    """store name -> (files of the view, compare_trees(view, twin)), once per store and
+    backend, from parallel copies of all the mounted trees."""
+    cache: dict[str, tuple[set[str], list[str]]] = {}
+    base = tmp_path_factory.mktemp("zarr_view_copies")
+
+    def one(name: str) -> tuple[set[str], list[str]]:
+        m, _, troot, _ = mounted(name)
+        mirror(m.path, base / name)
+        return P.list_files(base / name), P.compare_trees(base / name, troot)
+
+    def get(name: str) -> tuple[set[str], list[str]]:
+        if not cache:
+            for n in STORE_CASES:  # writers and mounts one at a time, then the copies at once
+                mounted(n)
+            with ThreadPoolExecutor(len(STORE_CASES)) as pool:
+                cache.update(zip(STORE_CASES, pool.map(one, STORE_CASES)))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("store", list(STORE_CASES))
+def test_whole_store_equals_twin(tree_diff, mounted, store):
+    """Every file (groups, entry points, all arrays) equals the twin's, nothing extra."""
+    files, diff = tree_diff(store)
+    assert diff == []
+    _, _, troot, _ = mounted(store)
+    assert files == P.list_files(troot)
+
+
+@pytest.mark.parametrize("store,cid,case", CASES, ids=CASE_IDS)
+def test_case_equals_twin(tree_diff, mounted, store, cid, case):
+    m, sroot, troot, datas = mounted(store)
+    files, diff = tree_diff(store)
+    prefixes = _case_prefixes(store, case)
+    assert [d for d in diff if _diff_path(d).startswith(prefixes)] == []
+    # not vacuous: the case's metadata and chunk files are really there
+    mine = {f for f in files if f.startswith(prefixes)}
+    if store == "zarr2":
+        want = {f"meta/root/{case.path}.array.json"} | {
+            P.draft_chunk_key(case, c) for c in P.written_chunks(case, datas[cid])}
+    else:
+        want = {f"{case.path}/zarr.json"} | P.expected_chunk_keys(case, datas[cid])
+    assert mine == want
+
+
+# --------------------------------------------------------------------------- 2. peers read the view
+
+
+def _zarr_read(root: Path, path: str):
+    import zarr
+
+    with zarr.config.set({"array.rectilinear_chunks": True}):
+        arr = zarr.open_array(zarr.storage.LocalStore(root, read_only=True), path=path)
+        return arr, arr[...]
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("store,cid,case", V3_CASES, ids=V3_IDS)
+def test_zarr_python_reads_view(mounted, store, cid, case):
+    m, sroot, _, datas = mounted(store)
+    if case.raw and case.grid == "rectangular":
+        pytest.skip("zarr-python 3.4 cannot read a 'rectangular' grid (shown raw by the view)")
+    arr, got = _zarr_read(m.path, case.path)
+    np.testing.assert_array_equal(got, datas[cid])
+    assert got.dtype == np.dtype(case.dtype) and got.shape == tuple(case.shape)
+    if not case.raw:  # an ordinary unsharded array of the inner chunk shape (nested: one level down)
+        assert (arr.shards, arr.chunks) == ((tuple(case.chunks), tuple(case.nested)) if case.nested
+                                            else (None, tuple(case.chunks)))
+    if case.grid != "rectangular":  # zarr-python reads the sharded original the same
+        _, original = _zarr_read(sroot, case.path)
+        np.testing.assert_array_equal(got, original)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_zarr_python_reads_consolidated_hierarchy(mounted):
+    """Through the rewritten consolidated metadata alone (no per-array zarr.json read)."""
+    import zarr
+
+    m, _, _, datas = mounted("hierarchy")
+    group = zarr.open_group(zarr.storage.LocalStore(m.path, read_only=True), mode="r", use_consolidated=True)
+    assert group.metadata.consolidated_metadata is not None
+    for cid, case in STORE_CASES["hierarchy"]:
+        if case.grid == "rectangular" and case.raw:
+            continue
+        arr = group[case.path]
+        np.testing.assert_array_equal(arr[...], datas[cid])
+        if not case.raw:
+            assert (arr.shards or arr.chunks) == tuple(case.chunks)
+    assert dict(group.attrs) == {"top": 1}
+
+
+@pytest.mark.parametrize("store,cid,case", V3_CASES, ids=V3_IDS)
+def test_tensorstore_reads_view(mounted, store, cid, case):
+    import tensorstore as ts
+
+    if case.raw and not P.tensorstore_supports(case):
+        pytest.skip("tensorstore cannot read this raw layout (variable grid or codecs after sharding)")
+    m, _, _, datas = mounted(store)
+    spec = {"driver": "zarr3", "kvstore": f"file://{m.path}/{case.path}/", "open": True}
+    arr = ts.open(spec, read=True).result()
+    np.testing.assert_array_equal(arr.read().result(), datas[cid])
+    if not case.raw:
+        codecs = arr.spec().to_json()["metadata"]["codecs"]
+        assert codecs[0]["name"] != P.SHARDING or case.nested
+
+
+ZARR2_READER = textwrap.dedent("""
+    import json, sys
+    import numpy as np, zarr, zarr.meta
+    from zarr._storage.v3 import DirectoryStoreV3
+    from zarr._storage.v3_storage_transformers import ShardingStorageTransformer
+
+    def _decode(cls, meta):  # see peers_zarr2_script.py: the stock decoder imports pytest
+        return ShardingStorageTransformer.from_config(meta["type"], meta.get("configuration", {}))
+
+    zarr.meta.Metadata3._decode_storage_transformer_metadata = classmethod(_decode)
+    view, original, paths, out = sys.argv[1:5]
+    report = {}
+    for i, path in enumerate(json.loads(paths)):
+        a = zarr.open_array(DirectoryStoreV3(view), path=path, mode="r", zarr_version=3)
+        b = zarr.open_array(DirectoryStoreV3(original), path=path, mode="r", zarr_version=3)
+        np.save(f"{out}/{i}.npy", a[...])
+        report[path] = {"transformed": a._transformed_chunk_store is not None, "chunks": list(a.chunks),
+                        "same_as_original": bool(np.array_equal(a[...], b[...], equal_nan=a.dtype.kind == "f")),
+                        "original_transformed": b._transformed_chunk_store is not None}
+    print(json.dumps(report))
+""")
+
+
+@pytest.fixture(scope="module")
+def zarr2_read(mounted, tmp_path_factory):
+    """What zarr 2.18 reads from the mounted transformer store: path -> (values, report)."""
+    if not P.zarr2_available():
+        pytest.fail(f"the zarr 2.18 interpreter {P.ZARR2_PYTHON} is missing")
+    m, sroot, _, _ = mounted("zarr2")
+    out = tmp_path_factory.mktemp("zarr2_read")
+    paths = [c.path for _, _, c in ZARR2_CASES]
+    env = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
+    proc = subprocess.run([str(P.ZARR2_PYTHON), "-c", ZARR2_READER, str(m.path), str(sroot), json.dumps(paths),
+                           str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {p: (np.load(out / f"{i}.npy"), report[p]) for i, p in enumerate(paths)}
+
+
+@pytest.mark.parametrize("store,cid,case", ZARR2_CASES, ids=[f"zarr2-{i}" for _, i, _ in ZARR2_CASES])
+def test_zarr2_reads_view(zarr2_read, mounted, store, cid, case):
+    _, _, _, datas = mounted("zarr2")
+    values, report = zarr2_read[case.path]
+    np.testing.assert_array_equal(values, datas[cid])
+    assert report["same_as_original"]
+    assert not report["transformed"] and report["original_transformed"]  # the view is unsharded
+    assert report["chunks"] == list(case.chunks)
+
+
+# --------------------------------------------------------------------------- 3. listing semantics
+
+
+def _enoent(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return True
+    return False
+
+
+def _view_chunk_path(store: str, case: P.ZarrCase, coords) -> str:
+    if store == "zarr2":
+        return P.draft_chunk_key(case, coords)
+    return f"{case.path}/{P.chunk_key(case, coords)}"
+
+
+SHARDED_CASES = [(s, i, c) for s, i, c in CASES if not c.raw]
+
+
+@pytest.mark.parametrize("store,cid,case", SHARDED_CASES, ids=[f"{s}-{i}" for s, i, _ in SHARDED_CASES])
+def test_chunk_files_exist_exactly_when_stored(mounted, store, cid, case):
+    """Stored inner chunks are files; missing chunks and missing shards are ENOENT;
+    stat sizes equal the stored chunk sizes (index nbytes = the twin's chunk size)."""
+    m, _, troot, datas = mounted(store)
+    written = P.written_chunks(case, datas[cid])
+    for coords in P.grid_coords(P.chunk_bounds(case)):
+        rel = _view_chunk_path(store, case, coords)
+        if coords in written:
+            st = os.stat(m.path / rel)
+            assert st.st_size == (troot / rel).stat().st_size, rel
+            assert len((m.path / rel).read_bytes()) == st.st_size, rel
+        else:
+            assert _enoent(m.path / rel), rel
+
+
+def _missing_kinds(case: P.ZarrCase, data) -> tuple[int, int]:
+    """(chunks missing inside a stored shard, chunks whose whole shard is missing)."""
+    written = P.written_chunks(case, data)
+    stored_shards = {P.shard_of(case, c) for c in written}
+    in_present = in_missing = 0
+    for coords in P.grid_coords(P.chunk_bounds(case)):
+        if coords not in written:
+            if P.shard_of(case, coords) in stored_shards:
+                in_present += 1
+            else:
+                in_missing += 1
+    return in_present, in_missing
+
+
+def test_sparse_cases_cover_both_kinds_of_absence(stores):
+    """The ENOENT checks above are not vacuous: sparse cases miss chunks in present shards
+    and whole shards, for every writer."""
+    for store in ("zarr", "tensorstore", "zarr2"):
+        _, _, datas = stores(store)
+        kinds = [_missing_kinds(c, datas[i]) for i, c in STORE_CASES[store] if c.pattern == "sparse" and not c.raw]
+        assert any(a for a, _ in kinds) and any(b for _, b in kinds), store
+
+
+EDGE_CASES = [(s, i, c) for s, i, c in SHARDED_CASES if c.shape]
+
+
+@pytest.mark.parametrize("store,cid,case", EDGE_CASES, ids=[f"{s}-{i}" for s, i, _ in EDGE_CASES])
+def test_outside_inner_grid_is_enoent(mounted, store, cid, case):
+    """Edge shards have index slots beyond the inner grid: no file there, even when the
+    shard is stored (write_empty_chunks cases store every in-grid chunk)."""
+    m, _, _, _ = mounted(store)
+    counts = [math.ceil(n / k) for n, k in zip(case.shape, case.chunks)]
+    checked = 0
+    for d, n in enumerate(counts):
+        for beyond in (n, n + 1):
+            coords = tuple(beyond if e == d else 0 for e in range(len(counts)))
+            assert _enoent(m.path / _view_chunk_path(store, case, coords)), coords
+            checked += 1
+    assert checked
+
+
+def test_odd_names_are_enoent(mounted):
+    m, _, _, _ = mounted("zarr")
+    assert (m.path / "basic/arr/c/0").is_dir() and (m.path / "basic/arr/c/0/0").is_file()
+    assert _errno_of(lambda: os.stat(m.path / "basic/arr/c/0/0/0")) == errno.ENOTDIR
+    for rel in ("basic/arr/c/01/0", "basic/arr/c/+1/0", "basic/arr/c/-1/0", "basic/arr/c/ 1/0", "basic/arr/c/99/0",
+                "basic/arr/c/99", "basic/arr/c0/0", "key_default_dot/arr/c.0", "key_default_dot/arr/c.0.0.0",
+                "key_default_dot/arr/c.01.0", "key_v2_dot/arr/0.0.0", "key_v2_slash/arr/0/9", "key_v2_slash/arr/9/0",
+                "0d/arr/0", "0d/arr/c0", "0d_v2_gzip/arr/c", "0d_v2_gzip/arr/0.0"):
+        assert _enoent(m.path / rel), rel
+
+
+# --------------------------------------------------------------------------- 4. damaged input
+
+B = P.ZarrCase()  # (20, 12) in (4, 3) chunks, (8, 6) shards: 2x2 chunks per shard, crc32c index at the end
+EDGE = B.with_(shape=(22, 13))  # shard (2, 2) holds in-grid chunks (4, 4), (5, 4) and out-of-grid slots
+ONE_D = P.ZarrCase(shape=(2000,), dtype="uint8", chunks=(1,), shards=(100,), separator=".")
+
+DAMAGE_CASES = {
+    "ok": B, "other": B.with_(compressor="gzip"),
+    "crc": B, "trunc": B, "trunc_start": B.with_(index_location="start"),
+    "trunc_tail": B.with_(index_location="start"),
+    "past": B, "half": B, "badjson": B, "baddiv": B, "badidx": B, "after": B,
+    "slot": EDGE, "gone": ONE_D,
+}
+
+
+def _shard_index(raw: bytes, case: P.ZarrCase, n: int = 4) -> tuple[np.ndarray, int]:
+    size = 16 * n + (4 if case.index_crc32c else 0)
+    start = 0 if case.index_location == "start" else len(raw) - size
+    return np.frombuffer(raw[start:start + 16 * n], "<u8").reshape(n, 2).copy(), start
+
+
+def _with_index(raw: bytes, case: P.ZarrCase, table: np.ndarray) -> bytes:
+    _, start = _shard_index(raw, case, len(table))
+    body = table.astype("<u8").tobytes()
+    crc = crc32c.crc32c(body).to_bytes(4, "little")
+    return raw[:start] + body + crc + raw[start + len(body) + 4:]
+
+
+def _edit_doc(path: Path, fn) -> None:
+    doc = json.loads(path.read_text())
+    fn(doc)
+    path.write_text(json.dumps(doc, indent=2))
+
+
+def _write_damage_store(sroot: Path, troot: Path) -> dict[str, np.ndarray]:
+    """One zarr-python store with an array per kind of damage (under ``<kind>/arr``)."""
+    cases = [c.with_(path=f"{k}/arr") for k, c in DAMAGE_CASES.items()]
+    datas = P.write_zarr_hierarchy(cases, sroot, troot)
+    shard = lambda k, key="c/0/0": sroot / k / "arr" / key  # noqa: E731
+
+    raw = shard("crc").read_bytes()  # a flipped index bit, stale checksum
+    table, start = _shard_index(raw, B)
+    shard("crc").write_bytes(raw[:start] + bytes([raw[start] ^ 1]) + raw[start + 1:])
+
+    for k in ("trunc", "trunc_start"):  # shorter than the index
+        shard(k).write_bytes(shard(k).read_bytes()[:30])
+
+    raw = shard("trunc_tail").read_bytes()  # index intact, the last chunk cut short
+    table, _ = _shard_index(raw, DAMAGE_CASES["trunc_tail"])
+    shard("trunc_tail").write_bytes(raw[:int(table[:, 0].max()) + 1])
+
+    raw = shard("past").read_bytes()  # chunk (0, 1) ends past the end of the shard
+    table, _ = _shard_index(raw, B)
+    table[1, 1] = len(raw) + 1000
+    shard("past").write_bytes(_with_index(raw, B, table))
+
+    raw = shard("half").read_bytes()  # chunk (1, 0): offset empty, nbytes not
+    table, _ = _shard_index(raw, B)
+    table[2, 0] = P.EMPTY
+    shard("half").write_bytes(_with_index(raw, B, table))
+
+    (sroot / "badjson/arr/zarr.json").write_bytes(b'{"zarr_format": 3, "node_type": "array", "shape": [2')
+    _edit_doc(sroot / "baddiv/arr/zarr.json",
+              lambda d: d["codecs"][0]["configuration"].update(chunk_shape=[3, 3]))
+    _edit_doc(sroot / "badidx/arr/zarr.json",
+              lambda d: d["codecs"][0]["configuration"].update(index_codecs=[{"name": "frobnicate"}]))
+    _edit_doc(sroot / "after/arr/zarr.json",
+              lambda d: d["codecs"].append({"name": "gzip", "configuration": {"level": 1}}))
+
+    raw = shard("slot", "c/2/2").read_bytes()  # out-of-grid slot (4, 5) points at chunk (4, 4)
+    table, _ = _shard_index(raw, EDGE)
+    assert (table[1] == P.EMPTY).all() and (table[0] != P.EMPTY).all()
+    table[1] = table[0]
+    shard("slot", "c/2/2").write_bytes(_with_index(raw, EDGE, table))
+    return datas
+
+
+def _log_lines(m: Mounted, needle: str) -> list[str]:
+    return [line for line in m.log_text().splitlines() if needle in line and " INFO " not in line]
+
+
+def _errno_of(fn) -> int | None:
+    try:
+        fn()
+    except OSError as exc:
+        return exc.errno
+    return None
+
+
+def _still_fine(m: Mounted, troot: Path, kind: str, good_chunk: str | None) -> None:
+    """The daemon is up, another array and another chunk of the same array read fine."""
+    for rel in ("ok/arr/c/0/0", "ok/arr/c/4/3", "other/arr/c/3/2"):
+        assert P.normalize_gzip((m.path / rel).read_bytes()) == P.normalize_gzip((troot / rel).read_bytes()), rel
+    if good_chunk:
+        rel = f"{kind}/arr/{good_chunk}"
+        assert (m.path / rel).read_bytes() == (troot / rel).read_bytes(), rel
+
+
+def _exercise(m: Mounted, rels: list[str], kind: str) -> list[int | None]:
+    """Each damaged file twice: stat, open+read, and a listing of the whole array."""
+    out = []
+    for _ in range(2):
+        for rel in rels:
+            out.append(_errno_of(lambda: os.stat(m.path / rel)))
+            out.append(_errno_of(lambda: (m.path / rel).read_bytes()))
+        for _d, _s, _f in os.walk(m.path / kind):
+            pass
+    return out
+
+
+SHARD00 = ["c/0/0", "c/0/1", "c/1/0", "c/1/1"]
+
+
+@pytest.mark.parametrize("kind", ["crc", "trunc", "trunc_start"])
+def test_damaged_index_is_eio_for_its_shard(mounted, kind):
+    m, _, troot, _ = mounted("damage")
+    results = _exercise(m, [f"{kind}/arr/{c}" for c in SHARD00], kind)
+    assert set(results) == {errno.EIO}, results
+    # the rest of the array: listed and readable; the damaged shard's chunks are not listed
+    listed = {f for f in P.list_files(m.path / kind / "arr")}
+    twin = P.list_files(troot / kind / "arr")
+    assert listed == twin - set(SHARD00)
+    _still_fine(m, troot, kind, "c/2/0")
+    assert len(_log_lines(m, f"{kind}/arr/c/0/0")) == 1, _log_lines(m, f"{kind}/arr")
+    assert len(_log_lines(m, f"{kind}/arr")) == 1, _log_lines(m, f"{kind}/arr")
+
+
+@pytest.mark.parametrize("kind,bad", [("past", "c/0/1"), ("half", "c/1/0"), ("trunc_tail", None)])
+def test_damaged_index_entry_is_eio_for_that_chunk_only(mounted, kind, bad):
+    m, sroot, troot, _ = mounted("damage")
+    if bad is None:  # the chunk stored last in the truncated shard
+        last = int(np.argmax(_shard_index((sroot / kind / "arr/c/0/0").read_bytes(), DAMAGE_CASES[kind])[0][:, 0]))
+        bad = SHARD00[last]
+    results = _exercise(m, [f"{kind}/arr/{bad}"], kind)
+    assert errno.EIO in results and set(results) <= {errno.EIO}, results
+    for good in SHARD00:
+        if good != bad:
+            rel = f"{kind}/arr/{good}"
+            assert os.stat(m.path / rel).st_size == (troot / rel).stat().st_size
+            assert (m.path / rel).read_bytes() == (troot / rel).read_bytes(), rel
+    listed = P.list_files(m.path / kind / "arr")
+    assert listed == P.list_files(troot / kind / "arr") - {bad}
+    _still_fine(m, troot, kind, "c/4/3")
+    assert len(_log_lines(m, f"{kind}/arr")) == 1, _log_lines(m, f"{kind}/arr")
+
+
+RAW_DOCS = {
+    "badjson": "malformed JSON",
+    "baddiv": "not a multiple",
+    "badidx": "frobnicate",
+    "after": "codecs",
+}
+
+
+@pytest.mark.parametrize("kind", list(RAW_DOCS))
+def test_unusable_metadata_is_shown_raw_with_one_warning(mounted, kind):
+    """Malformed JSON or impossible sharding options: the array directory passes through
+    unchanged (document and shards, byte for byte), with one warning."""
+    m, sroot, troot, _ = mounted("damage")
+    for _ in range(3):
+        assert (m.path / kind / "arr/zarr.json").read_bytes() == (sroot / kind / "arr/zarr.json").read_bytes()
+        assert P.list_files(m.path / kind) == P.list_files(sroot / kind)
+        for rel in P.list_files(sroot / kind):
+            assert (m.path / kind / rel).read_bytes() == (sroot / kind / rel).read_bytes(), rel
+    lines = _log_lines(m, f"{kind}/arr")
+    assert len(lines) == 1, lines
+    assert "WARNING" in lines[0] and RAW_DOCS[kind] in lines[0], lines
+    _still_fine(m, troot, kind, None)
+
+
+def test_stat_size_is_index_nbytes(mounted):
+    """st_size of every chunk file is the nbytes of its index entry (parsed by hand)."""
+    m, sroot, _, _ = mounted("damage")
+    checked = 0
+    for shard in ("c/0/0", "c/0/1", "c/2/1"):
+        table, _ = _shard_index((sroot / "other/arr" / shard).read_bytes(), B)
+        r, c = (int(x) for x in shard.split("/")[1:])
+        for i, (_, nbytes) in enumerate(table.tolist()):
+            rel = f"other/arr/c/{2 * r + i // 2}/{2 * c + i % 2}"
+            if nbytes == P.EMPTY:  # row 5 of the edge shard: outside the 5x4 inner grid
+                assert _enoent(m.path / rel), rel
+                continue
+            assert os.stat(m.path / rel).st_size == nbytes, rel
+            checked += 1
+    assert checked == 10
+
+
+def test_occupied_slot_outside_the_grid_is_not_a_file(mounted):
+    """Edge shard c/2/2 of a (22, 13) array has an index entry for inner chunk (4, 5),
+    outside the 6x5 inner grid: not listed, ENOENT, and no complaint."""
+    m, _, troot, _ = mounted("damage")
+    assert _enoent(m.path / "slot/arr/c/4/5")
+    assert P.list_files(m.path / "slot") == P.list_files(troot / "slot")
+    assert (m.path / "slot/arr/c/4/4").read_bytes() == (troot / "slot/arr/c/4/4").read_bytes()
+    assert _log_lines(m, "slot/arr") == []
+
+
+def test_shard_vanishing_mid_listing(mounted, source):
+    """A shard deleted while its directory is being listed: the listing finishes without
+    its chunks (no error), they are ENOENT afterwards, everything else stays readable."""
+    m, sroot, troot, _ = mounted("damage")
+    d = m.path / "gone/arr"
+    names = []
+    with os.scandir(d) as it:
+        for entry in it:
+            names.append(entry.name)
+            if len(names) == 10:
+                source.delete("damage", "gone/arr/c.15")
+    want = P.list_files(troot / "gone/arr") - {f"c.{i}" for i in range(1500, 1600)}
+    assert "c.0" in names and set(names) == want, sorted(set(names) ^ want)[:10]
+    assert _enoent(d / "c.1550")
+    assert (d / "c.1600").read_bytes() == (troot / "gone/arr/c.1600").read_bytes()
+    _still_fine(m, troot, "gone", "c.1499")
+    assert len(_log_lines(m, "gone/arr")) <= 1
+
+
+def test_damage_left_no_traceback(mounted):
+    m, _, _, _ = mounted("damage")
+    assert "Traceback" not in m.log_text()
+    assert re.search(r"ERROR|WARNING", m.log_text())
+
+
+# --------------------------------------------------------------------------- logs
+
+
+@pytest.mark.parametrize("store", list(STORE_CASES))
+def test_conformance_logs_are_quiet(mounted, store):
+    """After everything above, a mount of intact stores logged warnings only for the
+    arrays shown raw on purpose (codecs around sharding_indexed), one line each."""
+    m, _, _, _ = mounted(store)
+    raw = {c.path for _, c in STORE_CASES[store] if c.raw and c.sharded}
+    lines = [line for line in m.log_text().splitlines() if " INFO " not in line]
+    for line in lines:
+        assert " WARNING " in line and "shown raw" in line and any(p in line for p in raw), line
+    for path in raw:
+        assert len([line for line in lines if f"{path}/zarr.json" in line]) == 1, path

@@ -1,0 +1,682 @@
+"""Neuroglancer precomputed ``neuroglancer_uint64_sharded_v1`` stores, shown unsharded.
+
+What is a dataset (DESIGN.md §2): a directory whose shards some ``info``
+describes, and the view's file names there:
+
+- a volume scale ``<vol>/<key>`` (``sharding`` inside ``scales[i]`` of
+  ``<vol>/info``): ``<x0>-<x1>_<y0>-<y1>_<z0>-<z1>``, chunk id = compressed
+  Morton code of the grid position;
+- a uint64 key-value directory (top-level ``sharding``: skeletons, legacy
+  meshes, ...): ``<id>`` in decimal;
+- a multi-resolution mesh directory (``neuroglancer_multilod_draco``):
+  ``<id>.index`` is the stored chunk (the manifest) and ``<id>`` the fragment
+  data, which sits just before the manifest in the shard and is as long as
+  the manifest's fragment sizes add up to (stored raw whatever
+  ``data_encoding`` says, as Neuroglancer and cloud-volume read it);
+- an annotation index ``<ann>/<key>`` (``by_id``, ``relationships[i]``,
+  ``spatial[i]`` with their own ``sharding``): ``<id>`` for the first two,
+  ``<x>_<y>_<z>`` (one number per dimension) for spatial cells, whose chunk id
+  is the compressed Morton code of the cell in that level's ``grid_shape``.
+
+A ``<id>`` mesh file's size needs its manifest, so listing a mesh directory
+reads every manifest (one ranged read each, kept in the chunk cache).
+
+The ``info`` is shown without those ``sharding`` objects; a part whose
+sharding the view cannot express (bad parameters, a ``key`` that is not one
+plain directory name, a grid needing more than 64 Morton bits, more than
+``MAX_MINISHARD_BITS``) keeps its ``sharding``, its directory passes through,
+and the log says why once.
+
+Reads: the fixed shard index (cached with the shard, like Zarr indexes), then
+only the minishard index the chunk hashes to (cached in the same byte budget,
+keyed by the shard's etag), then the chunk, ranged.  ``stat`` of a chunk with
+raw ``data_encoding`` costs those two index reads and nothing else.
+
+gzip ``data_encoding`` and exact sizes: the decoded size is the gzip ISIZE
+trailer (last 4 bytes of the stored chunk).  Fetching it per chunk would cost
+one request per ``stat``; fetching the whole chunk would read all data just to
+list.  So trailers are fetched per minishard in coalesced ranged reads
+(neighbours closer than ``TRAILER_GAP``, at most ``TRAILER_SPAN`` per read):
+with the usual layout (a minishard's chunks back to back) a listing costs about
+one small read per minishard, and a ``stat`` one read that also sizes its
+neighbours.  ISIZE is trusted only as far as a read confirms it: a chunk that
+decodes to another length (damage, or a multi-member gzip stream) is EIO.
+
+Writes go through the shared write-back: a chunk file's target is its shard
+and chunk id; ``encode`` builds the whole shard (minishard indexes sorted by
+id, delta-encoded, the dataset's own encodings) from the stored payloads it
+keeps and the new ones.  Limits: multi-resolution mesh directories are
+read-only (EPERM): a shard rewrite keeps only indexed chunks, and fragment
+data is not one, so any write would lose every other mesh's fragments.  A
+shard holding chunks that hash elsewhere, or with a damaged index, is not
+rewritten (the flush fails with EIO and keeps the new data).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from ..backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, join_key
+from ..shards import ByteLRU
+from .base import ChunkEntry, ChunkTarget, Dataset, LayoutContext, dump_json, load_json, parse_index_name, warn_once
+from .precomputed_format import (
+    U64_MAX,
+    FormatError,
+    ScaleGeometry,
+    ShardingSpec,
+    compressed_morton_code,
+    decode_data,
+    decoded_size,
+    encode_data,
+    encode_shard,
+    morton_bits,
+    morton_decode_many,
+    multilod_fragment_data_range,
+    parse_minishard_index,
+    parse_shard_index,
+)
+
+log = logging.getLogger(__name__)
+
+NAME = "precomputed"
+MULTILOD = "neuroglancer_multilod_draco"
+ANNOTATIONS = "neuroglancer_annotations_v1"
+
+FRAGMENTS = 1 << 64  # chunk-id flag: the multilod fragment data of id ``chunk_id - FRAGMENTS``
+MAX_MINISHARD_BITS = 20  # the fixed shard index (16 << bits bytes) is read whole: at most 16 MiB
+MAX_MINISHARD_INDEX = 64 << 20  # decoded minishard index bound (gzip bomb guard)
+MAX_CHUNK = 1 << 30  # decoded chunk bound
+TRAILER_GAP, TRAILER_SPAN = 64 << 10, 1 << 20  # coalescing of gzip trailer reads
+INDEX_GAP, INDEX_SPAN = 1 << 20, 16 << 20  # coalescing of minishard index reads (whole-shard walks)
+
+
+def _coalesce(starts: list[int], ends: list[int], todo, gap: int, span: int) -> list[list[int]]:
+    """Group byte ranges ``todo`` (indexes into starts/ends) into few reads."""
+    groups: list[list[int]] = []
+    lo = hi = 0
+    for k in sorted(todo, key=starts.__getitem__):
+        if groups and starts[k] - hi <= gap and max(hi, ends[k]) - lo <= span:
+            groups[-1].append(k)
+            hi = max(hi, ends[k])
+        else:
+            groups.append([k])
+            lo, hi = starts[k], ends[k]
+    return groups
+
+
+# --------------------------------------------------------------------------
+# the shard format: a fixed shard index, lazily loaded minishard indexes
+
+
+@dataclass(eq=False)
+class Minishard:
+    """One parsed minishard index, sorted by id (only ids that hash here)."""
+
+    ids: np.ndarray
+    starts: np.ndarray  # absolute offsets in the shard
+    sizes: np.ndarray  # stored sizes
+    shown: np.ndarray | None = None  # gzip: decoded sizes; -1 not fetched yet, -2 damaged
+    misplaced: int = 0  # stored ids that hash to another shard or minishard
+
+    @property
+    def nbytes(self) -> int:
+        return 256 + 32 * len(self.ids)
+
+    def find(self, chunk_id: int) -> int | None:
+        i = int(np.searchsorted(self.ids, np.uint64(chunk_id)))
+        return i if i < len(self.ids) and int(self.ids[i]) == chunk_id else None
+
+
+class PrecomputedShardIndex:
+    """One version of one shard: its fixed index, and access to its minishards."""
+
+    def __init__(self, fmt: "PrecomputedShardFormat", store: AsyncStore, info: ObjectInfo, table: np.ndarray,
+                 shard: int | None):
+        self.fmt, self.store, self.info, self.table, self.shard = fmt, store, info, table, shard
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes
+
+    def nonempty(self) -> list[int]:
+        return np.flatnonzero(self.table[:, 0] != self.table[:, 1]).tolist()
+
+    def _parse(self, m: int, raw: bytes) -> Minishard:
+        spec, key = self.fmt.spec, self.info.key
+        try:
+            ids, starts, sizes = parse_minishard_index(raw, spec, self.info.size, max_size=MAX_MINISHARD_INDEX)
+        except FormatError as exc:
+            raise CorruptData(f"{key}: minishard {m}: {exc}", key) from None
+        shards, minishards = spec.shard_and_minishard_many(ids)
+        here = minishards == np.uint64(m)
+        here &= (shards == np.uint64(self.shard)) if self.shard is not None else False
+        ms = Minishard(ids[here], starts[here], sizes[here], misplaced=int((~here).sum()))
+        if spec.data_encoding == "gzip":
+            ms.shown = np.where(ms.sizes < 20, -2, -1).astype(np.int64)  # < 20 bytes: no gzip stream
+        return ms
+
+    def _range(self, m: int) -> tuple[int, int]:
+        start, end = (int(v) for v in self.table[m])
+        if end > self.info.size:
+            raise CorruptData(f"{self.info.key}: minishard {m} index [{start}, {end}) lies past the end of the "
+                              f"shard ({self.info.size} bytes)", self.info.key)
+        return start, end
+
+    async def minishard(self, m: int) -> Minishard:
+        """Minishard ``m``, from the cache or one pinned ranged read."""
+        start, end = self._range(m)
+        if start == end:
+            return Minishard(*(np.zeros(0, np.uint64),) * 3)
+
+        async def load():
+            return (await self._load([m]))[0]
+
+        return await self.fmt.cached((self.info.key, self.info.etag, m), load)
+
+    async def _load(self, ms: list[int]) -> list[Minishard]:
+        """Read minishards ``ms`` in one ranged read; cache and return them."""
+        ranges = [self._range(m) for m in ms]
+        lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
+        blob = await self.store.get(self.info.key, lo, hi - lo, if_match=self.info.etag)
+        if len(blob.data) != hi - lo:
+            raise CorruptData(f"{self.info.key}: shard truncated at {lo + len(blob.data)}", self.info.key)
+        parsed = [self._parse(m, blob.data[s - lo: e - lo]) for m, (s, e) in zip(ms, ranges)]
+        for m, p in zip(ms, parsed):
+            self.fmt.cache.put((self.info.key, self.info.etag, m), p, p.nbytes)
+        return parsed
+
+    async def minishards(self) -> dict[int, Minishard | CorruptData]:
+        """Every non-empty minishard (or why it is unreadable); the uncached
+        ones in coalesced reads, so a whole-shard walk is a few requests."""
+        out: dict[int, Minishard | CorruptData] = {}
+        todo = []
+        for m in self.nonempty():
+            hit = self.fmt.cache.get((self.info.key, self.info.etag, m))
+            if hit is not None:
+                out[m] = hit
+                continue
+            try:
+                self._range(m)
+                todo.append(m)
+            except CorruptData as exc:
+                out[m] = exc
+        starts, ends = self.table[:, 0].tolist(), self.table[:, 1].tolist()
+        for group in _coalesce(starts, ends, todo, INDEX_GAP, INDEX_SPAN):
+            try:
+                out.update(zip(group, await self._load(group)))
+            except CorruptData:
+                for m in group:  # which one is damaged: one by one
+                    try:
+                        out[m] = (await self._load([m]))[0]
+                    except CorruptData as exc:
+                        out[m] = exc
+        return dict(sorted(out.items()))
+
+    async def locate(self, chunk_id: int) -> tuple[int, int] | None:
+        if chunk_id > U64_MAX:
+            return None
+        ms = await self.minishard(self.fmt.spec.shard_and_minishard(chunk_id)[1])
+        i = ms.find(chunk_id)
+        return None if i is None else (int(ms.starts[i]), int(ms.sizes[i]))
+
+    async def entries(self) -> list[tuple[int, int, int]]:
+        """Every stored chunk; refuses (CorruptData) when a rewrite would lose some."""
+        out = []
+        for m, ms in (await self.minishards()).items():
+            if isinstance(ms, CorruptData):
+                raise ms
+            if ms.misplaced:
+                raise CorruptData(f"{self.info.key}: minishard {m} holds {ms.misplaced} chunk(s) that hash "
+                                  "elsewhere; not rewriting it", self.info.key)
+            out += zip(ms.ids.tolist(), ms.starts.tolist(), ms.sizes.tolist())
+        return out
+
+    async def decoded_sizes(self, ms: Minishard, only: int | None = None) -> np.ndarray:
+        """Sizes the view shows: stored sizes, or for gzip the ISIZE trailers,
+        fetched in coalesced reads (only the group of chunk ``only`` if given)."""
+        if ms.shown is None:
+            return ms.sizes.astype(np.int64)
+        if only is not None and ms.shown[only] != -1:
+            return ms.shown
+        ends = (ms.starts + ms.sizes).astype(np.int64).tolist()
+        starts = [e - 4 for e in ends]
+        groups = _coalesce(starts, ends, np.flatnonzero(ms.shown == -1).tolist(), TRAILER_GAP, TRAILER_SPAN)
+        for group in groups:
+            if only is not None and only not in group:
+                continue
+            lo, hi = min(starts[k] for k in group), max(ends[k] for k in group)
+            blob = await self.store.get(self.info.key, lo, hi - lo, if_match=self.info.etag)
+            for k in group:
+                tail = blob.data[starts[k] - lo: ends[k] - lo]
+                try:
+                    ms.shown[k] = decoded_size(int(ms.sizes[k]), tail, "gzip") if len(tail) == 4 else -2
+                except FormatError:
+                    ms.shown[k] = -2
+        return ms.shown
+
+
+class PrecomputedShardFormat:
+    """``neuroglancer_uint64_sharded_v1`` shards of one sharding spec
+    (``shard_ctx`` is unused: the shard number is in the key)."""
+
+    def __init__(self, spec: ShardingSpec, cache: ByteLRU):
+        self.spec = spec
+        self.cache = cache  # minishard indexes share the shard index budget
+        self._loading: dict[tuple, trio.Event] = {}
+
+    async def cached(self, key: tuple, load):
+        """``cache[key]``, loading it once however many tasks ask at the same time."""
+        while True:
+            hit = self.cache.get(key)
+            if hit is not None:
+                return hit
+            pending = self._loading.get(key)
+            if pending is None:
+                break
+            await pending.wait()
+        event = self._loading[key] = trio.Event()
+        try:
+            return await load()
+        finally:
+            del self._loading[key]
+            event.set()
+
+    async def load_index(self, store: AsyncStore, key: str, shard_ctx=None) -> PrecomputedShardIndex | None:
+        size = self.spec.shard_index_size
+        try:
+            blob = await store.get(key, 0, size)
+        except NotFound:
+            return None
+        try:
+            table = parse_shard_index(blob.data, self.spec)  # ranges are checked per minishard, when used
+        except FormatError as exc:
+            raise CorruptData(f"{key}: {exc}", key) from None
+        return PrecomputedShardIndex(self, store, blob.info, table, self.spec.parse_shard_key(key.rsplit("/", 1)[-1]))
+
+    def encode(self, chunks: dict[int, bytes], shard_ctx=None) -> bytes:
+        try:
+            return encode_shard({}, self.spec, preencoded=chunks)
+        except ValueError as exc:
+            raise CorruptData(f"cannot encode shard: {exc}") from None
+
+    def decode_chunk(self, data: bytes) -> bytes:
+        try:
+            return decode_data(data, self.spec, max_size=MAX_CHUNK)
+        except FormatError as exc:
+            raise CorruptData(f"{self.spec.data_encoding} chunk data: {exc}") from None
+
+    def encode_chunk(self, data: bytes) -> bytes:
+        return encode_data(data, self.spec.data_encoding)
+
+
+# --------------------------------------------------------------------------
+# file names
+
+
+def _parse_u64(name: str) -> int | None:
+    v = parse_index_name(name)
+    return v if v is not None and v <= U64_MAX else None
+
+
+@dataclass(frozen=True)
+class DecimalNames:
+    """``<id>``: key-value directories, annotation ``by_id`` and relationships."""
+
+    def parse(self, name: str) -> int | None:
+        return _parse_u64(name)
+
+    def names(self, ids: np.ndarray) -> list[tuple[str, int, int]]:
+        """(file name, chunk id, position in ``ids``) of every file ``ids`` make."""
+        return [(str(c), c, i) for i, c in enumerate(ids.tolist())]
+
+
+@dataclass(frozen=True)
+class MeshNames(DecimalNames):
+    """``<id>.index`` (the manifest: the chunk) and ``<id>`` (fragment data)."""
+
+    def parse(self, name: str) -> int | None:
+        if name.endswith(".index"):
+            return _parse_u64(name[:-6])
+        v = _parse_u64(name)
+        return None if v is None else v | FRAGMENTS
+
+    def names(self, ids: np.ndarray) -> list[tuple[str, int, int]]:
+        return [n for i, c in enumerate(ids.tolist()) for n in ((f"{c}.index", c, i), (str(c), c | FRAGMENTS, i))]
+
+
+@dataclass(frozen=True)
+class VolumeNames:
+    """``<x0>-<x1>_<y0>-<y1>_<z0>-<z1>`` of one volume scale."""
+
+    geometry: ScaleGeometry
+
+    def __post_init__(self):
+        if sum(morton_bits(self.geometry.grid_shape)) > 64:
+            raise ValueError(f"grid {self.geometry.grid_shape} needs more than 64 bits of chunk id")
+
+    def parse(self, name: str) -> int | None:
+        pos = self.geometry.parse_chunk_name(name)
+        return None if pos is None else self.geometry.chunk_id(pos)
+
+    def names(self, ids: np.ndarray) -> list[tuple[str, int, int]]:
+        g = self.geometry
+        pos, valid = morton_decode_many(ids, g.grid_shape)
+        keep = np.flatnonzero(valid)
+        pos = pos[keep]
+        lo = np.asarray(g.voxel_offset) + pos * np.asarray(g.chunk_size)
+        hi = np.asarray(g.voxel_offset) + np.minimum((pos + 1) * np.asarray(g.chunk_size), np.asarray(g.size))
+        return [(f"{a[0]}-{b[0]}_{a[1]}-{b[1]}_{a[2]}-{b[2]}", c, i)
+                for c, i, a, b in zip(ids[keep].tolist(), keep.tolist(), lo.tolist(), hi.tolist())]
+
+
+@dataclass(frozen=True)
+class CellNames:
+    """``<x>_<y>_<z>`` (any rank) of one annotation spatial index level."""
+
+    grid_shape: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.grid_shape or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in self.grid_shape):
+            raise ValueError(f"grid_shape {list(self.grid_shape)} is not a list of positive integers")
+        if sum(morton_bits(self.grid_shape)) > 64:
+            raise ValueError(f"grid_shape {list(self.grid_shape)} needs more than 64 bits of chunk id")
+
+    def parse(self, name: str) -> int | None:
+        parts = name.split("_")
+        if len(parts) != len(self.grid_shape):
+            return None
+        pos = [parse_index_name(p) for p in parts]
+        if any(p is None or p >= n for p, n in zip(pos, self.grid_shape)):
+            return None
+        return compressed_morton_code(pos, self.grid_shape)
+
+    def names(self, ids: np.ndarray) -> list[tuple[str, int, int]]:
+        pos, valid = morton_decode_many(ids, self.grid_shape)
+        keep = np.flatnonzero(valid)
+        return [("_".join(map(str, p)), c, i) for c, i, p in zip(ids[keep].tolist(), keep.tolist(), pos[keep].tolist())]
+
+
+# --------------------------------------------------------------------------
+# the dataset
+
+
+class PrecomputedDataset(Dataset):
+    """One directory of shards, shown as one file per stored chunk."""
+
+    layout = NAME
+
+    def __init__(self, ctx: LayoutContext, root: str, spec: ShardingSpec, naming, writable: bool = True):
+        super().__init__(ctx, root)
+        self.spec = spec
+        self.naming = naming
+        self.writable = writable
+        self.shard_format = PrecomputedShardFormat(spec, ctx.shards.indexes)
+
+    def _shard_key(self, chunk_id: int) -> str:
+        return join_key(self.root, self.spec.shard_key(self.spec.shard_and_minishard(chunk_id & U64_MAX)[0]))
+
+    def claims(self, rel) -> bool:
+        return len(rel) == 1 and (self.naming.parse(rel[0]) is not None or
+                                  self.spec.parse_shard_key(rel[0]) is not None)
+
+    def target(self, rel) -> ChunkTarget | None:
+        cid = self.naming.parse(rel[0]) if len(rel) == 1 else None
+        if cid is None:
+            return None
+        return ChunkTarget(self._shard_key(cid), cid, None, None, writable=self.writable)
+
+    async def _pinned(self, key: str, fn):
+        """``fn(index)`` on the current index of shard ``key`` (None if there
+        is no shard); if the shard is replaced under a pinned read, again."""
+        for _ in range(3):
+            index = await self.ctx.shards.index(self.shard_format, key)
+            if index is None:
+                return None
+            try:
+                return await fn(index)
+            except (PreconditionFailed, NotFound):
+                self.ctx.shards.forget(key)
+        raise CorruptData(f"{key}: shard keeps changing while being read", key)
+
+    async def _find(self, index: PrecomputedShardIndex, cid: int) -> tuple[Minishard, int] | None:
+        ms = await index.minishard(self.spec.shard_and_minishard(cid)[1])
+        i = ms.find(cid)
+        return None if i is None else (ms, i)
+
+    async def _size(self, index: PrecomputedShardIndex, ms: Minishard, i: int, chunk_id: int) -> int:
+        if chunk_id >= FRAGMENTS:
+            start, end = await self._fragment_range(index, ms, i)
+            return end - start
+        size = int((await index.decoded_sizes(ms, i))[i])
+        if size < 0:
+            raise CorruptData(f"{index.info.key}: chunk {chunk_id}: damaged gzip trailer", index.info.key)
+        return size
+
+    async def _fragment_range(self, index: PrecomputedShardIndex, ms: Minishard, i: int) -> tuple[int, int]:
+        cid = int(ms.ids[i])
+        manifest = await self.ctx.shards.read_chunk(self.shard_format, index.info.key, cid)
+        try:
+            return multilod_fragment_data_range(int(ms.starts[i]), manifest or b"", self.spec)
+        except FormatError as exc:
+            raise CorruptData(f"{index.info.key}: mesh {cid}: {exc}", index.info.key) from None
+
+    # -- namespace ------------------------------------------------------------
+
+    async def lookup(self, rel) -> ChunkEntry | None:
+        cid = self.naming.parse(rel[0]) if len(rel) == 1 else None
+        if cid is None:
+            return None  # a shard name: hidden
+        key = self._shard_key(cid)
+
+        async def entry(index):
+            found = await self._find(index, cid & U64_MAX)
+            if found is None:
+                return None
+            return ChunkEntry(key, cid, await self._size(index, *found, cid), index.info.mtime)
+
+        return await self._pinned(key, entry)
+
+    async def listdir(self, rel):
+        if rel != ():
+            return
+        listing = await self.ctx.store.list(self.root)
+        shards = sorted(f.key for f in listing.files if self.spec.parse_shard_key(f.key.rsplit("/", 1)[-1]) is not None)
+        for key in shards:
+            try:
+                entries = await self._pinned(key, self._shard_listing)
+            except CorruptData as exc:
+                warn_once(log, str(exc))
+                continue
+            for name, entry in entries or ():
+                yield name, entry
+
+    async def _shard_listing(self, index: PrecomputedShardIndex) -> list[tuple[str, ChunkEntry]]:
+        """Every readable chunk file of one shard, from its indexes only."""
+        out = []
+        for m, ms in (await index.minishards()).items():
+            if isinstance(ms, CorruptData):
+                warn_once(log, str(ms))
+                continue
+            if ms.misplaced:
+                warn_once(log, f"{index.info.key}: minishard {m}: {ms.misplaced} chunk(s) that hash elsewhere "
+                               "are not shown")
+            sizes = (await index.decoded_sizes(ms)).tolist()
+            for name, cid, i in self.naming.names(ms.ids):
+                try:
+                    size = await self._size(index, ms, i, cid) if cid >= FRAGMENTS else sizes[i]
+                except CorruptData as exc:
+                    warn_once(log, str(exc))
+                    continue
+                if size >= 0:  # -2: a damaged gzip stream, EIO on lookup
+                    out.append((name, ChunkEntry(index.info.key, cid, size, index.info.mtime)))
+        return out
+
+    # -- content --------------------------------------------------------------
+
+    async def read(self, entry) -> bytes:
+        key, cid = entry.shard_key, entry.chunk_id
+
+        async def whole(index):
+            found = await self._find(index, cid & U64_MAX)
+            if found is None:
+                return None
+            if cid >= FRAGMENTS:
+                return await self._fragments(index, *found)
+            try:
+                data = await self.ctx.shards.read_chunk(self.shard_format, key, cid)
+            except CorruptData as exc:
+                raise CorruptData(f"{key}: chunk {cid}: {exc}" if exc.key is None else str(exc), key) from None
+            if data is not None and self.spec.data_encoding == "gzip":
+                size = await self._size(index, *found, cid)
+                if len(data) != size:
+                    raise CorruptData(f"{key}: chunk {cid} decodes to {len(data)} bytes but its gzip trailer says "
+                                      f"{size} (damaged, or a multi-member gzip stream)", key)
+            return data
+
+        data = await self._pinned(key, whole)
+        if data is None:
+            raise NotFound(f"{key}: chunk {cid & U64_MAX} is not stored", key)
+        return data
+
+    async def _fragments(self, index: PrecomputedShardIndex, ms: Minishard, i: int) -> bytes:
+        start, end = await self._fragment_range(index, ms, i)
+        ckey = (index.info.key, index.info.etag, int(ms.ids[i]) | FRAGMENTS)
+        data = self.ctx.shards.chunks.get(ckey) if end > start else b""
+        if data is None:
+            blob = await self.ctx.store.get(index.info.key, start, end - start, if_match=index.info.etag)
+            if len(blob.data) != end - start:
+                raise CorruptData(f"{index.info.key}: mesh fragment data truncated", index.info.key)
+            data = blob.data
+            self.ctx.shards.chunks.put(ckey, data, len(data) + 64)
+        return data
+
+
+# --------------------------------------------------------------------------
+# info documents
+
+
+@dataclass(frozen=True)
+class Part:
+    """A sharded part of an ``info`` that the view shows unsharded."""
+
+    holder: dict = field(compare=False)  # the JSON object holding ``sharding``
+    key: str | None  # its directory, relative to the info's; None: the info's own
+    spec: ShardingSpec
+    naming: object
+    writable: bool = True
+
+
+def _candidates(doc: dict):
+    """(holder, key, what, naming factory) of every object that may hold ``sharding``."""
+    if isinstance(doc.get("scales"), list):
+        for n, s in enumerate(doc["scales"]):
+            if isinstance(s, dict):
+                yield s, s.get("key"), f"scales[{n}]", lambda s=s: VolumeNames(ScaleGeometry.from_json(s))
+        return
+    if doc.get("@type") == ANNOTATIONS:
+        if isinstance(doc.get("by_id"), dict):
+            yield doc["by_id"], doc["by_id"].get("key"), "by_id", DecimalNames
+        for name in ("relationships", "spatial"):
+            items = doc.get(name)
+            for n, s in enumerate(items if isinstance(items, list) else ()):
+                if isinstance(s, dict):
+                    naming = DecimalNames if name == "relationships" else (
+                        lambda s=s: CellNames(tuple(s.get("grid_shape") or ())))
+                    yield s, s.get("key"), f"{name}[{n}]", naming
+        return
+    yield doc, None, "sharding", MeshNames if doc.get("@type") == MULTILOD else DecimalNames
+
+
+def parse_info(doc: dict, what: str) -> list[Part]:
+    """The parts of ``doc`` shown unsharded; the others are logged once."""
+    parts = []
+    for holder, key, where, naming in _candidates(doc):
+        if "sharding" not in holder:
+            continue
+        try:
+            if key is not None and (not isinstance(key, str) or key in ("", ".", "..") or "/" in key):
+                raise ValueError(f"key {key!r} is not one plain directory name")
+            spec = ShardingSpec.from_json(holder["sharding"])
+            if spec.minishard_bits > MAX_MINISHARD_BITS:
+                raise ValueError(f"minishard_bits {spec.minishard_bits} > {MAX_MINISHARD_BITS} "
+                                 f"(a {spec.shard_index_size}-byte shard index)")
+            parts.append(Part(holder, key, spec, naming(), writable=doc.get("@type") != MULTILOD))
+        except (ValueError, TypeError) as exc:
+            warn_once(log, f"{what}: {where}: sharded data shown as stored: {exc}")
+    return parts
+
+
+def is_document(key: str) -> bool:
+    return key.rsplit("/", 1)[-1] == "info"
+
+
+def rewrite_document(key: str, data: bytes) -> bytes | None:
+    """The ``info`` without the ``sharding`` of every part shown unsharded."""
+    if not is_document(key):
+        return None
+    doc = load_json(data, key)  # a fresh object: edited in place
+    if doc is None:
+        return None
+    parts = parse_info(doc, key)
+    for part in parts:
+        del part.holder["sharding"]
+    return dump_json(doc) if parts else None
+
+
+def accept_document(key: str, new: bytes, stored: bytes | None, shard_option) -> bytes | None:
+    """An ``info`` written through the view: the stored ``sharding`` objects
+    are put back into the parts that lost them, so the shards stay readable.
+    Changing a sharded part's grid (its chunk ids) raises ValueError."""
+    if not is_document(key) or stored is None:
+        return None
+    old, doc = load_json(stored, key), load_json(new, key)
+    if old is None or doc is None:
+        return None
+    fresh = {c[1]: c for c in _candidates(doc) if c[1] is None or isinstance(c[1], str)}
+    changed = False
+    for part in parse_info(old, key):
+        found = fresh.get(part.key)
+        if found is None or "sharding" in found[0]:
+            continue  # the part is gone, or the tool wrote its sharding itself
+        holder, _, where, naming = found
+        try:
+            same = naming() == part.naming
+        except (ValueError, TypeError):
+            same = False
+        if not same:
+            raise ValueError(f"{where}: changing the grid of sharded data would make its stored chunks unreadable")
+        holder["sharding"] = part.holder["sharding"]
+        changed = True
+    return dump_json(doc) if changed else None
+
+
+async def _info(ctx: LayoutContext, key: str) -> dict | None:
+    try:
+        blob = await ctx.store.get(key)
+    except NotFound:
+        return None
+    doc = load_json(blob.data, key)
+    return doc
+
+
+async def probe(ctx: LayoutContext, dir_key: str) -> PrecomputedDataset | None:
+    """A directory of shards: described by its own ``info`` (top-level
+    ``sharding``) or by its parent's (a scale or annotation index ``key``)."""
+    doc = await _info(ctx, join_key(dir_key, "info"))
+    if doc is not None:
+        for part in parse_info(doc, join_key(dir_key, "info")):
+            if part.key is None:
+                return PrecomputedDataset(ctx, dir_key, part.spec, part.naming, part.writable)
+    if not dir_key:
+        return None
+    parent, _, name = dir_key.rpartition("/")
+    doc = await _info(ctx, join_key(parent, "info"))
+    if doc is not None:
+        for part in parse_info(doc, join_key(parent, "info")):
+            if part.key == name:
+                return PrecomputedDataset(ctx, dir_key, part.spec, part.naming, part.writable)
+    return None

@@ -1,0 +1,28 @@
+"""Rate-limited log lines shared by every layer.
+
+Damaged data is met on several paths (a lookup, a read, a listing); all of
+them report it through :func:`log_once` with the same text, so a damaged
+shard read or listed a thousand times is one log line, not a thousand.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+_last_logged: dict[str, float] = {}
+
+
+def log_once(logger: logging.Logger, level: int, msg: str, interval: float = 60.0) -> None:
+    """Log ``msg`` unless the same text was logged (by any logger) less than ``interval`` seconds ago."""
+    now = time.monotonic()
+    if now - _last_logged.get(msg, -1e9) > interval:
+        if len(_last_logged) > 10000:
+            _last_logged.clear()
+        _last_logged[msg] = now
+        logger.log(level, msg)
+
+
+def report_damage(logger: logging.Logger, exc: Exception) -> None:
+    """The one line about damaged stored data (the file itself gives EIO)."""
+    log_once(logger, logging.ERROR, f"damaged data: {exc}")
