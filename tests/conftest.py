@@ -23,6 +23,13 @@ pytest_plugins = ["tests.conftest_s3"]
 
 
 def pytest_sessionstart(session):
+    # Dummy AWS credentials (and no ~/.aws) for the whole session: boto3
+    # clients in tests and the daemons they spawn only ever talk to the
+    # local moto server.  Set once here, not per test, so that no fixture's
+    # teardown can take them away from a later test's daemon.
+    from tests.s3server import set_dummy_credentials
+
+    set_dummy_credentials(os.environ)
     problems = []
     if not os.path.exists("/dev/fuse"):
         problems.append("/dev/fuse is missing")

@@ -22,7 +22,7 @@ import botocore.exceptions as bce
 import pytest
 import trio
 
-from tests.s3server import CLEARED_ENV, DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, MotoServer, dummy_credentials_env, free_port
+from tests.s3server import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, MotoServer, free_port
 from zshardfs.backends.base import (
     AccessDenied,
     AsyncStore,
@@ -36,16 +36,6 @@ from zshardfs.backends.s3 import S3Backend, S3URLError, parse_s3_url
 
 DATA = bytes(range(256)) * 4  # 1024 bytes, every offset distinguishable
 PREFIX = "store/root"
-
-
-@pytest.fixture(autouse=True)
-def aws_env(monkeypatch):
-    """Dummy credentials and no ~/.aws for every test, also for those that
-    never start the moto server."""
-    for name in CLEARED_ENV:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in dummy_credentials_env().items():
-        monkeypatch.setenv(name, value)
 
 
 @dataclass

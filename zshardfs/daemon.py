@@ -210,7 +210,6 @@ class Mount:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._signals, nursery)
-                self.shards.nursery = nursery  # background read-ahead of scans
                 await nursery.start(self.writeback.run)
                 await pyfuse3.main()
                 nursery.cancel_scope.cancel()

@@ -346,6 +346,9 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def setattr(self, inode, attr, fields, fh, ctx):
         node = self._node(inode)
+        if (fields.update_size or fields.update_mode or fields.update_uid or fields.update_gid
+                or fields.update_atime or fields.update_mtime or fields.update_ctime):
+            self._writable()
         if fields.update_size:
             self._writable()
             if node.is_dir:
@@ -414,4 +417,5 @@ class Operations(pyfuse3.Operations):
         if inode == pyfuse3.ROOT_INODE and self.control is not None:
             if await self.control.set(os.fsdecode(name), value):
                 return
+        self._writable()
         raise pyfuse3.FUSEError(errno.ENOTSUP)
