@@ -35,6 +35,7 @@ import tensorstore as ts
 
 from tests import peers_precomputed as peers
 from tests.conftest import Mounted, run_mount
+from tests.s3server import CLEARED_ENV, dummy_credentials_env
 from zshardfs.layouts.precomputed_format import (
     ScaleGeometry,
     ShardingSpec,
@@ -201,10 +202,17 @@ class Source:
     def __init__(self, backend: str, request, workdir: Path):
         self.backend, self.workdir = backend, workdir
         self.server = self.bucket = None
+        self.env = pytest.MonkeyPatch()
         if backend == "s3":
             self.server = request.getfixturevalue("moto_server")
             self.server.ensure_running()
             self.bucket = self.server.create_bucket()
+            # the daemons need dummy credentials; a function-scoped monkeypatch that was
+            # active when the session's moto_server started may have removed them since
+            for name in CLEARED_ENV:
+                self.env.delenv(name, raising=False)
+            for name, value in dummy_credentials_env().items():
+                self.env.setenv(name, value)
 
     def publish(self, root: Path, prefix: str | None = None) -> tuple[str, list[str], str]:
         """(source, extra mount arguments, prefix) of a private copy of ``root``."""
@@ -232,6 +240,7 @@ class Source:
     def close(self) -> None:
         if self.bucket:
             self.server.delete_bucket(self.bucket)
+        self.env.undo()
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -480,8 +489,9 @@ def test_stat_reads_only_the_two_indexes(source, mount, peers_tree):
 
 
 def test_listing_reads_indexes_and_trailers_not_chunks(source, mount, peers_tree):
-    """Listing a gzip scale: per shard its index, its minishard indexes in
-    coalesced reads and one coalesced trailer read per minishard; no chunk data."""
+    """Listing a gzip scale costs, per shard, its index, its minishard indexes
+    and its gzip trailers, each in coalesced ranged reads: never a request per
+    chunk, and then every stat of a listed file is free."""
     root = peers_tree[0]
     m, _ = publish_and_mount(source, mount, root, "ro", "index_ttl=600", "metadata_ttl=600", "attr_timeout=600",
                              "prefetch=off")
@@ -500,7 +510,8 @@ def test_listing_reads_indexes_and_trailers_not_chunks(source, mount, peers_tree
                       for n in os.listdir(twins.unsharded / scale["key"])}
     delta = _delta(before, _requests(m))
     assert set(delta) <= {"list", "get_range"}
-    assert delta["get_range"] <= 2 * len(shards) + minishards, (delta, len(shards), minishards, len(listed))
+    # shards of a few KiB: index, minishard indexes, trailers: three reads each
+    assert delta["get_range"] <= 3 * len(shards) < len(listed), (delta, len(shards), minishards, len(listed))
 
 
 # --------------------------------------------------------------------------- 3. writes

@@ -28,6 +28,10 @@ log = logging.getLogger("zshardfs")
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
+#: what the kernel answers on a FUSE mount whose daemon died (ECONNABORTED
+#: while the connection is being torn down, ENOTCONN after)
+DEAD = (errno.ENOTCONN, errno.ECONNABORTED)
+
 
 def _fail(message: str, status: int = EXIT_FAIL) -> int:
     print(f"zshardfs: {message}", file=sys.stderr)
@@ -63,7 +67,7 @@ def check_mountpoint(path: str) -> None:
     except FileNotFoundError:
         raise ConfigError(f"mountpoint {path!r} does not exist") from None
     except OSError as exc:
-        if exc.errno == errno.ENOTCONN:  # a FUSE mount whose daemon died
+        if exc.errno in DEAD:  # a FUSE mount whose daemon died
             raise ConfigError(f"mountpoint {path!r} is a dead mount (its daemon is gone); "
                               f"run 'zshardfs umount {path}' first") from None
         raise ConfigError(f"mountpoint {path!r}: {exc.strerror}") from None
@@ -73,7 +77,7 @@ def check_mountpoint(path: str) -> None:
         try:
             os.listdir(path)
         except OSError as exc:
-            if exc.errno == errno.ENOTCONN:
+            if exc.errno in DEAD:
                 raise ConfigError(f"mountpoint {path!r} is a dead mount (its daemon is gone); "
                                   f"run 'zshardfs umount {path}' first") from None
         raise ConfigError(f"mountpoint {path!r} is already a mount point")
@@ -208,7 +212,7 @@ def _control(mountpoint: str, name: str) -> bytes:
     try:
         return os.getxattr(mountpoint, name)
     except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
+        if exc.errno in DEAD:
             raise ConfigError(f"{mountpoint!r} is a dead mount (its daemon is gone); "
                               f"'zshardfs umount {mountpoint}' removes it") from None
         raise ConfigError(f"{mountpoint!r} is not a zshardfs mount point") from None

@@ -33,14 +33,16 @@ keyed by the shard's etag), then the chunk, ranged.  ``stat`` of a chunk with
 raw ``data_encoding`` costs those two index reads and nothing else.
 
 gzip ``data_encoding`` and exact sizes: the decoded size is the gzip ISIZE
-trailer (last 4 bytes of the stored chunk).  Fetching it per chunk would cost
-one request per ``stat``; fetching the whole chunk would read all data just to
-list.  So trailers are fetched per minishard in coalesced ranged reads
-(neighbours closer than ``TRAILER_GAP``, at most ``TRAILER_SPAN`` per read):
-with the usual layout (a minishard's chunks back to back) a listing costs about
-one small read per minishard, and a ``stat`` one read that also sizes its
-neighbours.  ISIZE is trusted only as far as a read confirms it: a chunk that
-decodes to another length (damage, or a multi-member gzip stream) is EIO.
+trailer (last 4 bytes of the stored chunk).  Fetching it chunk by chunk would
+cost one request per file; decompressing would read all data just to list.
+So trailers are fetched in coalesced ranged reads (neighbours closer than
+``TRAILER_GAP``, at most ``TRAILER_SPAN`` per read): a listing fetches those
+of a whole shard at once, which with the usual layout (chunks back to back)
+is about one read per MiB of chunk data, and a ``stat`` fetches the one read
+holding its trailer, which also sizes its neighbours.  ISIZE is trusted only
+as far as a read confirms it: a chunk that decodes to another length
+(damage, or a multi-member gzip stream, whose ISIZE is its last member's)
+is EIO.
 
 Writes go through the shared write-back: a chunk file's target is its shard
 and chunk id; ``encode`` builds the whole shard (minishard indexes sorted by
@@ -125,6 +127,10 @@ class Minishard:
     @property
     def nbytes(self) -> int:
         return 256 + 32 * len(self.ids)
+
+    def view_sizes(self) -> np.ndarray:
+        """Sizes the view shows (gzip: as far as fetched; -1 unknown, -2 damaged)."""
+        return self.shown if self.shown is not None else self.sizes.astype(np.int64)
 
     def find(self, chunk_id: int) -> int | None:
         i = int(np.searchsorted(self.ids, np.uint64(chunk_id)))
@@ -235,28 +241,24 @@ class PrecomputedShardIndex:
             out += zip(ms.ids.tolist(), ms.starts.tolist(), ms.sizes.tolist())
         return out
 
-    async def decoded_sizes(self, ms: Minishard, only: int | None = None) -> np.ndarray:
-        """Sizes the view shows: stored sizes, or for gzip the ISIZE trailers,
-        fetched in coalesced reads (only the group of chunk ``only`` if given)."""
-        if ms.shown is None:
-            return ms.sizes.astype(np.int64)
-        if only is not None and ms.shown[only] != -1:
-            return ms.shown
-        ends = (ms.starts + ms.sizes).astype(np.int64).tolist()
+    async def fetch_sizes(self, mss: list[Minishard], only: tuple[Minishard, int] | None = None) -> None:
+        """Fill in the gzip ISIZE trailers still unknown in ``mss``, in reads
+        coalesced across minishards (only the read holding chunk ``only``)."""
+        todo = [(ms, k) for ms in mss if ms.shown is not None for k in np.flatnonzero(ms.shown == -1).tolist()]
+        ends = [int(ms.starts[k] + ms.sizes[k]) for ms, k in todo]
         starts = [e - 4 for e in ends]
-        groups = _coalesce(starts, ends, np.flatnonzero(ms.shown == -1).tolist(), TRAILER_GAP, TRAILER_SPAN)
-        for group in groups:
-            if only is not None and only not in group:
+        for group in _coalesce(starts, ends, range(len(todo)), TRAILER_GAP, TRAILER_SPAN):
+            if only is not None and not any(todo[j][0] is only[0] and todo[j][1] == only[1] for j in group):
                 continue
-            lo, hi = min(starts[k] for k in group), max(ends[k] for k in group)
+            lo, hi = min(starts[j] for j in group), max(ends[j] for j in group)
             blob = await self.store.get(self.info.key, lo, hi - lo, if_match=self.info.etag)
-            for k in group:
-                tail = blob.data[starts[k] - lo: ends[k] - lo]
+            for j in group:
+                ms, k = todo[j]
+                tail = blob.data[starts[j] - lo: ends[j] - lo]
                 try:
                     ms.shown[k] = decoded_size(int(ms.sizes[k]), tail, "gzip") if len(tail) == 4 else -2
                 except FormatError:
                     ms.shown[k] = -2
-        return ms.shown
 
 
 class PrecomputedShardFormat:
@@ -451,7 +453,9 @@ class PrecomputedDataset(Dataset):
         if chunk_id >= FRAGMENTS:
             start, end = await self._fragment_range(index, ms, i)
             return end - start
-        size = int((await index.decoded_sizes(ms, i))[i])
+        if ms.shown is not None and ms.shown[i] == -1:
+            await index.fetch_sizes([ms], only=(ms, i))
+        size = int(ms.view_sizes()[i])
         if size < 0:
             raise CorruptData(f"{index.info.key}: chunk {chunk_id}: damaged gzip trailer", index.info.key)
         return size
@@ -496,15 +500,18 @@ class PrecomputedDataset(Dataset):
 
     async def _shard_listing(self, index: PrecomputedShardIndex) -> list[tuple[str, ChunkEntry]]:
         """Every readable chunk file of one shard, from its indexes only."""
-        out = []
-        for m, ms in (await index.minishards()).items():
+        minishards = await index.minishards()
+        for m, ms in minishards.items():
             if isinstance(ms, CorruptData):
                 warn_once(log, str(ms))
-                continue
-            if ms.misplaced:
+            elif ms.misplaced:
                 warn_once(log, f"{index.info.key}: minishard {m}: {ms.misplaced} chunk(s) that hash elsewhere "
                                "are not shown")
-            sizes = (await index.decoded_sizes(ms)).tolist()
+        good = [ms for ms in minishards.values() if isinstance(ms, Minishard)]
+        await index.fetch_sizes(good)
+        out = []
+        for ms in good:
+            sizes = ms.view_sizes().tolist()
             for name, cid, i in self.naming.names(ms.ids):
                 try:
                     size = await self._size(index, ms, i, cid) if cid >= FRAGMENTS else sizes[i]
