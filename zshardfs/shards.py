@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import trio
 
-from .backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, StoreError
+from .backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,6 @@ class ByteLRU:
 
 #: shards whose last read position the scan detector remembers
 SCAN_SHARDS = 4096
-#: shards a scan reads ahead of the one it is in, in the background
-READ_AHEAD_SHARDS = 4
 
 
 @dataclass
@@ -133,26 +131,20 @@ class ShardCache:
         self.index_ttl = index_ttl
         # one loader per shard at a time: concurrent readers share one request
         self._loading: dict[str, trio.Event] = {}
+        # shards forgotten (rewritten) while their index was loading: that
+        # load may have read the old version and must not be cached
+        self._forgotten: set[str] = set()
         # read-ahead: a scan through shards fetches each shard's chunks in a
         # few coalesced ranged GETs instead of one GET per chunk
         self.prefetch = prefetch
         self.prefetch_max = min(prefetch_max, max(chunk_cache_bytes // 4, 1))
         self.prefetch_gap = prefetch_gap
         # scan detection: where the last read of each recent shard ended
-        # (chunk id, end offset), and whether reads currently walk forward
+        # (chunk id, end offset), and how many reads in a row continued one
         self._positions: OrderedDict[str, tuple[int, int]] = OrderedDict()
-        self._scan = False
+        self._walk = 0
         self._prefetching: dict[tuple[str, str], list[tuple[set[int], trio.Event]]] = {}
         self.prefetches = 0
-        # read-ahead across shards: indexes in the order they were loaded (a
-        # listing loads them in the order a scan of the view reads them), and
-        # the nursery background fetches run in (set by the daemon; None: none)
-        self.nursery: trio.Nursery | None = None
-        self._load_seq = 0
-        self._loaded: OrderedDict[str, tuple[int, ShardFormat, Any]] = OrderedDict()  # key -> (seq, fmt, ctx)
-        self._by_seq: dict[int, str] = {}
-        self._read_ahead: OrderedDict[tuple[str, str], None] = OrderedDict()  # (key, etag) fetched or in flight
-        self._read_ahead_running = 0
         # any fresh answer from storage about a shard re-validates its index
         observers = getattr(store, "observers", None)
         if observers is not None:
@@ -182,15 +174,11 @@ class ShardCache:
         event = self._loading[key] = trio.Event()
         try:
             index = await fmt.load_index(self.store, key, shard_ctx)
-            self.indexes.put(key, _Cached(index), 256 + (index.nbytes if index else 0))
-            if index is not None and key not in self._loaded:
-                self._load_seq += 1
-                self._loaded[key] = (self._load_seq, fmt, shard_ctx)
-                self._by_seq[self._load_seq] = key
-                while len(self._loaded) > SCAN_SHARDS:
-                    self._by_seq.pop(self._loaded.popitem(last=False)[1][0], None)
+            if key not in self._forgotten:  # else replaced meanwhile: waiters load again
+                self.indexes.put(key, _Cached(index), 256 + (index.nbytes if index else 0))
             return index
         finally:
+            self._forgotten.discard(key)
             del self._loading[key]
             event.set()
 
@@ -216,6 +204,8 @@ class ShardCache:
     def forget(self, key: str) -> None:
         """Drop what is cached of one shard (after a write, or a mismatch)."""
         self.indexes.pop(key)
+        if key in self._loading:
+            self._forgotten.add(key)
 
     def _expired(self, key: str) -> bool:
         cached: _Cached | None = self.indexes.peek(key)
@@ -265,7 +255,6 @@ class ShardCache:
                                   f"({index.info.size} bytes)", key)
             try:
                 if scan:
-                    self._read_ahead[(key, index.info.etag)] = None
                     try:
                         data = await self._prefetch(fmt, key, index, chunk_id)
                     except CorruptData:
@@ -295,63 +284,28 @@ class ShardCache:
         short runs, interleaved with the runs of all its neighbours along the
         last dimensions; "the previous read" must be per shard.
 
-        While reads walk, a miss fetches ahead in this shard (the first
-        read of a shard included, which is how a scan gets one GET per
-        shard).  A miss that does not continue its shard's previous read
-        ends the walk (random reads); cache hits never end it (sparse shards
-        and chunks clipped at the array's edge skip ids)."""
+        A miss that continues its shard's previous read fetches ahead in
+        that shard; once two reads in a row have walked, so does the first
+        read of a shard (which is how a scan gets one GET per shard), while
+        one neighbour read by chance among random reads costs at most that
+        shard's read-ahead.  A miss that does not continue its shard's
+        previous read ends the walk (random reads); cache hits never end it
+        (sparse shards and chunks clipped at the array's edge skip ids)."""
         prev = self._positions.pop(key, None)
         self._positions[key] = (chunk_id, offset + nbytes)
         if len(self._positions) > SCAN_SHARDS:
             self._positions.popitem(last=False)
-        if prev is not None:
-            if chunk_id == prev[0] + 1 or (offset == prev[1] and chunk_id != prev[0]):
-                self._scan = True
-            elif not hit:
-                self._scan = False
-        elif self._scan:
-            self._start_read_ahead(key)
-        return self._scan and not hit
-
-    def _start_read_ahead(self, key: str) -> None:
-        """A scan entered shard ``key``: fetch, in the background, the
-        shards whose indexes were loaded right after its own (the view's
-        listing order, which is the order the scan reads them), so that
-        their data is here when the scan gets to them.  At most
-        READ_AHEAD_SHARDS fetches run at once, of at most a quarter of the
-        chunk cache together; a shard already fetched is not fetched again."""
-        loaded = self._loaded.get(key)
-        if self.nursery is None or loaded is None:
-            return
-        budget = self.chunks.max_bytes // 4
-        for seq in range(loaded[0] + 1, loaded[0] + 1 + 4 * READ_AHEAD_SHARDS):
-            if self._read_ahead_running >= READ_AHEAD_SHARDS:
-                return
-            nxt = self._by_seq.get(seq)
-            cached: _Cached | None = self.indexes.peek(nxt) if nxt is not None else None
-            if cached is None or cached.index is None:
-                continue
-            budget -= min(cached.index.info.size, self.prefetch_max)
-            if budget < 0:
-                return
-            tag = (nxt, cached.index.info.etag)
-            if tag in self._read_ahead:
-                continue
-            self._read_ahead[tag] = None
-            while len(self._read_ahead) > SCAN_SHARDS:
-                self._read_ahead.popitem(last=False)
-            self._read_ahead_running += 1
-            self.nursery.start_soon(self._read_ahead_one, self._loaded[nxt][1], nxt, cached.index)
-
-    async def _read_ahead_one(self, fmt: ShardFormat, key: str, index: ShardIndex) -> None:
-        try:
-            await self._prefetch(fmt, key, index, 0)
-        except (PreconditionFailed, NotFound):
-            self.forget(key)  # replaced or gone: whoever reads it next reloads the index
-        except StoreError as exc:  # best effort: the read that needs the data reports errors
-            log.debug("read-ahead of %s failed: %s", key, exc)
-        finally:
-            self._read_ahead_running -= 1
+        if hit:
+            if prev is not None and (chunk_id == prev[0] + 1 or (offset == prev[1] and chunk_id != prev[0])):
+                self._walk += 1
+            return False
+        if prev is None:
+            return self._walk >= 2
+        if chunk_id == prev[0] + 1 or (offset == prev[1] and chunk_id != prev[0]):
+            self._walk += 1
+            return True
+        self._walk = 0
+        return False
 
     async def _prefetch(self, fmt: ShardFormat, key: str, index: ShardIndex, chunk_id: int):
         """Fetch stored chunks of the shard that are not cached, in the order
@@ -361,8 +315,7 @@ class ShardCache:
         read in one range).  Every chunk that lies whole in a fetched range
         is cached.  Returns the wanted chunk's data (None: not fetched)."""
         etag, size = index.info.etag, index.info.size
-        running = self._prefetching.setdefault((key, etag), [])
-        busy = set().union(*(ids for ids, _ in running)) if running else set()
+        busy = set().union(*(ids for ids, _ in self._prefetching.get((key, etag), ())))
         entries = [(cid, off, n) for cid, off, n in await index.entries() if n and off + n <= size]
         todo = sorted((e for e in entries if e[0] not in busy and (key, etag, e[0]) not in self.chunks),
                       key=lambda e: (e[0] < chunk_id, e[0]))
@@ -383,6 +336,7 @@ class ShardCache:
             end = max(end, off + n)
         ranges.append((start, end))
         entry = ({cid for cid, _, _ in chosen}, trio.Event())
+        running = self._prefetching.setdefault((key, etag), [])
         running.append(entry)
         self.prefetches += 1
         try:

@@ -137,6 +137,7 @@ class View:
         # names that exist in the view but not (yet) in storage
         self.buffers: dict[str, FileBuffer] = {}  # path -> open/scratch file
         self.new_chunks: dict[str, dict[str, tuple[Dataset, tuple, ChunkTarget]]] = {}  # dir -> name -> chunk
+        self._new_chunks_pruned_at = 0
         self.new_dirs: dict[str, set[str]] = {}  # dir -> names of directories made here
 
     # -- datasets -----------------------------------------------------------
@@ -527,6 +528,9 @@ class View:
         elif handle.chunk is not None:
             t = handle.node.target
             self.writeback.close_chunk(t.shard_key, t.chunk_id, handle.chunk)
+            # bounded: prune once the table has doubled since the last prune
+            if sum(map(len, self.new_chunks.values())) > 2 * max(512, self._new_chunks_pruned_at):
+                self._prune_new_chunks()
 
     async def unlink(self, parent: Node, name: str) -> None:
         self._check_writable()
@@ -555,14 +559,15 @@ class View:
         self._check_writable()
         if await self.lookup(parent, name) is not None:
             raise ViewError(errno.EEXIST, f"{name}: exists")
-        path = join_key(parent.path, name)
         if not self._in_dataset(parent):
             dataset = await self.dataset_at(parent.key)
             if dataset is None or not dataset.claims((name,)):
                 await self.store.make_dir(join_key(parent.key, name))
         self.new_dirs.setdefault(parent.path, set()).add(name)
         node = await self.lookup(parent, name)
-        assert node is not None
+        if node is None:  # e.g. a name the dataset claims but that cannot be a directory
+            self.new_dirs[parent.path].discard(name)
+            raise ViewError(errno.EINVAL, f"{name}: cannot be a directory here")
         return node
 
     async def rmdir(self, parent: Node, name: str) -> None:
@@ -617,8 +622,13 @@ class View:
                 log.warning("%s: temporary file inside a sharded array was never renamed; discarded", buf.path)
                 del self.buffers[buf.path]
         errors += await self.writeback.sync_all()
+        self._prune_new_chunks()
+        return errors
+
+    def _prune_new_chunks(self) -> None:
+        """Forget created chunk names that storage now lists by itself."""
         self.new_chunks = {d: {n: c for n, c in names.items()
                                if self.writeback.pending(c[2].shard_key, c[2].chunk_id) is not None}
                            for d, names in self.new_chunks.items()}
         self.new_chunks = {d: names for d, names in self.new_chunks.items() if names}
-        return errors
+        self._new_chunks_pruned_at = sum(len(n) for n in self.new_chunks.values())

@@ -26,6 +26,7 @@ last write (once no writer has it open); and dirty-memory pressure.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,13 @@ log = logging.getLogger(__name__)
 DELETED = None  # marker value of a dirty chunk that was unlinked
 
 MAX_GAP = 64 << 10  # kept chunks closer than this are read in one range
+
+
+def _backoff(attempt: int) -> float:
+    """Wait before re-merging after a conflict: exponential with full jitter,
+    so two mounts that keep colliding on one shard fall out of step (a fixed
+    delay keeps them in lockstep until the attempts run out)."""
+    return random.uniform(0, min(1.0, 0.01 * 2 ** attempt))
 
 
 @dataclass
@@ -229,7 +237,7 @@ class WriteBack:
                 try:
                     kept = await self._read_kept(shard.key, index.info, entries)
                 except (PreconditionFailed, NotFound):
-                    await trio.sleep(0.01 * (attempt + 1))
+                    await trio.sleep(_backoff(attempt))
                     continue
             merged = dict(kept)
             merged.update({cid: d for cid, d in encoded.items() if d is not None})
@@ -245,7 +253,7 @@ class WriteBack:
                         await self.store.put(shard.key, data, if_match=index.info.etag)
             except PreconditionFailed:
                 log.info("%s changed under us; re-reading and merging again", shard.key)
-                await trio.sleep(0.01 * (attempt + 1))
+                await trio.sleep(_backoff(attempt))
                 continue
             finally:
                 self.shards.forget(shard.key)

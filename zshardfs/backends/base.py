@@ -202,8 +202,9 @@ class AsyncStore:
     """
 
     #: seconds a call that got no answer is not repeated (the same operation
-    #: on the same key fails at once): the kernel repeats a failed page read
-    #: immediately, and a read would otherwise take twice the deadline to fail
+    #: on the same key fails at once, until then or until any call gets an
+    #: answer): the kernel repeats a failed page read immediately, and a read
+    #: would otherwise take twice the deadline to fail
     FAIL_FAST = 2.0
 
     #: listings kept at most (each bounded by LIST_CACHE_ENTRIES names)
@@ -241,7 +242,9 @@ class AsyncStore:
             del self._unanswered[what]
         try:
             with trio.move_on_after(self.timeout) as scope:
-                return await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
+                result = await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
+                self._unanswered.clear()  # an answer: the endpoint is back for everyone
+                return result
             if scope.cancelled_caught:
                 bump(self.backend.counters, "errors")  # worker threads bump concurrently
                 raise Unavailable(f"{self.url}: no answer within {self.timeout:g}s")

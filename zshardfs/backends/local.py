@@ -28,6 +28,22 @@ def _is_internal(name: str) -> bool:
     return name.startswith(TMP_PREFIX)
 
 
+def _remove_if_orphaned(path: str, name: str) -> None:
+    """A temporary file left by a writer that died (kill -9 mid-put): its
+    name carries the writer's pid; if that process is gone, remove it.
+    Found while listing, so cleaning costs no scan of its own."""
+    try:
+        pid = int(name[len(TMP_PREFIX):].split("-", 1)[0])
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    except (ValueError, PermissionError, OSError):
+        pass
+
+
 class LocalBackend:
     #: open descriptors kept for pinned reads without a thread hop
     FD_CACHE = 64
@@ -149,6 +165,7 @@ class LocalBackend:
             with os.scandir(self._path(prefix)) as it:
                 for entry in it:
                     if _is_internal(entry.name):
+                        _remove_if_orphaned(entry.path, entry.name)
                         continue
                     try:
                         if entry.is_dir():
