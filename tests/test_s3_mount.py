@@ -27,7 +27,6 @@ import json
 import math
 import os
 import random
-import shutil
 import socket
 import subprocess
 import threading
@@ -514,8 +513,6 @@ class IAMServer:
     :meth:`allow_reads` switches."""
 
     def __init__(self, log_path: Path):
-        import boto3
-
         # the first three requests (the IAM set-up below) are not checked, all others are
         self.server = MotoServer(log_path, env={"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
         self.server.start()
