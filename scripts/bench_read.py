@@ -10,6 +10,8 @@ zarr-python.  Then, repeated --repeat times, it measures:
    - native: the unsharded twin on the local file system, page cache warm;
    - cold: through a fresh zshardfs mount of the sharded store (``-o ro``);
    - warm: the same again on that mount (kernel caches warm);
+   - the same cold and warm on scripts/minimal_fs.py serving the unsharded
+     twin from memory: the ceiling pyfuse3 + trio allow on this machine;
    and prints files/s and the ratio to native.
 2. zarr-python reading random single chunks: through the mount (as an
    unsharded array) against zarr-python reading the sharded store directly.
@@ -76,6 +78,21 @@ def umount(mnt: Path) -> None:
     subprocess.run([*ZSHARDFS, "umount", str(mnt)], check=True)
 
 
+def minimal_fs(twin: Path, mnt: Path) -> tuple[float, float]:
+    """(cold, warm) seconds of cat_all on the minimal in-memory pyfuse3 fs."""
+    mnt.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, str(HERE / "minimal_fs.py"), str(twin), str(mnt)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        cold = cat_all(mnt)[0]
+        warm = cat_all(mnt)[0]
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        proc.wait(timeout=30)
+    return cold, warm
+
+
 def zarr_random_reads(path: Path, shape, picks) -> float:
     import zarr
 
@@ -99,7 +116,7 @@ def main() -> None:
     files = count_files(twin / "a") - 0
     print(f"store: shape {shape}, 32 KiB chunks, {files} files incl. zarr.json, shards of 512 chunks")
 
-    native, cold, warm = [], [], []
+    native, cold, warm, base_cold, base_warm = [], [], [], [], []
     cat_all(twin)  # warm the page cache of the twin and of the shards
     cat_all(sharded)
     mnt = workdir / "mnt"
@@ -112,11 +129,18 @@ def main() -> None:
             warm.append(cat_all(mnt)[0])
         finally:
             umount(mnt)
+        c, w = minimal_fs(twin, workdir / "mnt-minimal")
+        base_cold.append(c)
+        base_warm.append(w)
     med = statistics.median
     print("\ncat of every chunk file (median of %d runs)" % args.repeat)
     print(f"  native twin (warm page cache) {files / med(native):10.0f} files/s")
     print(f"  zshardfs cold                 {files / med(cold):10.0f} files/s   ratio {med(native) / med(cold):.2f}x native")
     print(f"  zshardfs warm                 {files / med(warm):10.0f} files/s   ratio {med(native) / med(warm):.2f}x native")
+    print(f"  minimal pyfuse3 fs, cold      {files / med(base_cold):10.0f} files/s   ratio "
+          f"{med(native) / med(base_cold):.2f}x native (zshardfs: {med(base_cold) / med(cold):.2f}x of it)")
+    print(f"  minimal pyfuse3 fs, warm      {files / med(base_warm):10.0f} files/s   ratio "
+          f"{med(native) / med(base_warm):.2f}x native (zshardfs: {med(base_warm) / med(warm):.2f}x of it)")
 
     rng = random.Random(1)
     grid = tuple(s // 32 for s in shape)
