@@ -193,7 +193,7 @@ def main() -> None:
     print(f"  zshardfs local mount + sync              {n / med(mount_t):8.0f} chunks/s   "
           f"{med(zarr_t) / med(mount_t):.1f}x zarr-python")
     if s3_t:
-        print(f"\nS3 (local moto server)")
+        print("\nS3 (local moto server)")
         print(f"  zarr-python, one call per chunk, sharded {n / med(zarr_s3_t):8.0f} chunks/s   (baseline; "
               f"PUTs {zarr_s3_puts})")
         print(f"  zshardfs S3 mount + sync                 {n / med(s3_t):8.0f} chunks/s   "

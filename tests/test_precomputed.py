@@ -40,8 +40,10 @@ from zshardfs.layouts.precomputed_format import (
     ScaleGeometry,
     ShardingSpec,
     compressed_morton_code,
+    decode_data,
     encode_shard,
     morton_decode,
+    multilod_fragment_data_size,
     parse_shard,
 )
 
@@ -640,24 +642,168 @@ def test_annotation_writes(source, mount, peers_tree):
     assert peers.read_kvstore(stored_tree / "by_id", ANN_BY_ID)[12] == b"annotation 12"
 
 
-def test_multilod_is_read_only(source, mount, peers_tree):
-    """Fragment data is not an indexed chunk, so no shard rewrite could keep
-    it: every write in a multilod directory is refused with EPERM, the store
-    is untouched."""
-    root = peers_tree[0] / "multilod" / "sharded"
+CV_MESHES = r"""
+import json, sys
+from cloudvolume import CloudVolume
+path, ids = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
+mesh = CloudVolume("file://" + path, progress=False, cache=False).mesh
+out = {}
+for segid in ids:
+    manifest = mesh.get_manifest(segid)
+    if manifest is None:
+        out[segid] = None
+        continue
+    total = int(sum(int(s.sum()) for s in manifest.fragment_offsets))
+    start = int(manifest.shard_offset) - total  # as mesh.get reads fragment data: just before the manifest
+    data = next(iter(mesh.cache.download_as([{"path": manifest.path, "local_alias": f"{segid}.frag",
+                                             "start": start, "end": start + total}]).values())) if total else b""
+    out[segid] = [mesh.reader.get_data(segid, mesh.path).hex(), bytes(data).hex()]
+print(json.dumps(out))
+"""
+
+
+def cloudvolume_meshes(mesh_dir: Path, ids: list[int], tmp: Path) -> dict[int, tuple[bytes, bytes] | None]:
+    """(manifest, fragment data) of each id as cloud-volume's sharded multilod
+    mesh source finds them (in a subprocess), the mesh directory being the
+    ``mesh`` of a minimal segmentation volume."""
+    vol = tmp / "cv_volume"
+    vol.mkdir()
+    shutil.copytree(mesh_dir, vol / "mesh")
+    (vol / "info").write_text(json.dumps({
+        "type": "segmentation", "data_type": "uint64", "num_channels": 1, "mesh": "mesh",
+        "scales": [{"key": "s0", "resolution": [1, 1, 1], "size": [1, 1, 1], "voxel_offset": [0, 0, 0],
+                    "chunk_sizes": [[1, 1, 1]], "encoding": "raw"}]}))
+    r = subprocess.run([cloudvolume_python(), "-c", CV_MESHES, str(vol), ",".join(map(str, ids))],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    return {int(k): None if v is None else (bytes.fromhex(v[0]), bytes.fromhex(v[1])) for k, v in got.items()}
+
+
+def check_multilod_shards(directory: Path, sharding: dict, meshes: dict[int, tuple[bytes, bytes]]) -> None:
+    """Parse the stored shards with the format layer: exactly ``meshes``, each
+    mesh's fragment data (raw) immediately before its manifest (the indexed
+    chunk, in data_encoding), no other bytes between the shard index and the
+    minishard indexes; tensorstore reads every manifest."""
+    spec = ShardingSpec.from_json(sharding)
+    found = {}
+    for shard in sorted(directory.glob("*.shard")):
+        data = shard.read_bytes()
+        ids, offs, sizes, minis = parse_shard(data, spec)
+        for cid, off, n in zip(ids.tolist(), offs.tolist(), sizes.tolist()):
+            assert spec.shard_and_minishard(cid)[0] == spec.parse_shard_key(shard.name)
+            manifest = decode_data(data[off: off + n], spec)
+            frag = multilod_fragment_data_size(manifest)
+            assert off - frag >= spec.shard_index_size, cid
+            found[cid] = (manifest, data[off - frag: off])
+    assert found.keys() == meshes.keys()
+    for cid, (manifest, fragments) in meshes.items():
+        assert found[cid][0] == manifest, cid
+        assert found[cid][1] == fragments, cid
+    assert peers.read_kvstore(directory, sharding) == {c: m for c, (m, _) in meshes.items()}
+
+
+def test_multilod_writes(source, mount, peers_tree, tmp_path):
+    """Create, overwrite (manifest and fragments, or the manifest alone with the
+    same fragment sizes), unlink through ``<id>.index``; an inconsistent pair is
+    refused at fsync (EIO) and fixed.  After unmounting, every mesh (written or
+    kept) has its fragment data immediately before its manifest, and a fresh
+    mount shows the expected unsharded twin."""
+    root, _, meshes = write_multilod_twins(tmp_path / "multilod")
+    sharding = json.loads((root / "info").read_text())["sharding"]
     m, prefix = publish_and_mount(source, mount, root)
-    for attempt in (lambda: (m.path / "5").write_bytes(b"x"),
-                    lambda: (m.path / "5.index").write_bytes(b"x"),
-                    lambda: (m.path / "8.index").write_bytes(b"x"),
-                    lambda: os.unlink(m.path / "5"),
-                    lambda: os.unlink(m.path / "5.index"),
-                    lambda: os.rename(m.path / "5.index", m.path / "9.index")):
-        with pytest.raises(PermissionError):
-            attempt()
-    assert tree_diff(m.path, peers_tree[0] / "multilod" / "unsharded") == []
+    rng = np.random.default_rng(17)
+    expect = dict(meshes)
+
+    def new_mesh(frags):
+        manifest, total = make_manifest(frags, rng)
+        return manifest, rng.integers(0, 256, size=total, dtype=np.uint8).tobytes()
+
+    expect[9] = new_mesh([3, 1])  # a new mesh: fragments, then manifest
+    (m.path / "9").write_bytes(expect[9][1])
+    (m.path / "9.index").write_bytes(expect[9][0])
+    expect[5] = new_mesh([2, 2, 1])  # an existing mesh, both files replaced (manifest first)
+    (m.path / "5.index").write_bytes(expect[5][0])
+    (m.path / "5").write_bytes(expect[5][1])
+    manifest77 = bytearray(meshes[77][0])  # the manifest alone: other positions, same fragment sizes
+    manifest77[:12] = np.array([8, 8, 8], "<f4").tobytes()
+    expect[77] = (bytes(manifest77), meshes[77][1])
+    (m.path / "77.index").write_bytes(expect[77][0])
+    os.unlink(m.path / "0.index")  # removes the mesh: both files
+    del expect[0]
+    assert not (m.path / "0").exists()
+    expect[6] = new_mesh([])  # no fragments: a manifest alone is a whole mesh
+    (m.path / "6.index").write_bytes(expect[6][0])
+    assert expect[6][1] == b""
+
+    bad, _ = make_manifest([2], np.random.default_rng(5))  # a manifest whose fragment data is missing
+    assert multilod_fragment_data_size(bad) > 0
+    with open(m.path / "2.index", "wb") as f:
+        f.write(bad)
+        f.flush()
+        with pytest.raises(OSError) as exc:
+            os.fsync(f.fileno())
+        assert exc.value.errno == errno.EIO
+    os.unlink(m.path / "2.index")  # withdrawn: the shard flushes again
+
+    names = {n for n in os.listdir(m.path) if n != "info"}
+    assert names == {f"{c}{s}" for c in expect for s in ("", ".index")}
+    for cid, (manifest, fragments) in expect.items():
+        assert (m.path / f"{cid}.index").read_bytes() == manifest
+        assert (m.path / str(cid)).read_bytes() == fragments
+    m.umount()
+
+    stored_tree = source.fetch(prefix)
+    check_multilod_shards(stored_tree, sharding, expect)
+    seen = cloudvolume_meshes(stored_tree, sorted(expect) + [0, 2], tmp_path)
+    assert seen == {**expect, 0: None, 2: None}
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    info = json.loads((root / "info").read_text())
+    del info["sharding"]
+    (twin / "info").write_text(json.dumps(info))
+    for cid, (manifest, fragments) in expect.items():
+        (twin / f"{cid}.index").write_bytes(manifest)
+        (twin / str(cid)).write_bytes(fragments)
+    src, extra, _ = source.publish(stored_tree)
+    assert tree_diff(mount(src, "ro", extra=extra).path, twin) == []
+
+
+def test_multilod_inconsistent_pairs_are_refused(source, mount, peers_tree, tmp_path):
+    """Fragment data that its manifest does not describe (written alone for a
+    new id, or a manifest whose sizes change without new fragment data) is
+    refused at fsync with EIO; unlinking ``<id>`` alone empties the fragment
+    data, which only a manifest without fragments accepts."""
+    root, _, meshes = write_multilod_twins(tmp_path / "multilod")
+    sharding = json.loads((root / "info").read_text())["sharding"]
+    m, prefix = publish_and_mount(source, mount, root)
+
+    def refused(name: str, data: bytes) -> None:
+        with open(m.path / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            with pytest.raises(OSError) as exc:
+                os.fsync(f.fileno())
+            assert exc.value.errno == errno.EIO
+
+    refused("12", b"fragments without a manifest")
+    os.unlink(m.path / "12")
+    refused("1.index", make_manifest([4], np.random.default_rng(1))[0])  # sizes no longer match
+    (m.path / "1.index").write_bytes(meshes[1][0])  # put back
+    os.unlink(m.path / "5")  # fragment data gone, the manifest still describes some
+    with open(m.path / "77.index", "rb+") as f:  # a neighbour in the same shard: its flush fails too
+        with pytest.raises(OSError) as exc:
+            os.fsync(f.fileno())
+        assert exc.value.errno == errno.EIO
+    os.unlink(m.path / "5.index")  # the whole mesh goes: consistent again
+    expect = {c: v for c, v in meshes.items() if c != 5}
+    log_text = m.log_text()
+    assert "mesh 12: 28 bytes of fragment data (12) without a manifest (12.index)" in log_text
+    assert "mesh 1: manifest 1.index describes" in log_text
+    assert "mesh 5: manifest 5.index describes" in log_text and "5 holds 0" in log_text
     m.umount()
     stored_tree = source.fetch(prefix)
-    assert {p.name: p.read_bytes() for p in stored_tree.iterdir()} == {p.name: p.read_bytes() for p in root.iterdir()}
+    check_multilod_shards(stored_tree, sharding, expect)
 
 
 def test_info_written_through_the_view_keeps_sharding(source, mount, peers_tree):

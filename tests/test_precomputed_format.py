@@ -777,3 +777,21 @@ sys.stdout.write(b.hex() + " " + str(sum(int(x.sum()) for x in m2.fragment_offse
     assert out.returncode == 0, out.stderr[-2000:]
     hex_, total = out.stdout.split()
     assert multilod_fragment_data_size(bytes.fromhex(hex_)) == int(total)
+
+
+def test_encode_shard_unindexed_bytes_sit_just_before_their_chunk():
+    """``unindexed`` (multilod fragment data) is laid out immediately before
+    its chunk and appears in no index; ids that are no chunk are refused."""
+    spec = ShardingSpec.from_json(peers.sharding("identity", 0, 1, 1, "raw", "gzip"))
+    chunks = {0: b"manifest 0", 5: b"manifest 5", 4: b"m4", 1: b"manifest 1"}  # one shard, two minishards
+    before = {0: b"fragments of 0", 4: b"frag 4 " * 30, 1: b"f1"}
+    data = encode_shard(chunks, spec, unindexed=before)
+    ids, offs, sizes, _ = parse_shard(data, spec)
+    assert sorted(ids.tolist()) == sorted(chunks)
+    for cid, off, n in zip(ids.tolist(), offs.tolist(), sizes.tolist()):
+        assert gzip.decompress(data[off: off + n]) == chunks[cid]
+        frag = before.get(cid, b"")
+        assert data[off - len(frag): off] == frag
+    assert encode_shard(chunks, spec) != data
+    with pytest.raises(ValueError, match="not chunks"):
+        encode_shard(chunks, spec, unindexed={7: b"x"})

@@ -14,7 +14,6 @@ import errno
 import json
 import math
 import os
-import random
 import signal
 import subprocess
 import sys

@@ -163,8 +163,10 @@ class WriteBack:
 
     def delete(self, key: str, fmt: ShardFormat, ctx: Any, chunk_id: int) -> None:
         shard = self.shard(key, fmt, ctx)
-        old = shard.chunks.get(chunk_id)
-        shard.chunks[chunk_id] = DirtyChunk(None, (old.version + 1) if old else 0)
+        linked = getattr(fmt, "deleted_with", None)
+        for cid in linked(chunk_id) if linked else (chunk_id,):
+            old = shard.chunks.get(cid)
+            shard.chunks[cid] = DirtyChunk(None, (old.version + 1) if old else 0)
         self.touch(shard)
 
     def touch(self, shard: DirtyShard) -> None:
@@ -227,7 +229,8 @@ class WriteBack:
 
     async def _write_shard(self, shard: DirtyShard, changes: dict[int, bytes | None]) -> None:
         fmt, ctx = shard.fmt, shard.ctx
-        encoded = {cid: (fmt.encode_chunk(d) if d is not None else None) for cid, d in changes.items()}
+        encode = getattr(fmt, "encode_chunk_for", None) or (lambda _cid, d: fmt.encode_chunk(d))
+        encoded = {cid: (encode(cid, d) if d is not None else None) for cid, d in changes.items()}
         for attempt in range(self.max_attempts):
             self.shards.forget(shard.key)
             index = await fmt.load_index(self.store, shard.key, ctx)

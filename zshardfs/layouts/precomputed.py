@@ -47,11 +47,23 @@ is EIO.
 Writes go through the shared write-back: a chunk file's target is its shard
 and chunk id; ``encode`` builds the whole shard (minishard indexes sorted by
 id, delta-encoded, the dataset's own encodings) from the stored payloads it
-keeps and the new ones.  Limits: multi-resolution mesh directories are
-read-only (EPERM): a shard rewrite keeps only indexed chunks, and fragment
-data is not one, so any write would lose every other mesh's fragments.  A
-shard holding chunks that hash elsewhere, or with a damaged index, is not
-rewritten (the flush fails with EIO and keeps the new data).
+keeps and the new ones.  A shard holding chunks that hash elsewhere, or with a
+damaged index, is not rewritten (the flush fails with EIO and keeps the new
+data).
+
+Multi-resolution mesh writes: the stored unit of mesh ``id`` is the pair
+(fragment data, chunk id ``id | FRAGMENTS``, stored raw; manifest, chunk id
+``id``, stored with ``data_encoding``, as the read side decodes them).  A
+rewrite's ``entries`` reads every kept manifest (coalesced, pinned to the
+shard version) to add each mesh's fragment range ``[manifest_offset -
+fragment_size, manifest_offset)``, so writing one of the two files keeps the
+other; ``encode`` lays out fragment data then manifest for every mesh and
+points the minishard index at the manifest.  It refuses (CorruptData: the
+flush fails with EIO, logged, the writes kept) a manifest whose fragment sizes
+do not add up to its fragment data's length (no fragment data counts as
+empty) and non-empty fragment data without a manifest.  Unlinking
+``<id>.index`` removes both (``deleted_with``); unlinking ``<id>`` alone
+empties the fragment data.
 """
 
 from __future__ import annotations
@@ -78,6 +90,7 @@ from .precomputed_format import (
     morton_bits,
     morton_decode_many,
     multilod_fragment_data_range,
+    multilod_fragment_data_size,
     parse_minishard_index,
     parse_shard_index,
 )
@@ -239,6 +252,32 @@ class PrecomputedShardIndex:
                 raise CorruptData(f"{self.info.key}: minishard {m} holds {ms.misplaced} chunk(s) that hash "
                                   "elsewhere; not rewriting it", self.info.key)
             out += zip(ms.ids.tolist(), ms.starts.tolist(), ms.sizes.tolist())
+        if self.fmt.multilod:
+            out += await self._fragment_entries(out)
+        return out
+
+    async def _fragment_entries(self, manifests: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """Multilod: ``(id | FRAGMENTS, start, size)`` of every mesh's fragment
+        data (just before its manifest, as long as the manifest's fragment
+        sizes add up to), so a rewrite keeps it; the manifests are read in
+        coalesced ranged reads pinned to this version of the shard."""
+        key, spec = self.info.key, self.fmt.spec
+        starts = [off for _, off, _ in manifests]
+        ends = [off + n for _, off, n in manifests]
+        out = []
+        for group in _coalesce(starts, ends, range(len(manifests)), INDEX_GAP, INDEX_SPAN):
+            lo, hi = min(starts[k] for k in group), max(ends[k] for k in group)
+            blob = await self.store.get(key, lo, hi - lo, if_match=self.info.etag)
+            if len(blob.data) != hi - lo:
+                raise CorruptData(f"{key}: shard truncated at {lo + len(blob.data)}", key)
+            for k in group:
+                cid = manifests[k][0]
+                try:
+                    manifest = decode_data(blob.data[starts[k] - lo: ends[k] - lo], spec, max_size=MAX_CHUNK)
+                    start, end = multilod_fragment_data_range(starts[k], manifest, spec)
+                except FormatError as exc:
+                    raise CorruptData(f"{key}: mesh {cid}: {exc}; not rewriting the shard", key) from None
+                out.append((cid | FRAGMENTS, start, end - start))
         return out
 
     async def fetch_sizes(self, mss: list[Minishard], only: tuple[Minishard, int] | None = None) -> None:
@@ -263,10 +302,16 @@ class PrecomputedShardIndex:
 
 class PrecomputedShardFormat:
     """``neuroglancer_uint64_sharded_v1`` shards of one sharding spec
-    (``shard_ctx`` is unused: the shard number is in the key)."""
+    (``shard_ctx`` is unused: the shard number is in the key).
 
-    def __init__(self, spec: ShardingSpec, cache: ByteLRU):
+    ``multilod``: the stored unit of mesh ``id`` is the pair (fragment data,
+    chunk ``id | FRAGMENTS``, stored raw; manifest, chunk ``id``, stored with
+    ``data_encoding``), laid out fragment data first with the minishard index
+    pointing at the manifest."""
+
+    def __init__(self, spec: ShardingSpec, cache: ByteLRU, multilod: bool = False):
         self.spec = spec
+        self.multilod = multilod
         self.cache = cache  # minishard indexes share the shard index budget
         self._loading: dict[tuple, trio.Event] = {}
 
@@ -300,10 +345,46 @@ class PrecomputedShardFormat:
         return PrecomputedShardIndex(self, store, blob.info, table, self.spec.parse_shard_key(key.rsplit("/", 1)[-1]))
 
     def encode(self, chunks: dict[int, bytes], shard_ctx=None) -> bytes:
+        fragments = {}
+        if self.multilod:
+            chunks, fragments = self._mesh_pairs(chunks)
         try:
-            return encode_shard({}, self.spec, preencoded=chunks)
+            return encode_shard({}, self.spec, preencoded=chunks, unindexed=fragments)
         except ValueError as exc:
             raise CorruptData(f"cannot encode shard: {exc}") from None
+
+    def _mesh_pairs(self, chunks: dict[int, bytes]) -> tuple[dict[int, bytes], dict[int, bytes]]:
+        """Split stored multilod units into manifests and fragment data, and
+        refuse (CorruptData: the flush fails with EIO, keeping the writes) a
+        mesh whose manifest does not describe exactly its fragment data, or
+        fragment data without a manifest (empty fragment data alone is dropped)."""
+        manifests = {c: d for c, d in chunks.items() if c < FRAGMENTS}
+        fragments = {c - FRAGMENTS: d for c, d in chunks.items() if c >= FRAGMENTS}
+        problems = [f"mesh {c}: {len(d)} bytes of fragment data ({c}) without a manifest ({c}.index)"
+                    for c, d in sorted(fragments.items()) if c not in manifests and len(d)]
+        for c, stored in sorted(manifests.items()):
+            data = fragments.get(c, b"")
+            try:
+                want = multilod_fragment_data_size(decode_data(stored, self.spec, max_size=MAX_CHUNK))
+            except FormatError as exc:
+                problems.append(f"mesh {c}: manifest {c}.index: {exc}")
+                continue
+            if want != len(data):
+                problems.append(f"mesh {c}: manifest {c}.index describes {want} bytes of fragment data, "
+                                f"{c} holds {len(data)}")
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise CorruptData("inconsistent multi-resolution mesh(es), not written: " + "; ".join(problems[:3]) + more)
+        return manifests, {c: d for c, d in fragments.items() if c in manifests and len(d)}
+
+    def encode_chunk_for(self, chunk_id: int, data: bytes) -> bytes:
+        """Stored form of a chunk written through the view: multilod fragment
+        data is stored raw (as Neuroglancer and cloud-volume read it)."""
+        return bytes(data) if chunk_id >= FRAGMENTS else self.encode_chunk(data)
+
+    def deleted_with(self, chunk_id: int) -> tuple[int, ...]:
+        """Ids an unlink removes: a multilod manifest takes its fragment data along."""
+        return (chunk_id, chunk_id | FRAGMENTS) if self.multilod and chunk_id < FRAGMENTS else (chunk_id,)
 
     def decode_chunk(self, data: bytes) -> bytes:
         try:
@@ -416,7 +497,7 @@ class PrecomputedDataset(Dataset):
         self.spec = spec
         self.naming = naming
         self.writable = writable
-        self.shard_format = PrecomputedShardFormat(spec, ctx.shards.indexes)
+        self.shard_format = PrecomputedShardFormat(spec, ctx.shards.indexes, multilod=isinstance(naming, MeshNames))
 
     def _shard_key(self, chunk_id: int) -> str:
         return join_key(self.root, self.spec.shard_key(self.spec.shard_and_minishard(chunk_id & U64_MAX)[0]))
@@ -611,7 +692,7 @@ def parse_info(doc: dict, what: str) -> list[Part]:
             if spec.minishard_bits > MAX_MINISHARD_BITS:
                 raise ValueError(f"minishard_bits {spec.minishard_bits} > {MAX_MINISHARD_BITS} "
                                  f"(a {spec.shard_index_size}-byte shard index)")
-            parts.append(Part(holder, key, spec, naming(), writable=doc.get("@type") != MULTILOD))
+            parts.append(Part(holder, key, spec, naming()))
         except (ValueError, TypeError) as exc:
             warn_once(log, f"{what}: {where}: sharded data shown as stored: {exc}")
     return parts

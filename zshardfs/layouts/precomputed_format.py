@@ -491,6 +491,7 @@ def encode_shard(
     *,
     preencoded: Mapping[int, bytes] | None = None,
     gzip_level: int = DEFAULT_GZIP_LEVEL,
+    unindexed: Mapping[int, bytes] | None = None,
 ) -> bytes:
     """Build one complete shard file from chunk payloads.
 
@@ -501,7 +502,15 @@ def encode_shard(
     tensorstore: shard index, then per minishard its chunks by ascending id and
     its minishard index.  No chunks gives ``b""``: an empty shard is deleted,
     not written.
+
+    ``unindexed[id]`` (stored as given, in no index) is laid out immediately
+    before chunk ``id``'s payload: a multi-resolution mesh's fragment data
+    before its manifest, where Neuroglancer and cloud-volume look for it.
     """
+    unindexed = unindexed or {}
+    stray = unindexed.keys() - chunks.keys() - (preencoded or {}).keys()
+    if stray:
+        raise ValueError(f"unindexed data for ids that are not chunks: {sorted(stray)[:5]}")
     preencoded = preencoded or {}
     dup = chunks.keys() & preencoded.keys()
     if dup:
@@ -529,10 +538,14 @@ def encode_shard(
     bounds = np.flatnonzero(np.diff(minishards)) + 1
     for sel in np.split(np.arange(ids.size), bounds):
         m_ids, m_sizes = ids[sel], sizes[sel]
-        starts = pos + np.concatenate([np.zeros(1, np.uint64), np.cumsum(m_sizes, dtype=np.uint64)[:-1]])
-        for cid in m_ids:
-            out.append(payloads[int(cid)])
-        pos += int(m_sizes.sum())
+        starts = np.zeros(len(m_ids), np.uint64)
+        for k, cid in enumerate(m_ids.tolist()):
+            before = unindexed.get(cid, b"")
+            out.append(bytes(before))
+            pos += len(before)
+            starts[k] = pos
+            out.append(payloads[cid])
+            pos += len(payloads[cid])
         index = encode_data(_encode_minishard_index(m_ids, starts, m_sizes), spec.minishard_index_encoding, gzip_level)
         out.append(index)
         shard_index[int(minishards[sel[0]])] = (pos, pos + len(index))
