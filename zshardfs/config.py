@@ -84,7 +84,7 @@ OPTIONS = {
     "debug": ("debug", None, "log every request (implies log_level=DEBUG)"),
     "index_cache": ("index_cache", parse_size, "bytes of parsed shard indexes kept in memory (default 64M)"),
     "chunk_cache": ("chunk_cache", parse_size, "bytes of chunk data kept in memory (default 64M)"),
-    "metadata_ttl": ("metadata_ttl", parse_seconds, "seconds a metadata document/probe (S3: a listing) is trusted (default 1)"),
+    "metadata_ttl": ("metadata_ttl", parse_seconds, "seconds a metadata document/probe/listing is trusted (default 1)"),
     "index_ttl": ("index_ttl", parse_seconds, "seconds a shard index is trusted before re-validation (default 1)"),
     "attr_timeout": ("attr_timeout", parse_seconds, "kernel entry/attribute cache time in seconds (default 5)"),
     "max_connections": ("max_connections", parse_int, "storage requests in flight at once (default 16)"),

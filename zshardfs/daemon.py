@@ -145,8 +145,10 @@ class Mount:
     def __init__(self, cfg: MountConfig, backend):
         self.cfg = cfg
         self.started = time.time()
-        # S3 listings are kept for metadata_ttl (local ones cost less than keeping them)
-        list_ttl = cfg.metadata_ttl if cfg.source.startswith("s3://") else 0.0
+        # listings are kept for metadata_ttl: a scan lists each shard
+        # directory once per chunk directory below it (S3: a LIST each; local:
+        # a thread hop each, which dominates a warm walk)
+        list_ttl = cfg.metadata_ttl
         self.store = AsyncStore(backend, max_connections=cfg.max_connections, timeout=cfg.timeout, list_ttl=list_ttl)
         prefetch = cfg.prefetch == "on"
         self.shards = ShardCache(self.store, index_cache_bytes=cfg.index_cache, index_ttl=cfg.index_ttl,

@@ -34,6 +34,9 @@ from .view import Handle, Node, View
 
 log = logging.getLogger(__name__)
 
+#: Node.created of a node written through a handle since (re-asked at open)
+_STALE = float("-inf")
+
 
 def _log_once(level: int, msg: str) -> None:
     """One log line per distinct message per minute: a damaged shard read a
@@ -97,6 +100,9 @@ class Operations(pyfuse3.Operations):
         self._next_inode = pyfuse3.ROOT_INODE + 1
         self._handles: dict[int, _DirHandle | tuple[int, Handle]] = {}
         self._next_fh = 1
+        w = 0 if read_only else 0o200
+        self._dir_mode = stat.S_IFDIR | 0o555 | w
+        self._file_mode = stat.S_IFREG | 0o444 | w
 
     # -- inode table --------------------------------------------------------
 
@@ -126,25 +132,25 @@ class Operations(pyfuse3.Operations):
         return entry.node
 
     def _attrs(self, ino: int, node: Node) -> pyfuse3.EntryAttributes:
+        # asked for every lookup and every readdir entry: constants are
+        # precomputed, and fields left at their zero default are not set
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
-        a.generation = 0
         a.entry_timeout = self.entry_timeout
         a.attr_timeout = self.attr_timeout
-        w = 0 if self.read_only else 0o200
         if node.is_dir:
-            a.st_mode = stat.S_IFDIR | 0o555 | w
+            a.st_mode = self._dir_mode
             a.st_nlink = 2
         else:
-            a.st_mode = stat.S_IFREG | 0o444 | w
+            a.st_mode = self._file_mode
             a.st_nlink = 1
-        a.st_size = node.size
+        size = node.size
+        a.st_size = size
         a.st_blksize = 1 << 17
-        a.st_blocks = (node.size + 511) // 512
+        a.st_blocks = (size + 511) // 512
         a.st_uid = self.uid
         a.st_gid = self.gid
-        ns = int(node.mtime * 1e9)
-        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = ns
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = int(node.mtime * 1e9)
         return a
 
     # -- lookups ------------------------------------------------------------
@@ -251,7 +257,7 @@ class Operations(pyfuse3.Operations):
         node = self._node(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
-        if node.created == float("-inf"):  # written through a handle since: what is it now?
+        if node.created == _STALE:  # written through a handle since: what is it now?
             node = self.inodes[inode].node = (await self.view.refresh(node)) or node
         write = bool(flags & (os.O_WRONLY | os.O_RDWR))
         if write and self.read_only:
@@ -277,7 +283,7 @@ class Operations(pyfuse3.Operations):
         ino = self.inodes.get(inode)
         if ino:
             if handle.writable:  # its size may have changed: ask the view on the next getattr
-                ino.node = dataclasses.replace(ino.node, created=float("-inf"))
+                ino.node = dataclasses.replace(ino.node, created=_STALE)
             ino.handles -= 1
             self._drop_if_unused(inode)
 

@@ -122,6 +122,12 @@ def _parent(path: str) -> str:
     return path.rpartition("/")[0]
 
 
+def _prefix(path: str) -> str:
+    """What a child's name is appended to (``join_key`` for a one-component
+    name, without its per-part stripping: listings ask it per entry)."""
+    return path + "/" if path else ""
+
+
 class View:
     def __init__(self, store: AsyncStore, shards: ShardCache, writeback: WriteBack | None = None, *,
                  metadata_ttl: float = 1.0, read_only: bool = True, shard_option=None):
@@ -198,7 +204,7 @@ class View:
         if target is None and entry is not None:
             # capacity is only needed for writes; open() asks the dataset then
             target = ChunkTarget(entry.shard_key, entry.chunk_id, entry.shard_ctx, None)
-        if target is not None:
+        if target is not None and self.writeback.dirty:
             dirty = self.writeback.pending(target.shard_key, target.chunk_id)
             if dirty is not None:
                 if dirty.data is None:
@@ -214,7 +220,9 @@ class View:
         return self._chunk_node(path, dataset, rel, entry, None)
 
     async def _dataset_child(self, path: str, dataset: Dataset, rel: tuple) -> Node | None:
-        target = dataset.target(rel)
+        # read-only: nothing is ever dirty, and the target (with its capacity
+        # and writability, which only writes need) comes from the entry
+        target = None if self.read_only else dataset.target(rel)
         if target is not None and self.writeback.pending(target.shard_key, target.chunk_id) is not None:
             return self._chunk_node(path, dataset, rel, None, target)
         entry = await dataset.lookup(rel)
@@ -229,7 +237,7 @@ class View:
 
     async def lookup(self, parent: Node, name: str) -> Node | None:
         """The child ``name`` of directory ``parent``, or None."""
-        path = join_key(parent.path, name)
+        path = _prefix(parent.path) + name if name and "/" not in name else join_key(parent.path, name)
         buf = self.buffers.get(path)
         if buf is not None:
             return self._buffer_node(buf)
@@ -296,8 +304,9 @@ class View:
             return True
 
         if self._in_dataset(node):
-            async for name, entry in node.dataset.listdir(node.rel):
-                child = self._virtual(join_key(node.path, name), node.dataset, node.rel + (name,), entry)
+            prefix, dataset, rel = _prefix(node.path), node.dataset, node.rel
+            async for name, entry in dataset.listdir(rel):
+                child = self._virtual(prefix + name, dataset, rel + (name,), entry)
                 if fresh(child):
                     yield child
         else:
@@ -318,8 +327,9 @@ class View:
                     if fresh(child):
                         yield child
             if dataset is not None:
+                prefix = _prefix(node.path)
                 async for name, entry in dataset.listdir(()):
-                    child = self._virtual(join_key(node.path, name), dataset, (name,), entry)
+                    child = self._virtual(prefix + name, dataset, (name,), entry)
                     if fresh(child):
                         yield child
         for name in extra:

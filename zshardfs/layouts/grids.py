@@ -13,6 +13,8 @@ the view can still be the regular inner grid (DESIGN.md §2).
 from __future__ import annotations
 
 import bisect
+import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -128,13 +130,26 @@ class ShardGrid:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
+    @functools.cached_property
     def inner_counts(self) -> tuple[int, ...]:
-        """Number of inner chunks along each dimension (the view's grid)."""
+        """Number of inner chunks along each dimension (the view's grid);
+        computed once (asked on every lookup)."""
         return tuple(math.ceil(s / c) for s, c in zip(self.shape, self.inner))
 
     def contains(self, coords) -> bool:
-        return len(coords) == self.ndim and all(0 <= c < n for c, n in zip(coords, self.inner_counts))
+        if len(coords) != len(self.shape):
+            return False
+        for c, n in zip(coords, self.inner_counts):
+            if not 0 <= c < n:
+                return False
+        return True
+
+    def capacity(self, shard) -> int:
+        """In-array inner chunks of one shard (what a complete shard holds)."""
+        n = 1
+        for s, b, count in zip(shard, self.bounds, self.inner_counts):
+            n *= max(0, min(b[s + 1], count) - b[s])
+        return n
 
     def locate(self, coords) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(shard coordinates, position inside the shard) of an inner chunk."""
@@ -169,6 +184,30 @@ class ShardGrid:
         """Inner-chunk coordinates of one shard along ``dim``, clipped to the array."""
         b = self.bounds[dim]
         return range(b[shard_coord], min(b[shard_coord + 1], self.inner_counts[dim]))
+
+    def chunks_in_shard_list(self, shard, fixed, limit: int) -> list[tuple[tuple[int, ...], int]] | None:
+        """What :meth:`chunks_in_shard` gives, as a list of (coords, linear)
+        in C order, when there are at most ``limit`` of them; else None."""
+        ext = self.shard_extent(shard)
+        ranges, n = [], 1
+        for d, (s, b, count) in enumerate(zip(shard, self.bounds, self.inner_counts)):
+            r = range(b[s], min(b[s + 1], count))
+            if d < len(fixed):
+                r = range(fixed[d], fixed[d] + 1) if fixed[d] in r else range(0)
+            ranges.append(r)
+            n *= len(r)
+            if n > limit:
+                return None
+        if not ranges:
+            return [((), 0)]
+        origin = [r_b[s] for s, r_b in zip(shard, self.bounds)]
+        out = []
+        for coords in itertools.product(*ranges):
+            i = 0
+            for c, o, e in zip(coords, origin, ext):
+                i = i * e + (c - o)
+            out.append((coords, i))
+        return out
 
     def chunks_in_shard(self, shard, fixed=()) -> tuple[np.ndarray, np.ndarray]:
         """In-array inner chunks of a shard whose leading coordinates are

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import crc32c
@@ -29,14 +29,19 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ZarrShardIndex:
-    """One loaded index: an (n, 2) array of (offset, nbytes), native order."""
+    """One loaded index: an (n, 2) array of (offset, nbytes), native order.
+
+    An index is one immutable version of a shard: the masks listings use are
+    computed once per index, not once per listed directory."""
 
     info: ObjectInfo
     table: np.ndarray
+    _present: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _damaged: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
-        return self.table.nbytes
+        return self.table.nbytes + 2 * len(self.table)  # the table, and the two masks listings add
 
     async def locate(self, chunk_id: int) -> tuple[int, int] | None:
         return self.locate_now(chunk_id)
@@ -44,7 +49,8 @@ class ZarrShardIndex:
     def locate_now(self, chunk_id: int) -> tuple[int, int] | None:
         if chunk_id >= len(self.table):
             return None
-        offset, nbytes = (int(v) for v in self.table[chunk_id])
+        item = self.table.item  # Python ints, no numpy scalars
+        offset, nbytes = item(chunk_id, 0), item(chunk_id, 1)
         if offset == EMPTY and nbytes == EMPTY:
             return None
         if offset == EMPTY or nbytes == EMPTY:
@@ -60,10 +66,17 @@ class ZarrShardIndex:
         return [(int(i), int(self.table[i, 0]), int(self.table[i, 1])) for i in ids]
 
     def present_mask(self) -> np.ndarray:
-        return ~((self.table[:, 0] == EMPTY) & (self.table[:, 1] == EMPTY))
+        if self._present is None:
+            self._present = ~((self.table[:, 0] == EMPTY) & (self.table[:, 1] == EMPTY))
+        return self._present
 
     def damaged_mask(self) -> np.ndarray:
         """Entries ``locate_now`` refuses: half empty, or ending past the shard."""
+        if self._damaged is None:
+            self._damaged = self._damaged_mask()
+        return self._damaged
+
+    def _damaged_mask(self) -> np.ndarray:
         off, n = self.table[:, 0], self.table[:, 1]
         size = np.uint64(self.info.size)
         half = (off == EMPTY) != (n == EMPTY)
@@ -188,10 +201,12 @@ class ChunkKeys:
             parts = list(rel)
         if len(parts) > self.ndim:
             return None
-        coords = tuple(parse_index_name(p) for p in parts)
-        if any(c is None for c in coords):
-            return None
-        return coords, len(coords) == self.ndim
+        coords = []
+        for p in parts:  # parse_index_name, inlined: asked on every lookup
+            if not (p.isascii() and p.isdigit()) or (p[0] == "0" and len(p) > 1):
+                return None
+            coords.append(int(p))
+        return tuple(coords), len(coords) == self.ndim
 
     def dir_components(self, coords) -> tuple[str, ...]:
         """Path components of the directory holding keys that start with
@@ -224,6 +239,9 @@ class ChunkKeys:
 # --------------------------------------------------------------------------
 # the dataset: a sharded array over a regular inner grid
 
+#: listings of at most this many chunks of one shard are computed without numpy
+SMALL_LISTING = 256
+
 
 class GridDataset(Dataset):
     """A sharded Zarr array: virtual chunk files on the inner grid, stored
@@ -249,10 +267,8 @@ class GridDataset(Dataset):
             return None
         shard, pos = self.grid.locate(parsed[0])
         extent = self.grid.shard_extent(shard)
-        capacity = 1
-        for d, s in enumerate(shard):
-            capacity *= len(self.grid.shard_range(d, s))
-        return ChunkTarget(self._key(self.keys.format(shard)), linear_index(pos, extent), extent, capacity)
+        return ChunkTarget(self._key(self.keys.format(shard)), linear_index(pos, extent), extent,
+                           self.grid.capacity(shard))
 
     # -- lookup -------------------------------------------------------------
 
@@ -288,19 +304,36 @@ class GridDataset(Dataset):
 
     # -- listing ------------------------------------------------------------
 
-    async def _shard_chunks(self, shard, fixed) -> AsyncIterator[tuple[tuple[int, ...], ChunkEntry]]:
-        """Stored chunks of one shard whose leading coordinates are ``fixed``."""
+    async def _shard_chunks(self, shard, fixed) -> list[tuple[tuple[int, ...], ChunkEntry]]:
+        """Stored chunks of one shard whose leading coordinates are ``fixed``
+        (a list: one shard's slice is bounded, and a listing entry then
+        costs no async generator step of its own)."""
         if not self.grid.shard_contains(shard):
-            return
+            return []
         extent = self.grid.shard_extent(shard)
         key = self._key(self.keys.format(shard))
         try:
             index = await self.ctx.shards.index(self.shard_format, key, extent)
         except CorruptData as exc:
             report_damage(log, exc)
-            return
+            return []
         if index is None:
-            return
+            return []
+        mtime = index.info.mtime
+        small = self.grid.chunks_in_shard_list(shard, fixed, SMALL_LISTING)
+        if small is not None:
+            # a chunk directory's slice of a shard (a few chunks): plain
+            # Python beats the vectorised path's fixed cost many times over
+            out = []
+            for c, cid in small:
+                try:
+                    where = index.locate_now(cid)
+                except CorruptData as exc:  # not listed; a lookup gives EIO
+                    report_damage(log, exc)
+                    continue
+                if where is not None:
+                    out.append((c, ChunkEntry(key, cid, where[1], mtime, extent)))
+            return out
         coords, linear = self.grid.chunks_in_shard(shard, fixed)
         keep = index.present_mask()[linear]
         damaged = keep & index.damaged_mask()[linear]
@@ -311,8 +344,8 @@ class GridDataset(Dataset):
                 report_damage(log, exc)
         keep &= ~damaged
         sizes = index.table[linear[keep], 1].tolist()
-        for c, cid, size in zip(coords[keep].tolist(), linear[keep].tolist(), sizes):
-            yield tuple(c), ChunkEntry(key, cid, size, index.info.mtime, extent)
+        return [(tuple(c), ChunkEntry(key, cid, size, mtime, extent))
+                for c, cid, size in zip(coords[keep].tolist(), linear[keep].tolist(), sizes)]
 
     async def listdir(self, rel) -> AsyncIterator[tuple[str, Entry]]:
         keys, grid = self.keys, self.grid
@@ -330,7 +363,7 @@ class GridDataset(Dataset):
                 p[0] for f in listing.files if (p := keys.parse((f.key.rsplit("/", 1)[-1],))) is not None
             )
             for shard in shards:
-                async for coords, entry in self._shard_chunks(shard, ()):
+                for coords, entry in await self._shard_chunks(shard, ()):
                     yield keys.format(coords), entry
             return
         if rel == ():
@@ -359,7 +392,7 @@ class GridDataset(Dataset):
                 for c in grid.shard_range(m, s):
                     yield keys.level_name(m, c), DirEntry()
                 continue
-            async for coords, entry in self._shard_chunks(shard_prefix + (s,), fixed):
+            for coords, entry in await self._shard_chunks(shard_prefix + (s,), fixed):
                 yield keys.level_name(m, coords[-1]), entry
 
 
