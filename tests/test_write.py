@@ -810,6 +810,29 @@ def test_unlink_of_last_chunk_deletes_the_shard(store, mount, tmp_path):
     assert len(got) == 12 and (0, 0) not in got and got[3, 3] == data[6:8, 6:8].tobytes()
 
 
+def test_chunk_directories_behave_like_a_directory_store(store, mount, tmp_path):
+    data = np.arange(64, dtype="<i4").reshape(8, 8) + 1
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    c = m / "arr" / "c"
+    os.makedirs(c / "3", exist_ok=True)  # what zarr-python 2's DirectoryStore does before each write
+    with pytest.raises(FileExistsError):
+        os.mkdir(c / "3")
+    with pytest.raises(OSError) as exc:
+        os.rmdir(c / "0")
+    assert exc.value.errno == errno.ENOTEMPTY
+    for j in range(4):
+        os.unlink(c / "0" / str(j))
+    os.rmdir(c / "0")  # empty now: removable, as on a directory store
+    with pytest.raises(FileNotFoundError):  # outside the grid: no such directory to write into
+        (c / "9" / "0").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError):
+        (c / "1" / "0" / "x").write_bytes(b"x")
+    m.umount()
+    got = stored_chunks(store, "arr", (2, 2))
+    assert len(got) == 12 and not any(i == 0 for i, _ in got)
+
+
 # ---------------------------------------------------------------------------
 # back-pressure
 
