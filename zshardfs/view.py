@@ -542,14 +542,19 @@ class View:
             if sum(map(len, self.new_chunks.values())) > 2 * max(512, self._new_chunks_pruned_at):
                 self._prune_new_chunks()
 
-    async def unlink(self, parent: Node, name: str) -> None:
+    async def _file_to_change(self, parent: Node, name: str, dir_errno: int) -> Node:
+        """The existing file ``name`` that unlink/rename will change."""
         self._check_writable()
         node = await self.lookup(parent, name)
         if node is None:
             raise ViewError(errno.ENOENT, f"{name}: no such file")
         if node.is_dir:
-            raise ViewError(errno.EISDIR, f"{name}: is a directory")
+            raise ViewError(dir_errno, f"{name}: is a directory")
         self._check_chunk_writable(node)
+        return node
+
+    async def unlink(self, parent: Node, name: str) -> None:
+        node = await self._file_to_change(parent, name, errno.EISDIR)
         buf = self.buffers.pop(node.path, None)
         if node.is_chunk:
             t = node.target
@@ -595,13 +600,7 @@ class View:
 
     async def rename(self, parent: Node, name: str, new_parent: Node, new_name: str) -> None:
         """Rename a file (directories: EXDEV, so tools copy instead)."""
-        self._check_writable()
-        node = await self.lookup(parent, name)
-        if node is None:
-            raise ViewError(errno.ENOENT, f"{name}: no such file")
-        if node.is_dir:
-            raise ViewError(errno.EXDEV, f"{name}: directories cannot be renamed here")
-        self._check_chunk_writable(node)
+        node = await self._file_to_change(parent, name, errno.EXDEV)
         buf = self.buffers.get(node.path)
         data = bytes(buf.data) if buf is not None else (
             await self.content(node) if node.is_chunk else await self._stored_bytes(node))
