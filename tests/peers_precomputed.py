@@ -338,3 +338,15 @@ def read_kvstore(path: Path, sharding_json: dict) -> dict[int, bytes]:
         assert r.state == "value", (cid, r.state)
         out[cid] = bytes(r.value)
     return out
+
+
+def cloudvolume_python() -> str:
+    """The interpreter that runs cloud-volume (a subprocess: it is slow to
+    import and has its own threads).  cloud-volume is in the test extras, so
+    it is this one; missing is a failure, never a skip."""
+    import importlib.util
+    import sys
+
+    assert importlib.util.find_spec("cloudvolume") is not None, (
+        "cloud-volume is required by the tests: pip install -e '.[test]' (scripts/setup.sh does)")
+    return sys.executable

@@ -20,7 +20,6 @@ from tests import peers_zarr as P
 
 V3_CASES = [(w, i, c) for w, i, c in P.ALL_CASES if w != "zarr2"]
 CASES_BY_ID = dict(P.ZARR_CASES)
-needs_zarr2 = pytest.mark.skipif(not P.zarr2_available(), reason="no zarr 2.18 venv")
 
 
 @pytest.fixture(scope="session")
@@ -247,7 +246,6 @@ def test_hierarchy_with_consolidated_metadata(tmp_path):
 # ------------------------------------------------------------------ zarr 2.18 storage transformer
 
 
-@needs_zarr2
 @pytest.mark.parametrize("cid,case", P.ZARR2_CASES, ids=[i for i, _ in P.ZARR2_CASES])
 def test_zarr2_transformer_layout(written, cid, case):
     s, t, data = written("zarr2", cid)

@@ -19,13 +19,11 @@ from __future__ import annotations
 import copy
 import errno
 import gzip
-import importlib.util
 import json
 import os
 import shutil
 import struct
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -50,7 +48,6 @@ from zshardfs.layouts.precomputed_format import (
 BACKENDS = ["local", "s3"]
 CASES = [c.name for c in peers.VOLUME_CASES]
 KV_NAMES = list(peers.KV_SHARDINGS)
-CLOUDVOLUME_VENV = Path("/tmp/venv/bin/python")  # cloud-volume may live in its own venv (a subprocess anyway)
 
 
 # --------------------------------------------------------------------------- hand-made twins
@@ -339,20 +336,9 @@ np.savez(out, **arrays)
 """
 
 
-def cloudvolume_python() -> str:
-    """An interpreter that imports cloudvolume: this one (``pip install -e .[test]``)
-    or the one in /tmp/venv.  Missing is a failure, not a skip."""
-    if importlib.util.find_spec("cloudvolume") is not None:
-        return sys.executable
-    assert CLOUDVOLUME_VENV.exists(), (
-        "cloud-volume is required: install the test extras (pip install -e '.[test]') or "
-        f"provide {CLOUDVOLUME_VENV} with cloud-volume installed")
-    return str(CLOUDVOLUME_VENV)
-
-
 def cloudvolume_read(path: Path, out: Path) -> dict[str, np.ndarray]:
     """Every scale as cloud-volume (in a subprocess) reads it."""
-    r = subprocess.run([cloudvolume_python(), "-c", CV_READ, str(path), str(out)], capture_output=True, text=True,
+    r = subprocess.run([peers.cloudvolume_python(), "-c", CV_READ, str(path), str(out)], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     with np.load(out) as z:
@@ -673,7 +659,7 @@ def cloudvolume_meshes(mesh_dir: Path, ids: list[int], tmp: Path) -> dict[int, t
         "type": "segmentation", "data_type": "uint64", "num_channels": 1, "mesh": "mesh",
         "scales": [{"key": "s0", "resolution": [1, 1, 1], "size": [1, 1, 1], "voxel_offset": [0, 0, 0],
                     "chunk_sizes": [[1, 1, 1]], "encoding": "raw"}]}))
-    r = subprocess.run([cloudvolume_python(), "-c", CV_MESHES, str(vol), ",".join(map(str, ids))],
+    r = subprocess.run([peers.cloudvolume_python(), "-c", CV_MESHES, str(vol), ",".join(map(str, ids))],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout)

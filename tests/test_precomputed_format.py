@@ -482,7 +482,6 @@ def test_encode_shard_read_by_tensorstore(volumes, case, tmp_path):
         assert np.array_equal(peers.read_volume(twins.sharded, s_info["key"]), expect)
 
 
-CLOUDVOLUME_PYTHON = Path("/tmp/venv/bin/python")
 CV_READ = r"""
 import sys, numpy as np
 from cloudvolume import CloudVolume
@@ -492,22 +491,13 @@ np.save(out, np.asarray(vol.download(vol.bounds, mip=mip)))
 """
 
 
-def cloudvolume_or_skip() -> str:
-    if not CLOUDVOLUME_PYTHON.exists():
-        pytest.skip("cloud-volume venv not present")
-    probe = subprocess.run([str(CLOUDVOLUME_PYTHON), "-c", "import cloudvolume"], capture_output=True, timeout=120)
-    if probe.returncode:
-        pytest.skip("cloud-volume not importable")
-    return str(CLOUDVOLUME_PYTHON)
-
-
 @pytest.mark.parametrize(
     "case", ["img_u8_identity_raw", "seg_u64_identity_datagzip_shard0_sparse", "seg_u64_cseg_murmur_indexgzip_single", "seg_u64_murmur_gzip_sparse_many"]
 )
 def test_encode_shard_read_by_cloudvolume(volumes, case, tmp_path):
     """Second oracle: cloud-volume's own shard reader (its own gzip, hashing and
     Morton code) reads our shards as tensorstore reads the unsharded twin."""
-    python = cloudvolume_or_skip()
+    python = peers.cloudvolume_python()
     twins = volumes[case]
     ours = reencode_copy(twins, tmp_path / "sharded")
     for mip, (s_info, *_) in enumerate(scales(twins)):
@@ -773,7 +763,7 @@ b = m.to_binary()
 m2 = M.from_binary(b, 7)
 sys.stdout.write(b.hex() + " " + str(sum(int(x.sum()) for x in m2.fragment_offsets)))
 """
-    out = subprocess.run([cloudvolume_or_skip(), "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([peers.cloudvolume_python(), "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     hex_, total = out.stdout.split()
     assert multilod_fragment_data_size(bytes.fromhex(hex_)) == int(total)

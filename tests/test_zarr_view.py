@@ -62,6 +62,10 @@ CASES = [(s, i, c) for s, cases in STORE_CASES.items() for i, c in cases]
 CASE_IDS = [f"{s}-{i}" for s, i, _ in CASES]
 V3_CASES = [(s, i, c) for s, i, c in CASES if s in V3_STORES]
 V3_IDS = [f"{s}-{i}" for s, i, _ in V3_CASES]
+# what each peer can read of the view: a raw layout the peer itself cannot read
+# is not a case for "the peer reads the view" (the twin comparison covers it)
+ZARR_READABLE = [(s, i, c) for s, i, c in V3_CASES if not (c.raw and c.grid == "rectangular")]
+TS_READABLE = [(s, i, c) for s, i, c in V3_CASES if not (c.raw and not P.tensorstore_supports(c))]
 ZARR2_CASES = [(s, i, c) for s, i, c in CASES if s == "zarr2"]
 
 assert {(w, i) for w, i, _ in P.ALL_CASES} == {(s, i) for s, i, _ in CASES if s != "hierarchy"}, \
@@ -286,11 +290,9 @@ def _zarr_read(root: Path, path: str):
 
 
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("store,cid,case", V3_CASES, ids=V3_IDS)
+@pytest.mark.parametrize("store,cid,case", ZARR_READABLE, ids=[f"{s}-{i}" for s, i, _ in ZARR_READABLE])
 def test_zarr_python_reads_view(mounted, store, cid, case):
     m, sroot, _, datas = mounted(store)
-    if case.raw and case.grid == "rectangular":
-        pytest.skip("zarr-python 3.4 cannot read a 'rectangular' grid (shown raw by the view)")
     arr, got = _zarr_read(m.path, case.path)
     np.testing.assert_array_equal(got, datas[cid])
     assert got.dtype == np.dtype(case.dtype) and got.shape == tuple(case.shape)
@@ -320,12 +322,10 @@ def test_zarr_python_reads_consolidated_hierarchy(mounted):
     assert dict(group.attrs) == {"top": 1}
 
 
-@pytest.mark.parametrize("store,cid,case", V3_CASES, ids=V3_IDS)
+@pytest.mark.parametrize("store,cid,case", TS_READABLE, ids=[f"{s}-{i}" for s, i, _ in TS_READABLE])
 def test_tensorstore_reads_view(mounted, store, cid, case):
     import tensorstore as ts
 
-    if case.raw and not P.tensorstore_supports(case):
-        pytest.skip("tensorstore cannot read this raw layout (variable grid or codecs after sharding)")
     m, _, _, datas = mounted(store)
     spec = {"driver": "zarr3", "kvstore": f"file://{m.path}/{case.path}/", "open": True}
     arr = ts.open(spec, read=True).result()
