@@ -24,7 +24,6 @@ import os
 import shutil
 import struct
 import subprocess
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +31,8 @@ import pytest
 import tensorstore as ts
 
 from tests import peers_precomputed as peers
+from tests.sources import BACKENDS, Source
 from tests.conftest import Mounted, run_mount
-from tests.s3server import CLEARED_ENV, dummy_credentials_env
 from zshardfs.layouts.precomputed_format import (
     ScaleGeometry,
     ShardingSpec,
@@ -45,7 +44,6 @@ from zshardfs.layouts.precomputed_format import (
     parse_shard,
 )
 
-BACKENDS = ["local", "s3"]
 CASES = [c.name for c in peers.VOLUME_CASES]
 KV_NAMES = list(peers.KV_SHARDINGS)
 
@@ -193,53 +191,6 @@ def peers_tree(tmp_path_factory):
 
 
 # --------------------------------------------------------------------------- backends
-
-
-class Source:
-    """Makes a local tree mountable on one backend, and gets it back."""
-
-    def __init__(self, backend: str, request, workdir: Path):
-        self.backend, self.workdir = backend, workdir
-        self.server = self.bucket = None
-        self.env = pytest.MonkeyPatch()
-        if backend == "s3":
-            self.server = request.getfixturevalue("moto_server")
-            self.server.ensure_running()
-            self.bucket = self.server.create_bucket()
-            # the daemons need dummy credentials; a function-scoped monkeypatch that was
-            # active when the session's moto_server started may have removed them since
-            for name in CLEARED_ENV:
-                self.env.delenv(name, raising=False)
-            for name, value in dummy_credentials_env().items():
-                self.env.setenv(name, value)
-
-    def publish(self, root: Path, prefix: str | None = None) -> tuple[str, list[str], str]:
-        """(source, extra mount arguments, prefix) of a private copy of ``root``."""
-        prefix = prefix or uuid.uuid4().hex[:12]
-        if self.backend == "local":
-            shutil.copytree(root, self.workdir / prefix)
-            return str(self.workdir / prefix), [], prefix
-        items = {f"{prefix}/{p.relative_to(root).as_posix()}": p.read_bytes() for p in root.rglob("*") if p.is_file()}
-        self.server.put_many(self.bucket, items)
-        return f"s3://{self.bucket}/{prefix}", ["--endpoint-url", self.server.endpoint_url], prefix
-
-    def fetch(self, prefix: str) -> Path:
-        """The stored tree as a local directory (S3: a fresh download)."""
-        if self.backend == "local":
-            return self.workdir / prefix
-        dest = self.workdir / f"{prefix}-{uuid.uuid4().hex[:6]}"
-        pages = self.server.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix + "/")
-        for page in pages:
-            for obj in page.get("Contents", ()):
-                path = dest / obj["Key"][len(prefix) + 1:]
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(self.server.s3.get_object(Bucket=self.bucket, Key=obj["Key"])["Body"].read())
-        return dest
-
-    def close(self) -> None:
-        if self.bucket:
-            self.server.delete_bucket(self.bucket)
-        self.env.undo()
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import textwrap
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -34,10 +33,9 @@ import numpy as np
 import pytest
 
 from tests import peers_zarr as P
+from tests.sources import BACKENDS, Source
 from tests.conftest import Mounted, run_mount
-from tests.s3server import CLEARED_ENV, dummy_credentials_env
 
-BACKENDS = ["local", "s3"]
 #: the conformance stores never change while mounted: long TTLs keep S3 round trips down
 #: (the damage store is mounted with the defaults)
 STATIC_OPTS = ("ro", "metadata_ttl=600", "index_ttl=600", "attr_timeout=600")
@@ -110,47 +108,6 @@ def backend(request):
     return request.param
 
 
-class Source:
-    """Makes a local tree mountable on one backend; the only backend-specific code."""
-
-    def __init__(self, backend: str, request, workdir: Path):
-        self.backend = backend
-        self.workdir = workdir
-        self.server = self.bucket = None
-        self.env = pytest.MonkeyPatch()
-        if backend == "s3":
-            self.server = request.getfixturevalue("moto_server")
-            self.server.ensure_running()
-            self.bucket = self.server.create_bucket()
-            # the daemons need the dummy credentials; a function-scoped monkeypatch that ran
-            # when the session's moto_server started may have removed them since
-            for name in CLEARED_ENV:
-                self.env.delenv(name, raising=False)
-            for name, value in dummy_credentials_env().items():
-                self.env.setenv(name, value)
-
-    def publish(self, root: Path, prefix: str) -> tuple[str, list[str]]:
-        """(source, extra mount arguments) for a private copy of the tree at ``root``."""
-        if self.backend == "local":
-            shutil.copytree(root, self.workdir / prefix, symlinks=True)
-            return str(self.workdir / prefix), []
-        items = {f"{prefix}/{rel}": (root / rel).read_bytes() for rel in P.list_files(root)}
-        self.server.put_many(self.bucket, items)
-        return f"s3://{self.bucket}/{prefix}", ["--endpoint-url", self.server.endpoint_url]
-
-    def delete(self, prefix: str, rel: str) -> None:
-        """Remove one stored object of a published tree (behind the mount's back)."""
-        if self.backend == "local":
-            (self.workdir / prefix / rel).unlink()
-        else:
-            self.server.s3.delete_object(Bucket=self.bucket, Key=f"{prefix}/{rel}")
-
-    def close(self) -> None:
-        if self.bucket:
-            self.server.delete_bucket(self.bucket)
-        self.env.undo()
-
-
 @pytest.fixture(scope="module")
 def source(backend, request, tmp_path_factory):
     src = Source(backend, request, tmp_path_factory.mktemp(f"zarr_view_src_{backend}"))
@@ -169,7 +126,7 @@ def mounted(source, stores, tmp_path_factory):
     def get(name: str):
         if name not in made:
             sroot, troot, datas = stores(name)
-            src, extra = source.publish(sroot, name)
+            src, extra, _ = source.publish(sroot, name)
             mnt, log = base / name, base / f"{name}.log"
             mnt.mkdir()
             opts = ("ro",) if name == "damage" else STATIC_OPTS
