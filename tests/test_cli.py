@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.util import process_running, wait_for
 from tests.conftest import ZSHARDFS, run_mount
 from tests.handmade_zarr import SmallStore
 
@@ -53,24 +54,6 @@ def mounts_at(path) -> list[dict]:
             if unescape(mnt) == path:
                 found.append({"source": unescape(src), "type": fstype, "options": opts.split(",")})
     return found
-
-
-def is_running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
-
-
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> str:
@@ -137,7 +120,7 @@ def test_background_mount_returns_once_ready_and_keeps_serving(store, mnt):
     # a detached daemon: its own session, not our child, and not sitting in
     # the caller's working directory
     pid = daemon_pid(mnt)
-    assert is_running(pid)
+    assert process_running(pid)
     assert os.getsid(pid) == pid
     with open(f"/proc/{pid}/stat", "rb") as f:
         ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
@@ -155,7 +138,7 @@ def test_background_mount_returns_once_ready_and_keeps_serving(store, mnt):
     assert mounts_at(mnt) == []
     # umount waits for the daemon to finish (a zombie waiting for init to
     # reap it has finished)
-    assert not is_running(pid)
+    assert not process_running(pid)
     assert os.listdir(mnt) == []
 
 
@@ -349,7 +332,7 @@ def test_dead_mount_is_reported_and_removable(store, mnt):
     run_mount(store.root, mnt, "ro")
     pid = daemon_pid(mnt)
     os.kill(pid, signal.SIGKILL)
-    assert wait_for(lambda: not is_running(pid), timeout=60), open(f"/proc/{pid}/stat").read()
+    assert wait_for(lambda: not process_running(pid), timeout=60), open(f"/proc/{pid}/stat").read()
 
     def dead() -> bool:
         try:
@@ -554,5 +537,5 @@ def test_umount_of_a_busy_mount(store, mnt):
         assert mounts_at(mnt) == []  # detached at once ...
         assert busy.read() == data  # ... while the open file still reads
     # the daemon ends once the last file is closed
-    assert wait_for(lambda: not is_running(pid), timeout=20)
+    assert wait_for(lambda: not process_running(pid), timeout=20)
     assert "Traceback" not in result.stderr

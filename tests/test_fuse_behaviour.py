@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.util import wait_for
 from tests.conftest import ZSHARDFS
 from tests.handmade_zarr import SmallStore, array_doc, linear, write_array_doc, write_shard
 
@@ -73,15 +74,6 @@ def drop_kernel_caches() -> None:
     """Free unused dentries and inodes: the kernel then sends FORGETs."""
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("2\n")
-
-
-def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -172,7 +164,7 @@ def test_forget_bounds_the_inode_table(many_files, mount):
     assert held >= len(names), held
 
     drop_kernel_caches()
-    assert wait_until(lambda: m.stats()["inodes"] <= base + 4), m.stats()["inodes"]
+    assert wait_for(lambda: m.stats()["inodes"] <= base + 4, timeout=15), m.stats()["inodes"]
     # the files are still there, with (new) inode numbers that work
     st = os.stat(m / names[123])
     assert st.st_size == 1

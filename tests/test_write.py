@@ -28,7 +28,9 @@ import numpy as np
 import pytest
 import zarr
 
+from tests import util
 from tests.conftest import ZSHARDFS
+from tests.util import process_running
 
 EMPTY = 2**64 - 1
 PREFIX = "store"  # S3: the mounted prefix inside the test bucket
@@ -203,24 +205,11 @@ def write_file(path, data: bytes, fsync: bool = False) -> None:
 
 
 def wait_for(cond, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+    """Like tests.util.wait_for, but a timeout fails the test with ``what``."""
+    value = util.wait_for(cond, timeout)
+    if not value:
+        raise AssertionError(f"timed out waiting for {what}")
     return value
-
-
-def pid_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
 
 
 def assert_no_strays(store: Store, allowed) -> None:
@@ -569,7 +558,7 @@ def test_kill_9_during_write_storm(store, mount, tmp_path):
         wait_for(lambda: record.exists() and record.read_text().count("fsynced") >= 40, 60, "fsynced writes")
         time.sleep(0.3)
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not pid_running(pid), 10, "the daemon to die")
+        wait_for(lambda: not process_running(pid), 10, "the daemon to die")
         writer.wait(60)
     finally:
         if writer.poll() is None:
@@ -672,7 +661,7 @@ def test_stop_flushes_dirty_data(store, mount, tmp_path, how):
     else:
         pid = int(os.getxattr(m.path, "user.zshardfs.pid"))
         os.kill(pid, signal.SIGTERM)
-        wait_for(lambda: not pid_running(pid), 30, "the daemon to exit")
+        wait_for(lambda: not process_running(pid), 30, "the daemon to exit")
         assert not os.path.ismount(m.path)
         m.mounted = False
         assert "SIGTERM" in m.log_text()

@@ -258,7 +258,7 @@ def _is_zshardfs_mount(mnt: str) -> bool:
     return False
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     """True while ``pid`` runs.  A zombie has finished: its parent (often
     init, which may reap late) is none of our business."""
     try:
@@ -295,7 +295,7 @@ def cmd_umount(args) -> int:
         return EXIT_OK  # lazy: the daemon ends when the last open file is closed
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
-        if not _running(pid):
+        if not process_running(pid):
             return EXIT_OK
         time.sleep(0.02)
     return _fail(f"unmounted, but daemon {pid} is still running after {args.timeout:g}s")
