@@ -487,9 +487,19 @@ def test_debug_logs_every_request(store, mount):
     assert re.search(r"DEBUG zshardfs\.requests: lookup\(\d+, 'arr'\) -> ino=\d+", text), text[-3000:]
     assert re.search(rf"lookup\(\d+, '{leaf}'\) -> ino=\d+ mode=100444 size={len(data)}", text), text[-3000:]
     assert re.search(r"lookup\(\d+, 'no-such-file'\) -> ENOENT", text), text[-3000:]
-    assert re.search(rf"read\(\d+, 0, \d+\) -> <{len(data)} bytes>|read\(\d+, 0, \d+\) -> '", text), text[-3000:]
+    # the chunk's bytes went to the kernel with the reply to OPEN (open_fill)
+    assert re.search(r"open\(\d+, \d+\) -> fh=\d+", text), text[-3000:]
+    assert re.search(r"release\(\d+\) -> None", text), text[-3000:]
     # and libfuse's own trace of the kernel protocol
     assert "opcode: LOOKUP" in text
+    assert "NOTIFY: code=4" in text  # FUSE_NOTIFY_STORE
+
+
+def test_debug_logs_reads(store, mount):
+    m = mount(store.root, "ro", "debug", "open_fill=0")
+    name, data = first_chunk(store)
+    assert (m / name).read_bytes() == data
+    assert re.search(rf"read\(\d+, 0, \d+\) -> <{len(data)} bytes>|read\(\d+, 0, \d+\) -> '", m.log_text())
 
 
 def test_cache_options_reach_the_daemon(store, mount):

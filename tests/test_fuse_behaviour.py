@@ -473,6 +473,95 @@ def test_second_read_of_a_chunk_is_served_by_the_kernel(small, mount):
         (before["chunk_cache"]["hits"], before["chunk_cache"]["misses"])
 
 
+def test_open_fills_the_page_cache_so_reads_cost_no_request(small, mount):
+    """A small file's bytes go to the kernel with the reply to OPEN
+    (notify_store): reading it after costs no READ request.  Off with
+    ``open_fill=0``; files above the limit are read the usual way."""
+    m = mount(small.root, "ro", "attr_timeout=60")
+    for name, data in sorted(small.chunks.items()):
+        assert (m / name).read_bytes() == data
+    k = m.stats()["kernel"]
+    assert k == {"reads": 0, "open_fills": len(small.chunks)}, k
+    for name, data in sorted(small.chunks.items()):  # still cached: nothing to do at all
+        assert (m / name).read_bytes() == data
+    assert m.stats()["kernel"] == k
+
+    sizes = sorted(len(d) for d in small.chunks.values())
+    limit = sizes[len(sizes) // 2]
+    m2 = mount(small.root, "ro", f"open_fill={limit}")
+    for name, data in sorted(small.chunks.items()):
+        assert (m2 / name).read_bytes() == data
+    k = m2.stats()["kernel"]
+    small_ones = sum(1 for d in small.chunks.values() if len(d) <= limit)
+    assert k["open_fills"] == small_ones
+    assert k["reads"] >= len(small.chunks) - small_ones > 0
+
+    m3 = mount(small.root, "ro", "open_fill=0")
+    for name, data in sorted(small.chunks.items()):
+        assert (m3 / name).read_bytes() == data
+    k = m3.stats()["kernel"]
+    assert k["open_fills"] == 0 and k["reads"] >= len(small.chunks)
+
+
+def test_open_fill_under_concurrent_opens_and_forgets(small, mount):
+    """Many threads opening and reading the same files while the kernel
+    drops its caches: every read is right and nothing deadlocks (a fill is
+    never sent for an inode that has an open handle)."""
+    import random
+    import threading
+
+    m = mount(small.root, "ro")
+    names = sorted(small.chunks)
+    errors: list = []
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(40):
+                name = rng.choice(names)
+                with open(m / name, "rb") as f:
+                    if f.read() != small.chunks[name]:
+                        errors.append(f"wrong bytes for {name}")
+        except OSError as exc:
+            errors.append(repr(exc))
+
+    for round_ in range(5):
+        drop_kernel_caches()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")  # the page cache too: the next opens fill again
+        threads = [threading.Thread(target=reader, args=(round_ * 100 + i,), daemon=True) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+            assert not t.is_alive(), "a reader hangs: open fill deadlocked?"
+    assert not errors, errors[:5]
+    assert m.stats()["kernel"]["open_fills"] >= len(names)
+
+
+def test_a_shard_changed_by_another_writer_is_seen_after_the_timeouts(small, mount):
+    """The page cache, filled at open or by reads, is kept only while the
+    chunk's size and mtime (its shard's) stay the same: after the attribute
+    timeout a rewritten shard's new bytes are read, even at the same size."""
+    m = mount(small.root, "ro", "attr_timeout=0.3", "index_ttl=0.3", "metadata_ttl=0.3")
+    name = sorted(small.chunks)[0]
+    old = small.chunks[name]
+    assert (m / name).read_bytes() == old
+    new = bytes(b ^ 0xFF for b in old)  # same size, other bytes
+    shard = small.shard_files[name]
+    siblings = {n: d for n, d in small.chunks.items() if small.shard_files[n] == shard}
+    per = [s // c for s, c in zip(small.SHARD, small.INNER)]
+    stored = {}
+    for n, d in siblings.items():
+        coords = [int(c) for c in n.split("/")[2:]]
+        pos = [c % p for c, p in zip(coords, per)]
+        stored[linear(pos, per)] = new if n == name else d
+    shard_coords = tuple(int(c) for c in shard.relative_to(small.root / "arr" / "c").parts)
+    write_shard(small.root / "arr", shard_coords, per, stored)
+    assert wait_for(lambda: (m / name).read_bytes() == new, timeout=10)
+    assert all((m / n).read_bytes() == d for n, d in siblings.items() if n != name)
+
+
 def test_reads_of_chunks_in_one_shard_share_one_index_read(small, mount):
     m = mount(small.root, "ro", "index_ttl=60")
     first = sorted(small.chunks)[0]

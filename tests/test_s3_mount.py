@@ -41,6 +41,8 @@ import crc32c
 import numpy as np
 import pytest
 
+from tests.util import wait_for
+
 from tests.conftest import run_mount
 from tests.s3server import MotoServer, free_port
 
@@ -456,9 +458,10 @@ def test_server_stopped_mid_read(mount, moto_server, bucket, array):
     EIO within ``-o timeout``, the daemon keeps serving what it holds, and
     once the server is back (killed and restarted) the same open file reads
     right again, without a remount.  A dead endpoint (connection refused)
-    fails as fast."""
+    fails as fast.  (``open_fill=0``: the open must not fetch the bytes
+    before the server stops; the reads are what is tested.)"""
     timeout = 3.0
-    m = s3_mount(mount, moto_server, bucket, f"timeout={timeout:g}")
+    m = s3_mount(mount, moto_server, bucket, f"timeout={timeout:g}", "open_fill=0")
     root = m.path / "arr"
     victim, later = "c/9/1/2", "c/4/10/11"
     os.stat(root / later)
@@ -576,9 +579,45 @@ def test_mount_errors(moto_server, iam_server, tmp_path):
         print(f"\n{what}: {line}")
 
 
+def test_open_while_the_server_hangs_fails_the_read_not_the_open(mount, moto_server, bucket, array):
+    """With ``open_fill`` on (the default) the open itself fetches a small
+    chunk's bytes: if the server hangs, the open still succeeds within the
+    deadline and the read reports EIO; nothing hangs."""
+    timeout = 2.0
+    m = s3_mount(mount, moto_server, bucket, f"timeout={timeout:g}")
+    root = m.path / "arr"
+    victim = "c/9/1/2"
+    os.stat(root / victim)  # looked up (index loaded) while the server answers
+    state = moto_server.snapshot([bucket])
+    try:
+        moto_server.pause()
+        t0 = time.monotonic()
+        fd = os.open(root / victim, os.O_RDONLY)
+        try:
+            assert time.monotonic() - t0 < timeout + 1.5
+            with pytest.raises(OSError) as info:
+                os.pread(fd, 4096, 0)
+            assert info.value.errno == errno.EIO
+            assert time.monotonic() - t0 < 2 * timeout + 1.5
+        finally:
+            os.close(fd)
+    finally:
+        moto_server.ensure_running()
+        moto_server.restore(state)
+    assert wait_for(lambda: _read_or_none(root / victim) == array.chunks[victim], timeout=10)
+
+
+def _read_or_none(path):
+    try:
+        return read_file(path)
+    except OSError:
+        return None
+
+
 def test_access_denied_is_eacces(mount, iam_server, array, monkeypatch):
     """Credentials that stop being allowed to read: EACCES (not EIO, not a
-    hang); allowed again, the same mount reads again."""
+    hang); allowed again, the same mount reads again.  (``open_fill=0``:
+    the open must not fetch the bytes before reads are refused.)"""
     key = iam_server.key
     s3 = iam_server.server_client("s3", key)
     bucket = f"zs-iam-{uuid.uuid4().hex[:12]}"
@@ -587,7 +626,7 @@ def test_access_denied_is_eacces(mount, iam_server, array, monkeypatch):
         s3.put_object(Bucket=bucket, Key=k, Body=v)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
-    m = mount(f"s3://{bucket}/{PREFIX}", "ro", extra=["--endpoint-url", iam_server.endpoint_url])
+    m = mount(f"s3://{bucket}/{PREFIX}", "ro", "open_fill=0", extra=["--endpoint-url", iam_server.endpoint_url])
     root = m.path / "arr"
     assert read_file(root / "c/0/0/1") == array.chunks["c/0/0/1"]
     fd = os.open(root / "c/6/6/9", os.O_RDONLY)

@@ -66,6 +66,7 @@ class MountConfig:
     prefetch: str = "on"
     prefetch_max: int = 16 << 20
     prefetch_gap: int = 1 << 20
+    open_fill: int = 1 << 20
     max_dirty: int = 256 << 20
     flush_delay: float = 2.0
     shard: tuple[int, ...] | None = None
@@ -95,6 +96,8 @@ OPTIONS = {
     "prefetch": ("prefetch", str, "read-ahead within shards during scans: on, off (default on)"),
     "prefetch_max": ("prefetch_max", parse_size, "bytes one read-ahead fetches at most (default 16M)"),
     "prefetch_gap": ("prefetch_gap", parse_size, "gap between chunks still read in one range (default 1M)"),
+    "open_fill": ("open_fill", parse_size, "files up to this size are put in the kernel's page cache when opened, "
+                  "saving the read round trip; 0 turns it off (default 1M)"),
     "max_dirty": ("max_dirty", parse_size, "written-but-unflushed bytes before writers wait (default 256M)"),
     "flush_delay": ("flush_delay", parse_seconds, "seconds after its last write (and close) a shard is flushed (default 2)"),
     "shard": ("shard", None, "K or K1xK2x...: store new Zarr v3 arrays sharded, K inner chunks per shard and dimension"),

@@ -159,7 +159,7 @@ class Mount:
         self.view = View(self.store, self.shards, self.writeback, metadata_ttl=cfg.metadata_ttl,
                          read_only=cfg.read_only, shard_option=cfg.shard)
         self.ops = Operations(self.view, read_only=cfg.read_only, entry_timeout=cfg.attr_timeout,
-                              attr_timeout=cfg.attr_timeout, control=self)
+                              attr_timeout=cfg.attr_timeout, open_fill=cfg.open_fill, control=self)
         if cfg.debug:
             trace_requests(self.ops)
 
@@ -183,6 +183,7 @@ class Mount:
                             "max_bytes": self.shards.chunks.max_bytes},
             "prefetches": self.shards.prefetches,
             "inodes": len(self.ops.inodes),
+            "kernel": {"reads": self.ops.reads, "open_fills": self.ops.open_fills},
             "writeback": {"dirty_shards": len(self.writeback.dirty), "dirty_bytes": self.writeback.dirty_bytes,
                           "flushes": self.writeback.flushes, "flush_errors": self.writeback.flush_errors},
         }

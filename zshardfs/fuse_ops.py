@@ -71,6 +71,9 @@ class _Inode:
     node: Node
     lookups: int = 0
     handles: int = 0
+    #: (size, mtime) of the bytes last put in the kernel's page cache at open:
+    #: the kernel keeps them (keep_cache) until it sees either change
+    filled: tuple | None = None
 
 
 @dataclass
@@ -86,8 +89,12 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(self, view: View, *, read_only: bool = True, entry_timeout: float = 1.0,
-                 attr_timeout: float = 1.0, uid: int | None = None, gid: int | None = None, control=None):
+                 attr_timeout: float = 1.0, uid: int | None = None, gid: int | None = None,
+                 open_fill: int = 0, control=None):
         super().__init__()
+        self.open_fill = open_fill
+        #: READ requests served, and opens that filled the page cache instead
+        self.reads = self.open_fills = 0
         self.control = control  # .get(name) / async .set(name, value): xattrs of the root
         self.view = view
         self.read_only = read_only
@@ -263,12 +270,48 @@ class Operations(pyfuse3.Operations):
         if write and self.read_only:
             raise pyfuse3.FUSEError(errno.EROFS)
         handle = await self.view.open(node, write=write, truncate=bool(flags & os.O_TRUNC))
+        entry = self.inodes[inode]
+        if (not write and 0 < node.size <= self.open_fill and entry.handles == 0
+                and entry.filled != (node.size, node.mtime)):
+            await self._fill_page_cache(inode, entry, handle)
         # The page cache stays valid across opens: content only changes with
         # the shard's version (through this mount, or noticed by mtime/size).
         return pyfuse3.FileInfo(fh=self._new_fh(inode, handle), keep_cache=True)
 
+    async def _fill_page_cache(self, inode: int, entry: _Inode, handle: Handle) -> None:
+        """Hand a small file's bytes to the kernel while it waits for OPEN.
+
+        The reader's ``read`` then hits the page cache: one FUSE round trip
+        less per file (a chunk file is almost always read whole right after
+        it is opened; the kernel's read-ahead would fetch all of a small
+        file at the first read anyway).
+
+        Deadlock-free by construction: ``notify_store`` locks the inode's
+        pages, and only a READ in flight holds them; no READ can be in
+        flight for an inode that has no open handle (the opener is waiting
+        for this reply, and the loop answers nothing while we are here).
+        Errors are not the open's: the READ that follows reports them.
+        """
+        node = handle.node
+        if self.view.in_memory(node) is not None:
+            return  # being written: the size the kernel knows may differ
+        try:
+            data = await self.view.read(handle, 0, node.size)
+        except (StoreError, CorruptData):
+            return
+        if len(data) != node.size or entry.handles or self.inodes.get(inode) is not entry:
+            return  # changed under us, or another open got in while we waited
+        try:
+            pyfuse3.notify_store(inode, 0, data)
+        except OSError as exc:  # the kernel dropped the inode meanwhile, or no support
+            log.debug("notify_store(%d): %s", inode, exc)
+            return
+        entry.filled = (node.size, node.mtime)
+        self.open_fills += 1
+
     @_translate
     async def read(self, fh, off, size):
+        self.reads += 1
         return await self.view.read(self._handle(fh), off, size)
 
     async def release(self, fh):
