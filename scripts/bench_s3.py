@@ -1,7 +1,7 @@
 """S3 read benchmark: zshardfs over S3 against zarr-python reading the same
 sharded array directly from the same server.
 
-    .venv/bin/python scripts/bench_s3.py [--repeat 3] [--random 100] [--workdir DIR]
+    .venv/bin/python scripts/bench_s3.py [--repeat 3] [--random 100] [--latency MS] [--workdir DIR]
 
 Starts its own moto server on 127.0.0.1 (tests/s3server.py), writes a Zarr v3
 array with zarr-python (uint8, shape 512x512x256, inner chunks 32^3 = 32 KiB
@@ -17,11 +17,19 @@ uploads it.  Then, --repeat times (medians are printed):
    a fresh mount reading chunk files one after another; zarr-python reading
    ``arr[chunk]`` one after another.
 
+--latency MS (default 0): both sides, zshardfs and zarr-python, reach the
+server through a TCP proxy (tests/s3server.py's TcpProxy) that waits MS
+milliseconds before forwarding each HTTP request: one-way latency added per
+request, as to a distant S3 region (connection set-up is not delayed).  On
+loopback moto a request costs almost nothing; with latency the wall times
+show what request counts and overlapping requests cost against real S3.  The
+proxy's copying costs some CPU on both sides.
+
 Reported per case: GET requests per shard (scan) or per read (random),
 counted by the *server* (its access log); bytes the server sent (response
-bytes through a counting TCP proxy, one extra untimed pass per case, HTTP
-headers included); wall time.  zshardfs' own counters are shown beside the
-server's for the scans.
+bytes through a counting TCP proxy, one extra untimed pass per case, with the
+same --latency, HTTP headers included); wall time.  zshardfs' own counters
+are shown beside the server's for the scans.
 """
 
 from __future__ import annotations
@@ -30,12 +38,10 @@ import argparse
 import json
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -45,7 +51,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.s3server import DUMMY_ACCESS_KEY, DUMMY_REGION, DUMMY_SECRET_KEY, MotoServer, set_dummy_credentials  # noqa: E402
+from tests.s3server import (  # noqa: E402
+    DUMMY_ACCESS_KEY, DUMMY_REGION, DUMMY_SECRET_KEY, MotoServer, TcpProxy, set_dummy_credentials,
+)
 
 ZSHARDFS = [sys.executable, "-m", "zshardfs.cli"]
 SHAPE, CHUNK, SHARD = (512, 512, 256), (32, 32, 32), (128, 128, 128)
@@ -74,57 +82,6 @@ def upload(server: MotoServer, src: Path) -> dict[str, int]:
     items = {f"{PREFIX}/{p.relative_to(src)}": p.read_bytes() for p in src.rglob("*") if p.is_file()}
     server.put_many(BUCKET, items)
     return {k: len(v) for k, v in items.items()}
-
-
-class CountingProxy:
-    """TCP proxy in front of the server counting the bytes it sends back."""
-
-    def __init__(self, upstream_port: int):
-        self.upstream = upstream_port
-        self.bytes = 0
-        self.lock = threading.Lock()
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(256)
-        self.endpoint_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
-        try:
-            while data := src.recv(1 << 18):
-                if count:
-                    with self.lock:
-                        self.bytes += len(data)
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def _serve(self, client: socket.socket) -> None:
-        try:
-            server = socket.create_connection(("127.0.0.1", self.upstream))
-        except OSError:
-            client.close()
-            return
-        threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
-        self._pump(server, client, True)
-        client.close()
-        server.close()
 
 
 # --------------------------------------------------------------------------
@@ -247,6 +204,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--random", type=int, default=100, help="random single-chunk reads per run")
     ap.add_argument("--parallel", type=int, default=8, help="readers of the parallel scan")
+    ap.add_argument("--latency", type=float, default=0.0, metavar="MS",
+                    help="milliseconds added before each S3 request, both sides (default 0: none)")
     ap.add_argument("--workdir", default=None, help="default: a temporary directory")
     args = ap.parse_args()
 
@@ -256,13 +215,16 @@ def main() -> None:
     src = build(workdir)
     server = MotoServer(workdir / "moto-access.log")
     server.start()
+    delay = args.latency / 1000
+    slow = TcpProxy(server.port, delay=delay) if delay > 0 else None
     try:
         sizes = upload(server, src)
         shards = [k for k in sizes if "/arr/c/" in k]
         n_chunks = int(np.prod([s // c for s, c in zip(SHAPE, CHUNK)]))
+        url = slow.endpoint_url if slow else server.endpoint_url
         print(f"array: {SHAPE} uint8, {n_chunks} chunks of {np.prod(CHUNK) >> 10} KiB in {len(shards)} shards of "
-              f"{sizes[shards[0]] / 2**20:.1f} MiB; moto {server.endpoint_url}; workdir {workdir}")
-        url = server.endpoint_url
+              f"{sizes[shards[0]] / 2**20:.1f} MiB; moto {server.endpoint_url}, added latency {args.latency:g} ms "
+              f"per request{f' (proxy {url})' if slow else ''}; workdir {workdir}")
         grid = [s // c for s, c in zip(SHAPE, CHUNK)]
         rnd = random.Random(1)
         runs: dict[str, list[dict]] = {k: [] for k in ("fuse", "fuse_par", "zarr", "fuse_rand", "zarr_rand")}
@@ -282,7 +244,7 @@ def main() -> None:
         wire = {}
         for name, fn, extra in (("fuse", fuse_scan, (workdir,)), ("zarr", zarr_scan, ()),
                                 ("fuse_rand", fuse_random, (workdir,)), ("zarr_rand", zarr_random, ())):
-            proxy = CountingProxy(server.port)
+            proxy = TcpProxy(server.port, delay=delay)
             try:
                 if name == "fuse":
                     fn(workdir, proxy.endpoint_url, 1)
@@ -296,6 +258,8 @@ def main() -> None:
                 proxy.close()
             wire[name] = proxy.bytes
     finally:
+        if slow:
+            slow.close()
         server.stop()
 
     med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731

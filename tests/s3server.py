@@ -18,6 +18,10 @@ S3 itself is atomic here, so by default the child runs moto's own WSGI app
 behind a one-lock middleware that serialises PUT/POST/DELETE requests.
 ``serialize_writes=False`` runs the unmodified ``python -m moto.server``.
 
+:class:`TcpProxy` goes between a client and the server: it delays every HTTP
+request (added latency, as to a distant region) and counts requests in flight
+and the bytes the server sends back.
+
 Run as a script (``python tests/s3server.py --serve HOST PORT``) it is that
 child process.
 """
@@ -30,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -333,13 +338,145 @@ class MotoServer:
 
 
 # --------------------------------------------------------------------------
+# a proxy in front of the server
+
+
+class TcpProxy:
+    """A TCP proxy on 127.0.0.1 in front of ``upstream_port`` (the moto
+    server): each accepted connection gets its own connection to the server
+    and two threads, one copying requests, one copying responses.
+
+    It sees HTTP/1.x requests just well enough to delay and count them: a
+    request starts with the first bytes a client sends on a connection after
+    the server began answering its previous request (the clients here do not
+    pipeline requests, and a ``Expect: 100-continue`` body would count as a
+    second request).
+
+    ``delay``: seconds to wait before forwarding each request to the server,
+    i.e. one-way latency added per request, as to a distant S3 region.
+    Connection set-up is not delayed.  Requests on different connections wait
+    independently, so overlapping requests overlap their delays.
+
+    Counters, since the start or :meth:`reset`: ``bytes`` the server sent back
+    (HTTP headers included), ``requests``, ``inflight`` (requests forwarded or
+    waiting to be, not yet answered) and its maximum ``max_inflight``.
+    """
+
+    def __init__(self, upstream_port: int, *, delay: float = 0.0, upstream_host: str = "127.0.0.1"):
+        self.upstream = (upstream_host, upstream_port)
+        self.delay = delay
+        self.lock = threading.Lock()
+        self.bytes = self.requests = self.inflight = self.max_inflight = 0
+        self._conns: set[socket.socket] = set()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(256)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, name=f"proxy-{self.port}", daemon=True).start()
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def reset(self) -> None:
+        """Start counting anew (requests still in flight stay in flight)."""
+        with self.lock:
+            self.bytes = self.requests = 0
+            self.max_inflight = self.inflight
+
+    def close(self) -> None:
+        """Stop accepting and cut every open connection."""
+        with self.lock:
+            socks = [self.sock, *self._conns]
+        for s in socks:
+            _shutdown(s)  # wakes the threads blocked in accept() and recv()
+        self.sock.close()
+
+    def __enter__(self) -> "TcpProxy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            server = socket.create_connection(self.upstream)
+        except OSError:
+            client.close()
+            return
+        with self.lock:
+            self._conns.update((client, server))
+        # waiting: a request was seen and its answer has not begun;
+        # done: the responses side has finished, nothing more will be answered
+        state = {"waiting": False, "done": False}
+        requests = threading.Thread(target=self._requests, args=(client, server, state), daemon=True)
+        requests.start()
+        self._responses(server, client, state)
+        requests.join()  # before closing: no thread may use a closed (reused) descriptor
+        with self.lock:
+            self._conns.difference_update((client, server))
+        client.close()
+        server.close()
+
+    def _requests(self, client: socket.socket, server: socket.socket, state: dict) -> None:
+        try:
+            while data := client.recv(1 << 18):
+                if not state["waiting"]:  # the first bytes of a request
+                    with self.lock:
+                        if state["done"]:
+                            break
+                        state["waiting"] = True
+                        self.requests += 1
+                        self.inflight += 1
+                        self.max_inflight = max(self.max_inflight, self.inflight)
+                    if self.delay > 0:
+                        time.sleep(self.delay)
+                server.sendall(data)
+        except OSError:
+            pass
+        _shutdown(client, server)
+
+    def _responses(self, server: socket.socket, client: socket.socket, state: dict) -> None:
+        try:
+            while data := server.recv(1 << 18):
+                with self.lock:
+                    self.bytes += len(data)
+                    if state["waiting"]:
+                        state["waiting"] = False
+                        self.inflight -= 1
+                client.sendall(data)
+        except OSError:
+            pass
+        with self.lock:
+            state["done"] = True
+            if state["waiting"]:
+                state["waiting"] = False
+                self.inflight -= 1
+        _shutdown(client, server)
+
+
+def _shutdown(*socks: socket.socket) -> None:
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+# --------------------------------------------------------------------------
 # the child process
 
 
 def _serve(host: str, port: int) -> None:
     """moto.server.main(), with PUT/POST/DELETE serialised (see module doc)."""
-    import threading
-
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import run_simple
 

@@ -66,6 +66,7 @@ class MountConfig:
     prefetch: str = "on"
     prefetch_max: int = 16 << 20
     prefetch_gap: int = 1 << 20
+    prefetch_ahead: int | None = None  # None: half the chunk cache on S3, 0 on local sources
     open_fill: int = 1 << 20
     max_dirty: int = 256 << 20
     flush_delay: float = 2.0
@@ -96,6 +97,8 @@ OPTIONS = {
     "prefetch": ("prefetch", str, "read-ahead within shards during scans: on, off (default on)"),
     "prefetch_max": ("prefetch_max", parse_size, "bytes one read-ahead fetches at most (default 16M)"),
     "prefetch_gap": ("prefetch_gap", parse_size, "gap between chunks still read in one range (default 1M)"),
+    "prefetch_ahead": ("prefetch_ahead", parse_size, "bytes of shards a scan fetches ahead of the reader, in the "
+                       "background (default: half of chunk_cache on S3, 0 on local sources)"),
     "open_fill": ("open_fill", parse_size, "files up to this size are put in the kernel's page cache when opened, "
                   "saving the read round trip; 0 turns it off (default 1M)"),
     "max_dirty": ("max_dirty", parse_size, "written-but-unflushed bytes before writers wait (default 256M)"),

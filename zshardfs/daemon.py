@@ -153,7 +153,8 @@ class Mount:
         prefetch = cfg.prefetch == "on"
         self.shards = ShardCache(self.store, index_cache_bytes=cfg.index_cache, index_ttl=cfg.index_ttl,
                                  chunk_cache_bytes=cfg.chunk_cache, prefetch=prefetch,
-                                 prefetch_max=cfg.prefetch_max, prefetch_gap=cfg.prefetch_gap)
+                                 prefetch_max=cfg.prefetch_max, prefetch_gap=cfg.prefetch_gap,
+                                 prefetch_ahead=self._prefetch_ahead(cfg))
         self.writeback = WriteBack(self.store, self.shards, max_dirty_bytes=cfg.max_dirty,
                                    idle_delay=cfg.flush_delay)
         self.view = View(self.store, self.shards, self.writeback, metadata_ttl=cfg.metadata_ttl,
@@ -162,6 +163,13 @@ class Mount:
                               attr_timeout=cfg.attr_timeout, open_fill=cfg.open_fill, control=self)
         if cfg.debug:
             trace_requests(self.ops)
+
+    def _prefetch_ahead(self, cfg: MountConfig) -> int:
+        """Read-ahead across shards hides request latency; a local source has
+        little to hide, and the work would compete with the reader's."""
+        if cfg.prefetch_ahead is not None:
+            return cfg.prefetch_ahead
+        return cfg.chunk_cache // 2 if cfg.source.startswith("s3://") else 0
 
     def stats(self) -> dict:
         c = self.store.counters
@@ -182,6 +190,7 @@ class Mount:
                             "entries": len(self.shards.chunks), "bytes": self.shards.chunks.bytes,
                             "max_bytes": self.shards.chunks.max_bytes},
             "prefetches": self.shards.prefetches,
+            "read_aheads": self.shards.read_aheads,
             "inodes": len(self.ops.inodes),
             "kernel": {"reads": self.ops.reads, "open_fills": self.ops.open_fills},
             "writeback": {"dirty_shards": len(self.writeback.dirty), "dirty_bytes": self.writeback.dirty_bytes,
@@ -214,6 +223,7 @@ class Mount:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._signals, nursery)
                 await nursery.start(self.writeback.run)
+                self.shards.start(nursery)
                 await pyfuse3.main()
                 nursery.cancel_scope.cancel()
         except BaseException:

@@ -319,10 +319,11 @@ class Operations(pyfuse3.Operations):
         if entry is None:
             return
         inode, handle = entry
-        try:
-            await self.view.release(handle)
-        except Exception:  # release cannot report errors; flush/fsync did
-            log.exception("release failed")
+        if handle.writable:  # a read-only handle holds nothing of the view's
+            try:
+                await self.view.release(handle)
+            except Exception:  # release cannot report errors; flush/fsync did
+                log.exception("release failed")
         ino = self.inodes.get(inode)
         if ino:
             if handle.writable:  # its size may have changed: ask the view on the next getattr

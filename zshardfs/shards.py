@@ -110,6 +110,12 @@ class ByteLRU:
 
 #: shards whose last read position the scan detector remembers
 SCAN_SHARDS = 4096
+#: seconds a shard fetched ahead counts against the read-ahead budget if
+#: no chunk of it is read (a scan that went elsewhere)
+AHEAD_STALE = 10.0
+#: shard indexes one listing loads at once (storage requests are bounded
+#: separately, by max_connections)
+PRELOAD_MAX = 64
 
 
 @dataclass
@@ -124,7 +130,7 @@ class ShardCache:
 
     def __init__(self, store: AsyncStore, *, index_cache_bytes: int = 64 << 20, index_ttl: float = 1.0,
                  chunk_cache_bytes: int = 64 << 20, prefetch: bool = False, prefetch_max: int = 16 << 20,
-                 prefetch_gap: int = 1 << 20):
+                 prefetch_gap: int = 1 << 20, prefetch_ahead: int = 0):
         self.store = store
         self.indexes = ByteLRU(index_cache_bytes)
         self.chunks = ByteLRU(chunk_cache_bytes)
@@ -145,6 +151,15 @@ class ShardCache:
         self._walk = 0
         self._prefetching: dict[tuple[str, str], list[tuple[set[int], trio.Event]]] = {}
         self.prefetches = 0
+        # read-ahead across shards (see _read_ahead): shards whose index was
+        # loaded (by a listing or lookup) and none of whose chunks was read
+        # yet, in load order = the order a scan following the listings will
+        # read them; and those fetched in the background but not read yet
+        self.prefetch_ahead = min(prefetch_ahead, chunk_cache_bytes // 2) if prefetch else 0
+        self._unread: OrderedDict[str, tuple[ShardFormat, Any, int, float]] = OrderedDict()
+        self._ahead: dict[str, tuple[float, int]] = {}  # key -> (started, bytes)
+        self._nursery: trio.Nursery | None = None
+        self.read_aheads = 0
         # any fresh answer from storage about a shard re-validates its index
         observers = getattr(store, "observers", None)
         if observers is not None:
@@ -176,6 +191,11 @@ class ShardCache:
             index = await fmt.load_index(self.store, key, shard_ctx)
             if key not in self._forgotten:  # else replaced meanwhile: waiters load again
                 self.indexes.put(key, _Cached(index), 256 + (index.nbytes if index else 0))
+                if index is not None and self.prefetch_ahead:
+                    self._unread[key] = (fmt, shard_ctx, min(index.info.size, self.prefetch_max), time.monotonic())
+                    self._unread.move_to_end(key)
+                    if len(self._unread) > SCAN_SHARDS:
+                        self._unread.popitem(last=False)
             return index
         finally:
             self._forgotten.discard(key)
@@ -223,6 +243,10 @@ class ShardCache:
 
     async def read_chunk(self, fmt: ShardFormat, key: str, chunk_id: int, shard_ctx: Any = None) -> bytes | None:
         """The whole stored chunk as the view shows it, or None if absent."""
+        if self.prefetch_ahead:
+            self._unread.pop(key, None)
+            if self._ahead.pop(key, None) is not None or self._walk >= 2:
+                self._read_ahead()
         scan = None
         for attempt in range(3):
             index = await self.index(fmt, key, shard_ctx, expired_ok=True)
@@ -306,6 +330,70 @@ class ShardCache:
             return True
         self._walk = 0
         return False
+
+    async def preload(self, fmt: ShardFormat, shards: list[tuple[str, Any]]) -> None:
+        """Load the indexes of several shards at once, for a listing that
+        needs them all: their requests overlap instead of queueing one after
+        another.  Errors are left to the caller's own :meth:`index` call,
+        which reports them."""
+        todo = [(k, c) for k, c in shards if self.indexes.peek(k) is None][:PRELOAD_MAX]
+        if len(todo) < 2:
+            return
+
+        async def one(key: str, ctx: Any) -> None:
+            try:
+                await self.index(fmt, key, ctx)
+            except Exception as exc:  # noqa: BLE001 - reported by the caller's own load
+                log.debug("preload of %s: %s", key, exc)
+
+        async with trio.open_nursery() as nursery:
+            for key, ctx in todo:
+                nursery.start_soon(one, key, ctx)
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Where background read-ahead runs (the daemon's nursery)."""
+        self._nursery = nursery
+
+    def _read_ahead(self) -> None:
+        """While reads walk (a scan), fetch whole shards ahead of the reader
+        in the background, so that their GETs overlap the reader's work
+        instead of each stalling it.
+
+        Which shards: those whose index was loaded (listings run ahead of a
+        scan's reads: ``find``, ``cp -r``, ``rsync`` list a directory before
+        reading its files) and none of whose chunks was read yet, oldest
+        load first, loaded within AHEAD_STALE seconds.  How many: at most ``prefetch_ahead`` bytes fetched but
+        not yet read (a shard counts until its first chunk is read, or for
+        AHEAD_STALE seconds), so read-ahead cannot evict what the reader is
+        about to use.  Best effort: failures are left to the real reads."""
+        if self._nursery is None or self._walk < 2:
+            return
+        now = time.monotonic()
+        for key in [k for k, (t, _) in self._ahead.items() if now - t > AHEAD_STALE]:
+            del self._ahead[key]
+        pending = sum(n for _, n in self._ahead.values())
+        while self._unread:
+            key, (fmt, ctx, nbytes, loaded) = next(iter(self._unread.items()))
+            if now - loaded > AHEAD_STALE:  # listed long ago: not what this scan follows
+                del self._unread[key]
+                continue
+            if self._ahead and pending + nbytes > self.prefetch_ahead:
+                return
+            del self._unread[key]
+            self._ahead[key] = (now, nbytes)
+            pending += nbytes
+            self.read_aheads += 1
+            self._nursery.start_soon(self._fetch_ahead, fmt, key, ctx)
+
+    async def _fetch_ahead(self, fmt: ShardFormat, key: str, shard_ctx: Any) -> None:
+        try:
+            index = await self.index(fmt, key, shard_ctx, expired_ok=True)
+            if index is not None and key in self._ahead:
+                await self._prefetch(fmt, key, index, 0)
+        except Exception as exc:  # noqa: BLE001 - best effort; the reader's own read reports errors
+            log.debug("read-ahead of %s: %s", key, exc)
+            if isinstance(exc, (PreconditionFailed, NotFound)):
+                self.forget(key)
 
     async def _prefetch(self, fmt: ShardFormat, key: str, index: ShardIndex, chunk_id: int):
         """Fetch stored chunks of the shard that are not cached, in the order

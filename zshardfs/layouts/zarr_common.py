@@ -347,6 +347,13 @@ class GridDataset(Dataset):
         return [(tuple(c), ChunkEntry(key, cid, size, mtime, extent))
                 for c, cid, size in zip(coords[keep].tolist(), linear[keep].tolist(), sizes)]
 
+    async def _preload(self, shards) -> None:
+        """The indexes a listing is about to need, loaded at once."""
+        shards = [s for s in shards if self.grid.shard_contains(s)]
+        if len(shards) > 1:
+            await self.ctx.shards.preload(
+                self.shard_format, [(self._key(self.keys.format(s)), self.grid.shard_extent(s)) for s in shards])
+
     async def listdir(self, rel) -> AsyncIterator[tuple[str, Entry]]:
         keys, grid = self.keys, self.grid
         if keys.ndim == 0:
@@ -362,7 +369,7 @@ class GridDataset(Dataset):
             shards = sorted(
                 p[0] for f in listing.files if (p := keys.parse((f.key.rsplit("/", 1)[-1],))) is not None
             )
-            for shard in shards:
+            for shard in shards:  # streamed: a flat listing may span thousands of shards
                 for coords, entry in await self._shard_chunks(shard, ()):
                     yield keys.format(coords), entry
             return
@@ -379,14 +386,22 @@ class GridDataset(Dataset):
             fixed = parsed[0]
         m = len(fixed)
         shard_prefix = grid.locate(fixed + (0,) * (grid.ndim - m))[0][:m]
-        storage_dir = "/".join(keys.dir_components(shard_prefix))
-        listing = await self.ctx.store.list(self._key(storage_dir) if storage_dir else self.data_root)
         last = m == grid.ndim - 1
-        names = [f.key.rsplit("/", 1)[-1] for f in listing.files] if last else listing.dirs
-        shard_coords = sorted(
-            s for name in names
-            if (s := keys.parse_level(m, name)) is not None and 0 <= s < grid.shard_count(m)
-        )
+        if last and grid.shard_count(m) <= DIRECT_SHARDS:
+            # a chunk directory's few shards: asking for their indexes (a
+            # missing shard answers "absent") is as cheap as listing them,
+            # and saves a request in a row on every directory of a walk
+            shard_coords = list(range(grid.shard_count(m)))
+        else:
+            storage_dir = "/".join(keys.dir_components(shard_prefix))
+            listing = await self.ctx.store.list(self._key(storage_dir) if storage_dir else self.data_root)
+            names = [f.key.rsplit("/", 1)[-1] for f in listing.files] if last else listing.dirs
+            shard_coords = sorted(
+                s for name in names
+                if (s := keys.parse_level(m, name)) is not None and 0 <= s < grid.shard_count(m)
+            )
+        if last:
+            await self._preload([shard_prefix + (s,) for s in shard_coords])
         for s in shard_coords:
             if not last:
                 for c in grid.shard_range(m, s):
@@ -394,6 +409,11 @@ class GridDataset(Dataset):
                 continue
             for coords, entry in await self._shard_chunks(shard_prefix + (s,), fixed):
                 yield keys.level_name(m, coords[-1]), entry
+
+
+#: a chunk directory spanning at most this many shards is listed from their
+#: indexes alone, without listing storage
+DIRECT_SHARDS = 4
 
 
 def parse_separator(encoding: dict | None, default_name: str = "default") -> tuple[str, str]:
