@@ -705,3 +705,37 @@ def test_parallel_readers_overlap(mount, moto_server, bucket, array, slow_endpoi
     assert t_serial >= 12 * 2 * proxy.delay
     assert t_parallel < t_serial / 3, (t_serial, t_parallel)
     assert 4 <= proxy.max_inflight <= 8
+
+
+def test_walk_lists_and_loads_indexes_ahead(mount, moto_server, bucket, array, slow_endpoint):
+    """A walk (``find``) of the array on S3: listing ``c`` lists the shard
+    directories below it and loads their shards' indexes in the background,
+    all at once, so the walk waits for a few round trips instead of one per
+    directory.  Same requests either way (every index once, every shard
+    directory listed once); with 80 ms per request the walk takes well under
+    the time it takes with ``prefetch_ahead=0``, and the server sees many
+    requests at once."""
+    proxy = slow_endpoint
+    times, gets = {}, {}
+    for opts in (("prefetch_ahead=0",), ()):
+        m = s3_mount(mount, moto_server, bucket, "max_connections=32", "metadata_ttl=60", "index_ttl=60", *opts,
+                     endpoint=proxy.endpoint_url)
+        root = m.path / "arr"
+        mark = moto_server.mark()
+        proxy.reset()
+        t0 = time.monotonic()
+        out = subprocess.run(["find", str(root), "-type", "f"], capture_output=True, text=True, check=True).stdout
+        times[opts] = time.monotonic() - t0
+        found = {str(Path(p).relative_to(root)) for p in out.split()} - {"zarr.json"}
+        assert found == set(array.chunks)
+        reqs = server_requests(moto_server, bucket, mark)
+        gets[opts] = sorted(key for kind, key, _ in reqs if kind == "GET" and "/c/" in key)
+        lists = Counter(key for kind, key, _ in reqs if kind == "LIST")
+        # every shard directory once ("arr" itself: also the lookup's probe)
+        assert all(n == 1 for p, n in lists.items() if "/c/" in p), (opts, lists)
+        if not opts:
+            assert proxy.max_inflight >= 8, proxy.max_inflight
+        m.umount()
+    assert gets[()] == gets[("prefetch_ahead=0",)] and len(set(gets[()])) == len(gets[()])  # every index once
+    print(f"\nwalk: {times[('prefetch_ahead=0',)]:.2f}s without listing ahead, {times[()]:.2f}s with")
+    assert times[()] < 0.7 * times[("prefetch_ahead=0",)], times

@@ -94,6 +94,12 @@ class ByteLRU:
     def __contains__(self, key) -> bool:
         return key in self._d
 
+    def touch(self, key) -> None:
+        """Count a hit on ``key`` and mark it recently used."""
+        if key in self._d:
+            self._d.move_to_end(key)
+            self.hits += 1
+
     def peek(self, key):
         """The value without touching the LRU order or the hit counters."""
         item = self._d.get(key)
@@ -174,12 +180,16 @@ class ShardCache:
         (the pinned GET re-validates it, or fails with 412 and the caller
         reloads): a HEAD saved."""
         while True:
-            cached: _Cached | None = self.indexes.get(key)
+            # hits and misses count answers, not callers: a caller that waits
+            # for another's load is neither
+            cached: _Cached | None = self.indexes.peek(key)
             if cached is not None:
                 if time.monotonic() - cached.checked < self.index_ttl or (expired_ok and cached.index is not None):
+                    self.indexes.touch(key)
                     return cached.index
                 if await self._still_valid(key, cached):
                     cached.checked = time.monotonic()
+                    self.indexes.touch(key)
                     return cached.index
                 self.indexes.pop(key)
             pending = self._loading.get(key)
@@ -187,6 +197,7 @@ class ShardCache:
                 break
             await pending.wait()
         event = self._loading[key] = trio.Event()
+        self.indexes.misses += 1
         try:
             index = await fmt.load_index(self.store, key, shard_ctx)
             if key not in self._forgotten:  # else replaced meanwhile: waiters load again
@@ -349,6 +360,17 @@ class ShardCache:
         async with trio.open_nursery() as nursery:
             for key, ctx in todo:
                 nursery.start_soon(one, key, ctx)
+
+    def soon(self, fn, *args) -> None:
+        """Run ``fn(*args)`` in the background, when read-ahead is on: work
+        ahead of a walk (loading indexes of directories it is about to
+        list).  ``fn`` must not raise: nobody waits for it."""
+        if self._nursery is not None and self.prefetch_ahead:
+            self._nursery.start_soon(fn, *args)
+
+    def preload_soon(self, fmt: ShardFormat, shards: list[tuple[str, Any]]) -> None:
+        """:meth:`preload` in the background (see :meth:`soon`)."""
+        self.soon(self.preload, fmt, shards)
 
     def start(self, nursery: trio.Nursery) -> None:
         """Where background read-ahead runs (the daemon's nursery)."""

@@ -177,7 +177,7 @@ class View:
         cached = self.documents.get((info.key, info.etag))
         if cached is not None:
             return cached[0]
-        blob = await self.store.get(info.key)
+        blob = await self.store.get_document(info.key, info.etag)
         new = None
         for layout in LAYOUTS:
             if layout.is_document(info.key):

@@ -210,6 +210,8 @@ class AsyncStore:
     #: listings kept at most (each bounded by LIST_CACHE_ENTRIES names)
     LIST_CACHE_ITEMS = 256
     LIST_CACHE_ENTRIES = 10_000
+    #: documents larger than this are not kept (get_document)
+    DOCUMENT_MAX = 1 << 20
 
     def __init__(self, backend: Backend, *, max_connections: int = 16, timeout: float = 60.0,
                  list_ttl: float = 0.0):
@@ -223,7 +225,11 @@ class AsyncStore:
         self.list_ttl = list_ttl
         self._listings: OrderedDict[str, tuple[Listing, float]] = OrderedDict()
         self._list_generation = 0  # bumped by every write: a listing begun before it is not kept
+        self._listing_now: dict[str, trio.Event] = {}  # prefix -> LIST in flight
         self._unanswered: OrderedDict[tuple, float] = OrderedDict()  # (operation, key) -> when it failed
+        # small whole objects (metadata documents) read in the last list_ttl
+        # seconds: a probe and the listing that shows the document share one GET
+        self._documents: OrderedDict[str, tuple[Blob, float]] = OrderedDict()
 
     @property
     def counters(self) -> Counter:
@@ -240,10 +246,14 @@ class AsyncStore:
                 bump(self.backend.counters, "errors")
                 raise Unavailable(f"{self.url}: no answer a moment ago; not asking again yet")
             del self._unanswered[what]
+        started = time.monotonic()
         try:
             with trio.move_on_after(self.timeout) as scope:
                 result = await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
                 self._unanswered.clear()  # an answer: the endpoint is back for everyone
+                if log.isEnabledFor(logging.DEBUG):  # -o log_level=DEBUG: one line per storage call
+                    log.debug("storage %s %s %s: %.1f ms", what[0], what[1], args[1:3] if len(args) > 1 else "",
+                              1000 * (time.monotonic() - started))
                 return result
             if scope.cancelled_caught:
                 bump(self.backend.counters, "errors")  # worker threads bump concurrently
@@ -263,6 +273,7 @@ class AsyncStore:
     def _changed(self, key: str) -> None:
         """A write to ``key``: listings of its ancestors are stale."""
         self._list_generation += 1
+        self._documents.pop(key, None)
         if self._listings:
             parts = key.split("/")
             for i in range(len(parts)):
@@ -274,6 +285,10 @@ class AsyncStore:
         return info
 
     async def is_dir(self, key: str) -> bool:
+        parent, _, name = key.rpartition("/")
+        cached = self._listings.get(parent) if self.list_ttl > 0 else None
+        if cached is not None and time.monotonic() - cached[1] < self.list_ttl:
+            return name in cached[0].dirs  # a walk's lookups after its listing: no request
         return await self._run(self.backend.is_dir, key)
 
     async def get(self, key: str, start: int = 0, length: int | None = None, *,
@@ -286,6 +301,24 @@ class AsyncStore:
         self._seen(blob.info)
         return blob
 
+    async def get_document(self, key: str, etag: str | None = None) -> Blob:
+        """The whole object ``key`` (a metadata document), from a read made
+        within the last ``list_ttl`` seconds if there was one (and it was of
+        version ``etag``, when given); else read now."""
+        cached = self._documents.get(key) if self.list_ttl > 0 else None
+        if cached is not None and time.monotonic() - cached[1] < self.list_ttl and \
+                (etag is None or cached[0].info.etag == etag):
+            self._documents.move_to_end(key)
+            return cached[0]
+        generation = self._list_generation
+        blob = await self.get(key)
+        if self.list_ttl > 0 and generation == self._list_generation and len(blob.data) <= self.DOCUMENT_MAX:
+            self._documents[key] = (blob, time.monotonic())
+            self._documents.move_to_end(key)
+            while len(self._documents) > self.LIST_CACHE_ITEMS:
+                self._documents.popitem(last=False)
+        return blob
+
     async def get_or_none(self, key: str) -> Blob | None:
         try:
             return await self.get(key)
@@ -293,13 +326,22 @@ class AsyncStore:
             return None
 
     async def list(self, prefix: str) -> Listing:
-        if self.list_ttl > 0:
+        while self.list_ttl > 0:
             cached = self._listings.get(prefix)
             if cached is not None and time.monotonic() - cached[1] < self.list_ttl:
                 self._listings.move_to_end(prefix)
                 return cached[0]
+            pending = self._listing_now.get(prefix)
+            if pending is None:
+                break
+            await pending.wait()  # one LIST per prefix at a time: share its answer
         generation = self._list_generation
-        listing = await self._run(self.backend.list, prefix)
+        done = self._listing_now[prefix] = trio.Event()
+        try:
+            listing = await self._run(self.backend.list, prefix)
+        finally:
+            del self._listing_now[prefix]
+            done.set()
         for info in listing.files:
             self._seen(info)
         if (self.list_ttl > 0 and generation == self._list_generation

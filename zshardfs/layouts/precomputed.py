@@ -744,7 +744,7 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option) ->
 
 async def _info(ctx: LayoutContext, key: str) -> dict | None:
     try:
-        blob = await ctx.store.get(key)
+        blob = await ctx.store.get_document(key)
     except NotFound:
         return None
     doc = load_json(blob.data, key)

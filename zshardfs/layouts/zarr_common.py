@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import crc32c
 import numpy as np
+import trio
 
 from ..backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo
 from ..logonce import report_damage
@@ -354,6 +355,33 @@ class GridDataset(Dataset):
             await self.ctx.shards.preload(
                 self.shard_format, [(self._key(self.keys.format(s)), self.grid.shard_extent(s)) for s in shards])
 
+    def _leaf_shards(self, prefix: tuple[int, ...], coords) -> list[tuple[str, Any]]:
+        """(key, extent) of every shard below ``prefix + (c,)`` for c in
+        ``coords``: the shards of the chunk directories one level down."""
+        last = self.grid.shard_count(self.grid.ndim - 1)
+        shards = (prefix + (c, k) for c in coords for k in range(last))
+        return [(self._key(self.keys.format(s)), self.grid.shard_extent(s)) for s in shards]
+
+    async def _warm_below(self, prefix: tuple[int, ...], coords) -> None:
+        """Background: list the storage directories ``prefix + (c,)`` and
+        load the indexes of the shards they hold, all at once."""
+
+        async def one(c: int) -> None:
+            storage_dir = "/".join(self.keys.dir_components(prefix + (c,)))
+            try:
+                listing = await self.ctx.store.list(self._key(storage_dir))
+            except Exception as exc:  # noqa: BLE001 - the walk's own listing reports it
+                log.debug("listing ahead %s: %s", storage_dir, exc)
+                return
+            m = len(prefix) + 1
+            found = sorted(s for name in listing.dirs
+                           if (s := self.keys.parse_level(m, name)) is not None and 0 <= s < self.grid.shard_count(m))
+            await self.ctx.shards.preload(self.shard_format, self._leaf_shards(prefix + (c,), found))
+
+        async with trio.open_nursery() as nursery:
+            for c in coords:
+                nursery.start_soon(one, c)
+
     async def listdir(self, rel) -> AsyncIterator[tuple[str, Entry]]:
         keys, grid = self.keys, self.grid
         if keys.ndim == 0:
@@ -375,7 +403,8 @@ class GridDataset(Dataset):
             return
         if rel == ():
             if keys.prefix == "c/":
-                if await self.ctx.store.is_dir(self._key("c")):
+                # the array's directory was just listed (by the view): ask that listing
+                if "c" in (await self.ctx.store.list(self.data_root)).dirs:
                     yield "c", DirEntry()
                 return
             fixed: tuple[int, ...] = ()
@@ -402,6 +431,16 @@ class GridDataset(Dataset):
             )
         if last:
             await self._preload([shard_prefix + (s,) for s in shard_coords])
+        elif grid.shard_count(grid.ndim - 1) <= DIRECT_SHARDS:
+            # Work ahead of a walk (S3: read-ahead on), so that its listings
+            # find what they need instead of asking for it one at a time:
+            # the chunk directories below will each need their few shards'
+            # indexes, loaded now, together; one level higher, the storage
+            # listings they come from, too (two levels: no more).
+            if m == grid.ndim - 2:
+                self.ctx.shards.preload_soon(self.shard_format, self._leaf_shards(shard_prefix, shard_coords))
+            elif m == grid.ndim - 3:
+                self.ctx.shards.soon(self._warm_below, shard_prefix, shard_coords[:WARM_DIRS])
         for s in shard_coords:
             if not last:
                 for c in grid.shard_range(m, s):
@@ -414,6 +453,8 @@ class GridDataset(Dataset):
 #: a chunk directory spanning at most this many shards is listed from their
 #: indexes alone, without listing storage
 DIRECT_SHARDS = 4
+#: storage directories one listing lists ahead of a walk, at most
+WARM_DIRS = 16
 
 
 def parse_separator(encoding: dict | None, default_name: str = "default") -> tuple[str, str]:

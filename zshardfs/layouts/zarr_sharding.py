@@ -139,7 +139,7 @@ def rewrite_document(key: str, data: bytes) -> bytes | None:
 async def probe(ctx: LayoutContext, dir_key: str) -> GridDataset | None:
     """A sharded Zarr v3 array rooted at ``dir_key``, or None."""
     try:
-        blob = await ctx.store.get(join_key(dir_key, "zarr.json"))
+        blob = await ctx.store.get_document(join_key(dir_key, "zarr.json"))
     except NotFound:
         return None
     doc = load_json(blob.data, blob.info.key)

@@ -93,7 +93,7 @@ async def probe(ctx: LayoutContext, dir_key: str) -> GridDataset | None:
         return None
     path = dir_key[len(DATA_ROOT):]
     try:
-        blob = await ctx.store.get(f"{META_ROOT}{path}{SUFFIX}")
+        blob = await ctx.store.get_document(f"{META_ROOT}{path}{SUFFIX}")
     except NotFound:
         return None
     doc = load_json(blob.data, blob.info.key)
