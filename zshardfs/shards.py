@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import trio
 
 from .backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed
+from .singleflight import SingleFlight
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class ShardCache:
         self.chunks = ByteLRU(chunk_cache_bytes)
         self.index_ttl = index_ttl
         # one loader per shard at a time: concurrent readers share one request
-        self._loading: dict[str, trio.Event] = {}
+        self._loads = SingleFlight()
         # shards forgotten (rewritten) while their index was loading: that
         # load may have read the old version and must not be cached
         self._forgotten: set[str] = set()
@@ -192,15 +193,16 @@ class ShardCache:
                     self.indexes.touch(key)
                     return cached.index
                 self.indexes.pop(key)
-            pending = self._loading.get(key)
-            if pending is None:
+            if not await self._loads.wait(key):
                 break
-            await pending.wait()
-        event = self._loading[key] = trio.Event()
         self.indexes.misses += 1
-        try:
-            index = await fmt.load_index(self.store, key, shard_ctx)
-            if key not in self._forgotten:  # else replaced meanwhile: waiters load again
+        with self._loads.loading(key):
+            try:
+                index = await fmt.load_index(self.store, key, shard_ctx)
+            finally:
+                forgotten = key in self._forgotten
+                self._forgotten.discard(key)
+            if not forgotten:  # else replaced meanwhile: waiters load again
                 self.indexes.put(key, _Cached(index), 256 + (index.nbytes if index else 0))
                 if index is not None and self.prefetch_ahead:
                     self._unread[key] = (fmt, shard_ctx, min(index.info.size, self.prefetch_max), time.monotonic())
@@ -208,10 +210,6 @@ class ShardCache:
                     if len(self._unread) > SCAN_SHARDS:
                         self._unread.popitem(last=False)
             return index
-        finally:
-            self._forgotten.discard(key)
-            del self._loading[key]
-            event.set()
 
     async def _still_valid(self, key: str, cached: _Cached) -> bool:
         info = await self.store.stat(key)
@@ -235,7 +233,7 @@ class ShardCache:
     def forget(self, key: str) -> None:
         """Drop what is cached of one shard (after a write, or a mismatch)."""
         self.indexes.pop(key)
-        if key in self._loading:
+        if key in self._loads:
             self._forgotten.add(key)
 
     def _expired(self, key: str) -> bool:

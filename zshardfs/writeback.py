@@ -89,11 +89,13 @@ class DirtyShard:
 
 class WriteBack:
     def __init__(self, store: AsyncStore, shards: ShardCache, *, max_dirty_bytes: int = 256 << 20,
-                 idle_delay: float = 2.0, max_attempts: int = 8):
+                 idle_delay: float = 2.0, max_attempts: int = 12):
         self.store = store
         self.shards = shards
         self.max_dirty_bytes = max_dirty_bytes
         self.idle_delay = idle_delay
+        # conflicting writers of one shard: after this many lost races in a
+        # row (about 6 s of backoff), fsync reports EIO; the data stays dirty
         self.max_attempts = max_attempts
         self.dirty: dict[str, DirtyShard] = {}
         self._wake = trio.Event()

@@ -27,6 +27,8 @@ from typing import Callable, Protocol, TypeVar
 
 import trio
 
+from ..singleflight import SingleFlight
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -225,7 +227,7 @@ class AsyncStore:
         self.list_ttl = list_ttl
         self._listings: OrderedDict[str, tuple[Listing, float]] = OrderedDict()
         self._list_generation = 0  # bumped by every write: a listing begun before it is not kept
-        self._listing_now: dict[str, trio.Event] = {}  # prefix -> LIST in flight
+        self._lists = SingleFlight()  # LISTs in flight, by prefix
         self._unanswered: OrderedDict[tuple, float] = OrderedDict()  # (operation, key) -> when it failed
         # small whole objects (metadata documents) read in the last list_ttl
         # seconds: a probe and the listing that shows the document share one GET
@@ -331,17 +333,11 @@ class AsyncStore:
             if cached is not None and time.monotonic() - cached[1] < self.list_ttl:
                 self._listings.move_to_end(prefix)
                 return cached[0]
-            pending = self._listing_now.get(prefix)
-            if pending is None:
+            if not await self._lists.wait(prefix):  # one LIST per prefix at a time: share its answer
                 break
-            await pending.wait()  # one LIST per prefix at a time: share its answer
         generation = self._list_generation
-        done = self._listing_now[prefix] = trio.Event()
-        try:
+        with self._lists.loading(prefix):
             listing = await self._run(self.backend.list, prefix)
-        finally:
-            del self._listing_now[prefix]
-            done.set()
         for info in listing.files:
             self._seen(info)
         if (self.list_ttl > 0 and generation == self._list_generation

@@ -72,10 +72,10 @@ import logging
 from dataclasses import dataclass, field
 
 import numpy as np
-import trio
 
 from ..backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, join_key
 from ..shards import ByteLRU
+from ..singleflight import SingleFlight
 from .base import ChunkEntry, ChunkTarget, Dataset, LayoutContext, dump_json, load_json, parse_index_name, warn_once
 from .precomputed_format import (
     U64_MAX,
@@ -313,7 +313,7 @@ class PrecomputedShardFormat:
         self.spec = spec
         self.multilod = multilod
         self.cache = cache  # minishard indexes share the shard index budget
-        self._loading: dict[tuple, trio.Event] = {}
+        self._loads = SingleFlight()
 
     async def cached(self, key: tuple, load):
         """``cache[key]``, loading it once however many tasks ask at the same time."""
@@ -321,16 +321,10 @@ class PrecomputedShardFormat:
             hit = self.cache.get(key)
             if hit is not None:
                 return hit
-            pending = self._loading.get(key)
-            if pending is None:
+            if not await self._loads.wait(key):
                 break
-            await pending.wait()
-        event = self._loading[key] = trio.Event()
-        try:
+        with self._loads.loading(key):
             return await load()
-        finally:
-            del self._loading[key]
-            event.set()
 
     async def load_index(self, store: AsyncStore, key: str, shard_ctx=None) -> PrecomputedShardIndex | None:
         size = self.spec.shard_index_size

@@ -1,0 +1,42 @@
+"""One load per key at a time: whoever asks while it runs shares it.
+
+Three caches need this (shard indexes, precomputed minishard indexes, storage
+listings): look in the cache; if the key is absent and a load of it is
+running, wait for that load and look again (its result may not have been
+kept: uncacheable, or dropped because the object changed meanwhile); else
+load it yourself while marked as loading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import trio
+
+
+class SingleFlight:
+    def __init__(self) -> None:
+        self._running: dict[Any, trio.Event] = {}
+
+    def __contains__(self, key) -> bool:
+        """True while a load of ``key`` runs."""
+        return key in self._running
+
+    async def wait(self, key) -> bool:
+        """Wait for the load of ``key`` that runs, if one does (then True)."""
+        event = self._running.get(key)
+        if event is None:
+            return False
+        await event.wait()
+        return True
+
+    @contextlib.contextmanager
+    def loading(self, key) -> Iterator[None]:
+        """Mark ``key`` as loading for the duration of the block."""
+        event = self._running[key] = trio.Event()
+        try:
+            yield
+        finally:
+            del self._running[key]
+            event.set()
