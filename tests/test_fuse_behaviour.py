@@ -157,18 +157,21 @@ def test_forget_bounds_the_inode_table(many_files, mount):
     root, names = many_files
     m = mount(root, "ro")
     base = m.stats()["inodes"]
-    for name in names:  # LOOKUPs
-        os.stat(m / name)
+    numbers = {name: os.stat(m / name).st_ino for name in names}  # LOOKUPs
     assert len(os.listdir(m / "arr/c")) == len(names)  # READDIRPLUS
     held = m.stats()["inodes"]
     assert held >= len(names), held
 
     drop_kernel_caches()
     assert wait_for(lambda: m.stats()["inodes"] <= base + 4, timeout=15), m.stats()["inodes"]
-    # the files are still there, with (new) inode numbers that work
+    # the files are still there, with the same inode numbers (a hash of the path)
     st = os.stat(m / names[123])
     assert st.st_size == 1
     assert (m / names[123]).read_bytes() == bytes([123])
+    assert {name: os.stat(m / name).st_ino for name in names[::50]} == {n: numbers[n] for n in names[::50]}
+    # and so does another mount of the same store
+    m2 = mount(root, "ro")
+    assert os.stat(m2 / names[4321]).st_ino == numbers[names[4321]]
 
 
 def test_open_file_survives_forget(many_files, mount):

@@ -6,7 +6,9 @@ Inode invariants:
 - An inode number names one virtual path for as long as the kernel holds a
   lookup count on it (or a handle is open); it is never reused for another
   path while alive.  ``forget`` drops entries whose count reaches zero, so
-  the table is bounded by what the kernel caches, not by the store.
+  the table is bounded by what the kernel caches, not by the store.  The
+  number is a hash of the path (see ``_inode_for``): the same path gets it
+  again after a forget, and in another mount of the same store.
 - ``readdir`` offsets index a per-handle snapshot that is filled lazily, so a
   listing resumed at any offset neither skips nor repeats entries.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
+import hashlib
 import logging
 import os
 import stat
@@ -36,6 +39,17 @@ log = logging.getLogger(__name__)
 
 #: Node.created of a node written through a handle since (re-asked at open)
 _STALE = float("-inf")
+
+
+#: inode numbers are 63-bit (a signed ``ino_t`` never sees a negative one)
+_INODE_MASK = (1 << 63) - 1
+
+
+def _path_inode(path: str) -> int:
+    """A well-spread number for a virtual path, never 0 or the root's."""
+    digest = hashlib.blake2b(path.encode("utf-8", "surrogateescape"), digest_size=8).digest()
+    ino = int.from_bytes(digest, "little") & _INODE_MASK
+    return ino if ino > pyfuse3.ROOT_INODE else ino + 2
 
 
 def _log_once(level: int, msg: str) -> None:
@@ -104,7 +118,6 @@ class Operations(pyfuse3.Operations):
         self.gid = os.getgid() if gid is None else gid
         self.inodes: dict[int, _Inode] = {pyfuse3.ROOT_INODE: _Inode(view.root(), lookups=1)}
         self.by_path: dict[str, int] = {"": pyfuse3.ROOT_INODE}
-        self._next_inode = pyfuse3.ROOT_INODE + 1
         self._handles: dict[int, _DirHandle | tuple[int, Handle]] = {}
         self._next_fh = 1
         w = 0 if read_only else 0o200
@@ -114,11 +127,19 @@ class Operations(pyfuse3.Operations):
     # -- inode table --------------------------------------------------------
 
     def _inode_for(self, node: Node) -> int:
-        """The inode of ``node``'s path, creating the entry if needed (count 0)."""
+        """The inode of ``node``'s path, creating the entry if needed (count 0).
+
+        A new entry's number is a hash of its path, so a path gets the same
+        number again after the kernel forgot it, and in every mount of the
+        same store (``find -inum``, ``rsync``, ``tar`` and backup tools
+        compare them); only if that number is taken by another live path
+        (a 64-bit collision, or the same name now meaning another file) is
+        the next free one used."""
         ino = self.by_path.get(node.path)
         if ino is None:
-            ino = self._next_inode
-            self._next_inode += 1
+            ino = _path_inode(node.path)
+            while ino in self.inodes:
+                ino = (ino + 1) & _INODE_MASK or pyfuse3.ROOT_INODE + 1
             self.inodes[ino] = _Inode(node)
             self.by_path[node.path] = ino
         else:
