@@ -11,7 +11,6 @@ secure, no extra file in the view.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -81,64 +80,6 @@ def fuse_options(cfg: MountConfig) -> set[str]:
     return opts
 
 
-# -- ``-o debug``: one log line per request ------------------------------------
-
-request_log = logging.getLogger("zshardfs.requests")
-
-#: the pyfuse3 handlers worth tracing (all of them but init/destroy)
-TRACED = ("lookup", "forget", "getattr", "setattr", "readlink", "mknod", "mkdir", "unlink", "rmdir", "symlink",
-          "rename", "link", "open", "read", "write", "flush", "release", "fsync", "opendir", "readdir",
-          "releasedir", "fsyncdir", "statfs", "setxattr", "getxattr", "listxattr", "removexattr", "access",
-          "create")
-
-
-def _show(value) -> str:
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        if len(value) <= 255:  # a name, or a short xattr value
-            try:
-                text = bytes(value).decode("utf-8")
-            except UnicodeDecodeError:
-                text = None
-            if text is not None and text.isprintable():
-                return repr(text)
-        return f"<{len(value)} bytes>"
-    if isinstance(value, pyfuse3.EntryAttributes):
-        return f"ino={value.st_ino} mode={value.st_mode:o} size={value.st_size}"
-    if isinstance(value, pyfuse3.FileInfo):
-        return f"fh={value.fh}"
-    if isinstance(value, (pyfuse3.RequestContext, pyfuse3.ReaddirToken, pyfuse3.StatvfsData)):
-        return type(value).__name__
-    text = repr(value)
-    return text if len(text) <= 200 else text[:200] + "..."
-
-
-def _traced(name: str, handler):
-    async def traced(*args):
-        shown = ", ".join(_show(a) for a in args if not isinstance(a, pyfuse3.RequestContext))
-        try:
-            result = await handler(*args)
-        except pyfuse3.FUSEError as exc:
-            request_log.debug("%s(%s) -> %s", name, shown, errno.errorcode.get(exc.errno, exc.errno))
-            raise
-        except BaseException as exc:
-            request_log.debug("%s(%s) -> %s", name, shown, type(exc).__name__)
-            raise
-        request_log.debug("%s(%s) -> %s", name, shown, _show(result))
-        return result
-
-    traced.__name__ = name
-    return traced
-
-
-def trace_requests(ops) -> None:
-    """Log every kernel request ``ops`` answers (pyfuse3 looks handlers up
-    on the instance, so wrapping them there is enough)."""
-    for name in TRACED:
-        handler = getattr(ops, name, None)
-        if handler is not None:
-            setattr(ops, name, _traced(name, handler))
-
-
 class Mount:
     """Everything one mount owns, wired bottom-up."""
 
@@ -162,7 +103,7 @@ class Mount:
         self.ops = Operations(self.view, read_only=cfg.read_only, entry_timeout=cfg.attr_timeout,
                               attr_timeout=cfg.attr_timeout, open_fill=cfg.open_fill, control=self)
         if cfg.debug:
-            trace_requests(self.ops)
+            self.ops.trace_requests()
 
     def _prefetch_ahead(self, cfg: MountConfig) -> int:
         """Read-ahead across shards hides request latency; a local source has
