@@ -822,6 +822,28 @@ def test_chunk_directories_behave_like_a_directory_store(store, mount, tmp_path)
     assert len(got) == 12 and not any(i == 0 for i, _ in got)
 
 
+def test_made_directories_are_remembered_only_while_empty(store, mount):
+    """mkdir of plain directories: on S3 (no directories there) an empty one
+    exists in the mount's memory; once a file is stored below it, the
+    listing shows it and the mount forgets it (bounded memory). Local
+    directories are real at once."""
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    (m / "top").mkdir()
+    for i in range(20):
+        (m / "top" / f"d{i}").mkdir()
+        (m / "top" / f"d{i}" / "f.txt").write_bytes(b"x%d" % i)  # passthrough: stored at close
+    (m / "top" / "empty").mkdir()
+    assert sorted(os.listdir(m / "top")) == sorted([f"d{i}" for i in range(20)] + ["empty"])
+    assert os.listdir(m / "top" / "empty") == []
+    os.listdir(m)
+    made = m.stats()["made_dirs"]
+    assert made == (1 if store.source.startswith("s3://") else 0), made
+    assert (m / "top" / "d7" / "f.txt").read_bytes() == b"x7"
+    os.rmdir(m / "top" / "empty")
+    os.listdir(m / "top")
+    assert m.stats()["made_dirs"] == 0
+
+
 # ---------------------------------------------------------------------------
 # back-pressure
 

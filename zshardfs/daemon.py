@@ -134,6 +134,7 @@ class Mount:
             "read_aheads": self.shards.read_aheads,
             "inodes": len(self.ops.inodes),
             "kernel": {"reads": self.ops.reads, "open_fills": self.ops.open_fills},
+            "made_dirs": sum(map(len, self.view.new_dirs.values())),
             "writeback": {"dirty_shards": len(self.writeback.dirty), "dirty_bytes": self.writeback.dirty_bytes,
                           "flushes": self.writeback.flushes, "flush_errors": self.writeback.flush_errors},
         }

@@ -312,6 +312,11 @@ class View:
         else:
             dataset = await self.dataset_at(node.key)
             listing = await self.store.list(node.key)
+            made = self.new_dirs.get(node.path)
+            if made:  # stored now (local: at once; S3: once a file is below): no longer ours to remember
+                made.difference_update(listing.dirs)
+                if not made:
+                    del self.new_dirs[node.path]
             for name in listing.dirs:
                 if dataset is None or not dataset.claims((name,)):
                     child = Node(join_key(node.path, name), True, 0, self.started, key=join_key(node.key, name))
