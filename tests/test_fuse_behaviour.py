@@ -361,6 +361,10 @@ def test_statvfs(small, mount):
     assert st.f_flag & os.ST_RDONLY
     os.statvfs(m / "arr/c")  # any directory of the mount answers too
     assert not os.statvfs(mount(small.root, "rw").path).f_flag & os.ST_RDONLY
+    # a local store's figures are those of the file system holding it (df)
+    src = os.statvfs(small.root)
+    assert (st.f_frsize, st.f_blocks, st.f_files) == (src.f_frsize, src.f_blocks, src.f_files)
+    assert abs(st.f_bavail - src.f_bavail) * src.f_frsize < 64 << 20  # other tests write meanwhile
 
 
 # --------------------------------------------------------------------------

@@ -409,12 +409,21 @@ class Operations(pyfuse3.Operations):
             ino.handles -= 1
             self._drop_if_unused(inode)
 
+    @_translate
     async def statfs(self, ctx):
+        """The storage's own figures (a local store's file system); for S3,
+        which has no capacity, large constant ones."""
         s = pyfuse3.StatvfsData()
-        s.f_bsize = s.f_frsize = 4096
-        s.f_blocks = s.f_bfree = s.f_bavail = 1 << 30
-        s.f_files = s.f_ffree = s.f_favail = 1 << 30
         s.f_namemax = 255
+        real = await self.view.statfs()
+        if real is None:
+            s.f_bsize = s.f_frsize = 4096
+            s.f_blocks = s.f_bfree = s.f_bavail = 1 << 30
+            s.f_files = s.f_ffree = s.f_favail = 1 << 30
+            return s
+        s.f_bsize, s.f_frsize = real.f_bsize, real.f_frsize
+        s.f_blocks, s.f_bfree, s.f_bavail = real.f_blocks, real.f_bfree, real.f_bavail
+        s.f_files, s.f_ffree, s.f_favail = real.f_files, real.f_ffree, real.f_favail
         return s
 
     # -- control channel: xattrs of the root directory -----------------------

@@ -291,6 +291,10 @@ class View:
                 return None
         return node
 
+    async def statfs(self):
+        """Capacity of the storage (``os.statvfs_result``), or None if unknown."""
+        return await self.store.statfs()
+
     async def listdir(self, node: Node) -> AsyncIterator[Node]:
         """Children of a directory, in a stable order, lazily."""
         extra = self._pending_children(node.path)

@@ -373,6 +373,11 @@ class AsyncStore:
         finally:
             self._changed(key)
 
+    async def statfs(self):
+        """``os.statvfs`` of the storage, if it has such a thing (S3 has not)."""
+        fn = getattr(self.backend, "statfs", None)
+        return None if fn is None else await self._run(fn)
+
     def close(self) -> None:
         self.backend.close()
 

@@ -268,6 +268,10 @@ class LocalBackend:
                 break
             parent = os.path.dirname(parent)
 
+    def statfs(self) -> os.statvfs_result:
+        """The file system holding the store (``df`` on the mount shows it)."""
+        return os.statvfs(self.root)
+
     def make_dir(self, key: str) -> None:
         try:
             os.makedirs(self._path(key), exist_ok=True)
