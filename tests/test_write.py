@@ -822,6 +822,26 @@ def test_chunk_directories_behave_like_a_directory_store(store, mount, tmp_path)
     assert len(got) == 12 and not any(i == 0 for i, _ in got)
 
 
+def test_never_renamed_files_inside_an_array(store, mount, tmp_path):
+    """A file that is not a chunk, written inside a sharded array and never
+    renamed: in the array's own directory it is a plain file, stored at
+    unmount (not at close); in a chunk directory it cannot be shown once
+    stored, so it is discarded at unmount with one log line."""
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4")
+    before = set(store.keys())
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    (m / "arr" / "notes.txt").write_bytes(b"kept")
+    (m / "arr" / "c" / "0" / "stray.tmp").write_bytes(b"dropped")
+    assert (m / "arr" / "notes.txt").read_bytes() == b"kept"
+    assert (m / "arr" / "c" / "0" / "stray.tmp").read_bytes() == b"dropped"
+    assert "arr/notes.txt" not in store.keys()  # not at close
+    m.umount()
+    assert set(store.keys()) == before | {"arr/notes.txt"}
+    assert store.get("arr/notes.txt") == b"kept"
+    lines = [line for line in m.log_text().splitlines() if "stray.tmp" in line]
+    assert len(lines) == 1, lines
+
+
 def test_made_directories_are_remembered_only_while_empty(store, mount):
     """mkdir of plain directories: on S3 (no directories there) an empty one
     exists in the mount's memory; once a file is stored below it, the
