@@ -125,6 +125,14 @@ AHEAD_STALE = 10.0
 PRELOAD_MAX = 64
 
 
+async def _guarded(fn, *args) -> None:
+    """Background work: an error is a log line, not the end of the mount."""
+    try:
+        await fn(*args)
+    except Exception:  # noqa: BLE001 - a bug in work ahead must not unmount
+        log.exception("work ahead of the reader failed")
+
+
 @dataclass
 class _Cached:
     index: ShardIndex | None  # None: the shard is known to be absent
@@ -362,9 +370,10 @@ class ShardCache:
     def soon(self, fn, *args) -> None:
         """Run ``fn(*args)`` in the background, when read-ahead is on: work
         ahead of a walk (loading indexes of directories it is about to
-        list).  ``fn`` must not raise: nobody waits for it."""
+        list).  Nobody waits for it: its failures are logged, never raised
+        into the daemon's nursery."""
         if self._nursery is not None and self.prefetch_ahead:
-            self._nursery.start_soon(fn, *args)
+            self._nursery.start_soon(_guarded, fn, *args)
 
     def preload_soon(self, fmt: ShardFormat, shards: list[tuple[str, Any]]) -> None:
         """:meth:`preload` in the background (see :meth:`soon`)."""
@@ -382,10 +391,11 @@ class ShardCache:
         Which shards: those whose index was loaded (listings run ahead of a
         scan's reads: ``find``, ``cp -r``, ``rsync`` list a directory before
         reading its files) and none of whose chunks was read yet, oldest
-        load first, loaded within AHEAD_STALE seconds.  How many: at most ``prefetch_ahead`` bytes fetched but
-        not yet read (a shard counts until its first chunk is read, or for
-        AHEAD_STALE seconds), so read-ahead cannot evict what the reader is
-        about to use.  Best effort: failures are left to the real reads."""
+        load first, loaded within AHEAD_STALE seconds.  How many: at most
+        ``prefetch_ahead`` bytes fetched but not yet read (a shard counts
+        until its first chunk is read, or for AHEAD_STALE seconds), so
+        read-ahead cannot evict what the reader is about to use.  Best
+        effort: failures are left to the real reads."""
         if self._nursery is None or self._walk < 2:
             return
         now = time.monotonic()
@@ -403,7 +413,7 @@ class ShardCache:
             self._ahead[key] = (now, nbytes)
             pending += nbytes
             self.read_aheads += 1
-            self._nursery.start_soon(self._fetch_ahead, fmt, key, ctx)
+            self._nursery.start_soon(_guarded, self._fetch_ahead, fmt, key, ctx)
 
     async def _fetch_ahead(self, fmt: ShardFormat, key: str, shard_ctx: Any) -> None:
         try:
