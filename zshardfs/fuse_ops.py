@@ -6,9 +6,9 @@ Inode invariants:
 - An inode number names one virtual path for as long as the kernel holds a
   lookup count on it (or a handle is open); it is never reused for another
   path while alive.  ``forget`` drops entries whose count reaches zero, so
-  the table is bounded by what the kernel caches, not by the store.  The
-  number is a hash of the path (see ``_inode_for``): the same path gets it
-  again after a forget, and in another mount of the same store.
+  the table is bounded by what the kernel caches, not by the store.
+  Numbers increase in the order paths are first seen (listing order), and a
+  recently forgotten path gets its number back (see ``_inode_for``).
 - ``readdir`` offsets index a per-handle snapshot that is filled lazily, so a
   listing resumed at any offset neither skips nor repeats entries.
 
@@ -22,11 +22,11 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
-import hashlib
 import logging
 import os
 import stat
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -37,19 +37,11 @@ from .view import Handle, Node, View
 
 log = logging.getLogger(__name__)
 
+#: forgotten paths whose inode numbers are kept for their next lookup
+REMEMBERED_INODES = 1 << 16
+
 #: Node.created of a node written through a handle since (re-asked at open)
 _STALE = float("-inf")
-
-
-#: inode numbers are 63-bit (a signed ``ino_t`` never sees a negative one)
-_INODE_MASK = (1 << 63) - 1
-
-
-def _path_inode(path: str) -> int:
-    """A well-spread number for a virtual path, never 0 or the root's."""
-    digest = hashlib.blake2b(path.encode("utf-8", "surrogateescape"), digest_size=8).digest()
-    ino = int.from_bytes(digest, "little") & _INODE_MASK
-    return ino if ino > pyfuse3.ROOT_INODE else ino + 2
 
 
 def _log_once(level: int, msg: str) -> None:
@@ -167,6 +159,9 @@ class Operations(pyfuse3.Operations):
         self.gid = os.getgid() if gid is None else gid
         self.inodes: dict[int, _Inode] = {pyfuse3.ROOT_INODE: _Inode(view.root(), lookups=1)}
         self.by_path: dict[str, int] = {"": pyfuse3.ROOT_INODE}
+        self._next_inode = pyfuse3.ROOT_INODE + 1
+        # path -> number of paths the kernel forgot, most recent last (bounded)
+        self._forgotten: OrderedDict[str, int] = OrderedDict()
         self._handles: dict[int, _DirHandle | tuple[int, Handle]] = {}
         self._next_fh = 1
         w = 0 if read_only else 0o200
@@ -186,17 +181,19 @@ class Operations(pyfuse3.Operations):
     def _inode_for(self, node: Node) -> int:
         """The inode of ``node``'s path, creating the entry if needed (count 0).
 
-        A new entry's number is a hash of its path, so a path gets the same
-        number again after the kernel forgot it, and in every mount of the
-        same store (``find -inum``, ``rsync``, ``tar`` and backup tools
-        compare them); only if that number is taken by another live path
-        (a 64-bit collision, or the same name now meaning another file) is
-        the next free one used."""
+        Numbers are handed out in increasing order as paths are first seen,
+        so sorting a directory's entries by inode number gives its listing
+        order: ``cp -r`` (which sorts by inode to read "in disk order") then
+        walks shards in order instead of at random.  A path the kernel
+        forgot gets its number back while it is among the last
+        REMEMBERED_INODES forgotten ones (stable across forgets for find
+        -inum, git, backup tools), and no number ever names two paths."""
         ino = self.by_path.get(node.path)
         if ino is None:
-            ino = _path_inode(node.path)
-            while ino in self.inodes:
-                ino = (ino + 1) & _INODE_MASK or pyfuse3.ROOT_INODE + 1
+            ino = self._forgotten.pop(node.path, None)
+            if ino is None:
+                ino = self._next_inode
+                self._next_inode += 1
             self.inodes[ino] = _Inode(node)
             self.by_path[node.path] = ino
         else:
@@ -207,8 +204,12 @@ class Operations(pyfuse3.Operations):
         entry = self.inodes.get(ino)
         if entry and ino != pyfuse3.ROOT_INODE and entry.lookups <= 0 and entry.handles <= 0:
             del self.inodes[ino]
-            if self.by_path.get(entry.node.path) == ino:
-                del self.by_path[entry.node.path]
+            path = entry.node.path
+            if self.by_path.get(path) == ino:
+                del self.by_path[path]
+                self._forgotten[path] = ino
+                if len(self._forgotten) > REMEMBERED_INODES:
+                    self._forgotten.popitem(last=False)
 
     def _node(self, ino: int) -> Node:
         entry = self.inodes.get(ino)
@@ -446,6 +447,7 @@ class Operations(pyfuse3.Operations):
 
     def _forget_path(self, path: str) -> None:
         """A name now means something else: new lookups get a new inode."""
+        self._forgotten.pop(path, None)
         ino = self.by_path.pop(path, None)
         if ino is not None:
             self._drop_if_unused(ino)
