@@ -431,7 +431,7 @@ class GridDataset(Dataset):
             )
         if last:
             await self._preload([shard_prefix + (s,) for s in shard_coords])
-        elif grid.shard_count(grid.ndim - 1) <= DIRECT_SHARDS:
+        elif self.ctx.shards.prefetch_ahead and grid.shard_count(grid.ndim - 1) <= DIRECT_SHARDS:
             # Work ahead of a walk (S3: read-ahead on), so that its listings
             # find what they need instead of asking for it one at a time:
             # the chunk directories below will each need their few shards'
