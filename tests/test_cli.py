@@ -227,7 +227,8 @@ def test_stats_text_and_json(store, mount):
     result = zs("stats", m.path)
     assert result.returncode == 0, result.stderr
     text = result.stdout
-    for label in ("source", "mountpoint", "requests", "bytes", "errors", "index_cache", "chunk_cache", "inodes"):
+    for label in ("source", "mountpoint", "requests", "bytes", "errors", "index_cache", "chunk_cache", "inodes",
+                  "read-ahead", "kernel"):
         assert re.search(rf"^{label}\b", text, re.M), f"{label} missing from:\n{text}"
     assert str(store.root) in text and str(m.path) in text
 

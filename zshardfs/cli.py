@@ -321,6 +321,7 @@ def cmd_stats(args) -> int:
         print(f"{name:<11} hits={c['hits']} misses={c['misses']} entries={c['entries']} "
               f"bytes={c['bytes']}/{c['max_bytes']}")
     print(f"inodes      {stats['inodes']}")
+    print(f"read-ahead  within shards={stats['prefetches']}  shards ahead={stats['read_aheads']}")
     k = stats["kernel"]
     print(f"kernel      reads={k['reads']}  open_fills={k['open_fills']}")
     return EXIT_OK
