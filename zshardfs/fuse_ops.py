@@ -367,9 +367,11 @@ class Operations(pyfuse3.Operations):
 
         Deadlock-free by construction: ``notify_store`` locks the inode's
         pages, and only a READ in flight holds them; no READ can be in
-        flight for an inode that has no open handle (the opener is waiting
-        for this reply, and the loop answers nothing while we are here).
-        Errors are not the open's: the READ that follows reports them.
+        flight for an inode that has no open handle (this opener waits for
+        our reply).  Other opens may complete while the bytes are fetched,
+        so the check is repeated after that wait, and nothing is awaited
+        between it and the (synchronous) ``notify_store``.  Errors are not
+        the open's: the READ that follows reports them.
         """
         node = handle.node
         if self.view.in_memory(node) is not None:
