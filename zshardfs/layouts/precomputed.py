@@ -72,6 +72,7 @@ import logging
 from dataclasses import dataclass, field
 
 import numpy as np
+import trio
 
 from ..backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, join_key
 from ..shards import ByteLRU
@@ -224,7 +225,8 @@ class PrecomputedShardIndex:
             except CorruptData as exc:
                 out[m] = exc
         starts, ends = self.table[:, 0].tolist(), self.table[:, 1].tolist()
-        for group in _coalesce(starts, ends, todo, INDEX_GAP, INDEX_SPAN):
+
+        async def load(group: list[int]) -> None:
             try:
                 out.update(zip(group, await self._load(group)))
             except CorruptData:
@@ -233,6 +235,24 @@ class PrecomputedShardIndex:
                         out[m] = (await self._load([m]))[0]
                     except CorruptData as exc:
                         out[m] = exc
+
+        groups = _coalesce(starts, ends, todo, INDEX_GAP, INDEX_SPAN)
+        if len(groups) == 1:
+            await load(groups[0])
+        elif groups:  # the reads overlap instead of queueing (S3: one round trip, not one each)
+            failed: list[Exception] = []
+
+            async def load_or_note(group: list[int]) -> None:
+                try:
+                    await load(group)
+                except Exception as exc:  # noqa: BLE001 - raised below as itself, not as a group
+                    failed.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                for group in groups:
+                    nursery.start_soon(load_or_note, group)
+            if failed:
+                raise failed[0]
         return dict(sorted(out.items()))
 
     async def locate(self, chunk_id: int) -> tuple[int, int] | None:
@@ -564,6 +584,8 @@ class PrecomputedDataset(Dataset):
             return
         listing = await self.ctx.store.list(self.root)
         shards = sorted(f.key for f in listing.files if self.spec.parse_shard_key(f.key.rsplit("/", 1)[-1]) is not None)
+        # S3 (read-ahead on): the shard indexes this listing will need, loaded now, together
+        self.ctx.shards.preload_soon(self.shard_format, [(key, None) for key in shards])
         for key in shards:
             try:
                 entries = await self._pinned(key, self._shard_listing)
