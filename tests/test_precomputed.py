@@ -822,7 +822,10 @@ def _damage(tree: Path, volumes) -> dict:
     return damaged
 
 
-def test_damaged_input(source, mount, peers_tree, tmp_path):
+@pytest.mark.parametrize("gap", ["1M", "0"], ids=["coalesced", "one_read_per_minishard_index"])
+def test_damaged_input(source, mount, peers_tree, tmp_path, gap):
+    """(``prefetch_gap=0``: every minishard index of a shard is its own read,
+    all of them at once, one of them damaged.)"""
     root, volumes, _ = peers_tree
     case = "img_u8_jpeg_murmur_gzip"
     tree = tmp_path / "damaged"
@@ -830,7 +833,7 @@ def test_damaged_input(source, mount, peers_tree, tmp_path):
     for name in (case, "img_u8_identity_raw", "kv_identity_raw_shard0", "kv_murmur_gzip"):
         shutil.copytree(root / name / "sharded", tree / name)
     damaged = _damage(tree, volumes)
-    m, _ = publish_and_mount(source, mount, tree, "ro")
+    m, _ = publish_and_mount(source, mount, tree, "ro", f"prefetch_gap={gap}")
     info = volumes[case].info()
     eio: dict[str, set[int]] = {}
     for scale in info["scales"]:

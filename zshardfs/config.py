@@ -96,7 +96,8 @@ OPTIONS = {
     "fsname": ("fsname", str, "name shown in /proc/mounts (default: the source)"),
     "prefetch": ("prefetch", str, "read-ahead within shards during scans: on, off (default on)"),
     "prefetch_max": ("prefetch_max", parse_size, "bytes one read-ahead fetches at most (default 16M)"),
-    "prefetch_gap": ("prefetch_gap", parse_size, "gap between chunks still read in one range (default 1M)"),
+    "prefetch_gap": ("prefetch_gap", parse_size, "gap between chunks (or precomputed minishard indexes) still read in "
+                     "one range (default 1M)"),
     "prefetch_ahead": ("prefetch_ahead", parse_size, "bytes of shards a scan fetches ahead of the reader, in the "
                        "background (default: half of chunk_cache on S3, 0 on local sources)"),
     "open_fill": ("open_fill", parse_size, "files up to this size are put in the kernel's page cache when opened, "

@@ -107,7 +107,7 @@ MAX_MINISHARD_BITS = 20  # the fixed shard index (16 << bits bytes) is read whol
 MAX_MINISHARD_INDEX = 64 << 20  # decoded minishard index bound (gzip bomb guard)
 MAX_CHUNK = 1 << 30  # decoded chunk bound
 TRAILER_GAP, TRAILER_SPAN = 64 << 10, 1 << 20  # coalescing of gzip trailer reads
-INDEX_GAP, INDEX_SPAN = 1 << 20, 16 << 20  # coalescing of minishard index reads (whole-shard walks)
+INDEX_GAP, INDEX_SPAN = 1 << 20, 16 << 20  # coalescing of minishard index reads (gap: -o prefetch_gap)
 
 
 def _coalesce(starts: list[int], ends: list[int], todo, gap: int, span: int) -> list[list[int]]:
@@ -236,7 +236,7 @@ class PrecomputedShardIndex:
                     except CorruptData as exc:
                         out[m] = exc
 
-        groups = _coalesce(starts, ends, todo, INDEX_GAP, INDEX_SPAN)
+        groups = _coalesce(starts, ends, todo, self.fmt.gap, INDEX_SPAN)
         if len(groups) == 1:
             await load(groups[0])
         elif groups:  # the reads overlap instead of queueing (S3: one round trip, not one each)
@@ -285,7 +285,7 @@ class PrecomputedShardIndex:
         starts = [off for _, off, _ in manifests]
         ends = [off + n for _, off, n in manifests]
         out = []
-        for group in _coalesce(starts, ends, range(len(manifests)), INDEX_GAP, INDEX_SPAN):
+        for group in _coalesce(starts, ends, range(len(manifests)), self.fmt.gap, INDEX_SPAN):
             lo, hi = min(starts[k] for k in group), max(ends[k] for k in group)
             blob = await self.store.get(key, lo, hi - lo, if_match=self.info.etag)
             if len(blob.data) != hi - lo:
@@ -329,9 +329,10 @@ class PrecomputedShardFormat:
     ``data_encoding``), laid out fragment data first with the minishard index
     pointing at the manifest."""
 
-    def __init__(self, spec: ShardingSpec, cache: ByteLRU, multilod: bool = False):
+    def __init__(self, spec: ShardingSpec, cache: ByteLRU, multilod: bool = False, gap: int = INDEX_GAP):
         self.spec = spec
         self.multilod = multilod
+        self.gap = gap  # index ranges closer than this are read in one GET (-o prefetch_gap)
         self.cache = cache  # minishard indexes share the shard index budget
         self._loads = SingleFlight()
 
@@ -511,7 +512,8 @@ class PrecomputedDataset(Dataset):
         self.spec = spec
         self.naming = naming
         self.writable = writable
-        self.shard_format = PrecomputedShardFormat(spec, ctx.shards.indexes, multilod=isinstance(naming, MeshNames))
+        self.shard_format = PrecomputedShardFormat(spec, ctx.shards.indexes, multilod=isinstance(naming, MeshNames),
+                                                   gap=ctx.shards.prefetch_gap)
 
     def _shard_key(self, chunk_id: int) -> str:
         return join_key(self.root, self.spec.shard_key(self.spec.shard_and_minishard(chunk_id & U64_MAX)[0]))
