@@ -1,6 +1,6 @@
 """Precomputed benchmark: the mount against tensorstore reading the shards.
 
-    .venv/bin/python scripts/bench_precomputed.py [--repeat 3] [--random-reads 300] [--no-s3]
+    .venv/bin/python scripts/bench_precomputed.py [--repeat 3] [--random-reads 300] [--no-s3] [--latency MS]
 
 tensorstore writes one sharded uint8 volume (512x512x256 voxels, 32^3
 chunks of 32 KiB, raw encoding, murmurhash3, gzip minishard indexes; 2048
@@ -10,8 +10,12 @@ chunks in 8 shards).  Each run measures, median over --repeat runs:
    vs tensorstore reading the same chunk-aligned box from the sharded volume;
 2. a full scan: ``cat`` of every chunk file through a fresh mount vs
    tensorstore reading the whole volume;
-3. unless --no-s3: the same scan through a mount of a moto S3 copy, with
-   the server-side GET count per shard.
+3. unless --no-s3: on a mount of a moto S3 copy (through a proxy adding
+   --latency ms to every request, as a distant region would), the time of
+   ``ls -l`` of the scale directory on a fresh mount (the listing reads the
+   shard and minishard indexes), then the same scan, with the server-side
+   GET count per shard.  The S3 part runs once (no baseline: tensorstore
+   has no S3 driver that talks to moto here).
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--random-reads", type=int, default=300)
     ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--latency", type=float, default=0.0, help="ms added to every S3 request (default 0)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "zshardfs-bench-precomputed"))
     args = ap.parse_args()
     work = Path(args.workdir)
@@ -129,7 +134,7 @@ def main() -> None:
           f"ratio {med(scan_ts) / med(scan_mount):.2f}x")
     if args.no_s3:
         return
-    from tests.s3server import MotoServer, set_dummy_credentials
+    from tests.s3server import MotoServer, TcpProxy, set_dummy_credentials
 
     set_dummy_credentials(os.environ)
     server = MotoServer()
@@ -139,14 +144,29 @@ def main() -> None:
         for p in vol.rglob("*"):
             if p.is_file():
                 server.s3.upload_file(str(p), bucket, f"vol/{p.relative_to(vol)}")
+        proxy = TcpProxy(server.port, delay=args.latency / 1000) if args.latency > 0 else None
+        endpoint = proxy.endpoint_url if proxy else server.endpoint_url
         mark = server.mark()
-        mount(f"s3://{bucket}", mnt, "--endpoint-url", server.endpoint_url)
+        mount(f"s3://{bucket}", mnt, "--endpoint-url", endpoint)
+        try:
+            t0 = time.perf_counter()
+            subprocess.run(["ls", "-l", str(mnt / "vol" / "s0")], stdout=subprocess.DEVNULL, check=True)
+            t_list = time.perf_counter() - t0
+        finally:
+            umount(mnt)
+        gets_listing = [r for r in server.requests(since=mark) if r[0] == "GET" and r[1].endswith(".shard")]
+        mark = server.mark()
+        mount(f"s3://{bucket}", mnt, "--endpoint-url", endpoint)
         try:
             t = cat_all(mnt / "vol" / "s0")
         finally:
             umount(mnt)
+            if proxy:
+                proxy.close()
         gets = [r for r in server.requests(since=mark) if r[0] == "GET" and r[1].endswith(".shard")]
-        print(f"\nS3 (moto) scan via zshardfs: {n_chunks / t:.0f} chunks/s, {len(gets)} GETs of shard objects "
+        print(f"\nS3 (moto, +{args.latency:g} ms per request): ls -l of the scale on a fresh mount {t_list:.2f} s, "
+              f"{len(gets_listing) / n_shards:.2f} GETs per shard")
+        print(f"S3 (moto) scan via zshardfs: {n_chunks / t:.0f} chunks/s, {len(gets)} GETs of shard objects "
               f"for {n_shards} shards = {len(gets) / n_shards:.2f} per shard "
               f"(shard index + minishard indexes + data)")
     finally:
