@@ -185,12 +185,8 @@ def test_foreground_serves_until_signal_then_unmounts(store, mnt, tmp_path, sign
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err
-    assert "Traceback" not in err
-    assert mounts_at(mnt) == []
+        _stop(proc)
+    _assert_ended_cleanly(proc, err, mnt)
     assert os.listdir(mnt) == []
     text = log.read_text()
     assert "unmounted" in text and "Traceback" not in text
@@ -207,9 +203,18 @@ def test_foreground_unmounted_from_outside(store, mnt):
         assert result.returncode == 0, result.stderr
         out, err = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
+    _assert_ended_cleanly(proc, err, mnt)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """A daemon a failed test left running is killed, not leaked."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _assert_ended_cleanly(proc: subprocess.Popen, err: str, mnt) -> None:
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     assert mounts_at(mnt) == []
@@ -257,6 +262,19 @@ def test_stats_output_to_closed_pipe(store, mount):
 # errors: one line, non-zero, no traceback, nothing mounted
 
 
+#: case -> the -o value that is wrong
+BAD_OPTIONS = {
+    "unknown_option": "ro,bogus=1",
+    "index_cache_abc": "index_cache=abc",
+    "max_connections_0": "max_connections=0",
+    "flag_with_value": "ro=1",
+    "value_missing": "chunk_cache",
+    "log_level_bad": "log_level=LOUD",
+    "negative_timeout": "timeout=-1",
+    "log_file_unwritable": "log_file={tmp}/no/such/dir/zs.log",
+}
+
+
 @pytest.mark.parametrize(
     "case, words",
     [
@@ -290,22 +308,8 @@ def test_mount_errors(store, tmp_path, mnt, case, words):
         target = str(afile)
     elif case == "mountpoint_not_empty":
         (mnt / "something").write_text("x")
-    elif case == "unknown_option":
-        opts = ["ro,bogus=1"]
-    elif case == "index_cache_abc":
-        opts = ["index_cache=abc"]
-    elif case == "max_connections_0":
-        opts = ["max_connections=0"]
-    elif case == "flag_with_value":
-        opts = ["ro=1"]
-    elif case == "value_missing":
-        opts = ["chunk_cache"]
-    elif case == "log_level_bad":
-        opts = ["log_level=LOUD"]
-    elif case == "negative_timeout":
-        opts = ["timeout=-1"]
-    elif case == "log_file_unwritable":
-        opts = [f"log_file={tmp_path}/no/such/dir/zs.log"]
+    elif case in BAD_OPTIONS:
+        opts = [BAD_OPTIONS[case].format(tmp=tmp_path)]
     elif case == "bad_scheme":
         source = "gs://bucket/prefix"
     args = ["mount", source, target] + (["-o", ",".join(opts)] if opts else [])
