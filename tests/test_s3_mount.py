@@ -285,6 +285,35 @@ def test_sequential_scan(mount, moto_server, bucket, array, tool, tmp_path):
           f"{elapsed:.2f}s")
 
 
+def test_read_ahead_follows_the_reader(mount, moto_server, bucket, array):
+    """During ``find | xargs cat`` the shards are fetched ahead in the
+    order the reader reaches them (numeric order of their coordinates), at
+    most AHEAD_PARALLEL at a time, whatever order their indexes happened to
+    load in during the listing: the server sees each shard's data GET
+    within a few places of its place in that order."""
+    from zshardfs.shards import AHEAD_PARALLEL, scan_order
+
+    assert sorted(["a/c/0/10/1", "a/c/0/9/2", "a/c/1/0/0", "a/c/0/9/10"], key=scan_order) == \
+        ["a/c/0/9/2", "a/c/0/9/10", "a/c/0/10/1", "a/c/1/0/0"]
+    m = s3_mount(mount, moto_server, bucket)
+    mark = moto_server.mark()
+    files = subprocess.run(["find", str(m.path / "arr"), "-type", "f", "-print0"], capture_output=True,
+                           check=True).stdout
+    subprocess.run(["xargs", "-0", "cat"], input=files, capture_output=True, check=True)
+    indexed, fetched = set(), []
+    for kind, key, status in server_requests(moto_server, bucket, mark):
+        if kind == "GET" and "/c/" in key and status == 206:
+            if key not in indexed:
+                indexed.add(key)  # the listing read every index before the first chunk was read
+            elif key not in fetched:
+                fetched.append(key)
+    expected = sorted(array.shards, key=scan_order)
+    assert sorted(fetched) == sorted(expected)
+    places = [expected.index(key) for key in fetched]
+    assert max(abs(p - i) for i, p in enumerate(places)) <= AHEAD_PARALLEL, places
+    assert m.stats()["read_aheads"] >= len(expected) - 2
+
+
 def test_chunk_cache_budget(mount, moto_server, bucket, array):
     """The chunk cache stays within ``-o chunk_cache`` during a scan that
     would need more; the bytes are still right."""

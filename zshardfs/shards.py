@@ -16,7 +16,9 @@ Invariants:
 
 from __future__ import annotations
 
+import heapq
 import logging
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -123,6 +125,24 @@ AHEAD_STALE = 10.0
 #: shard indexes one listing loads at once (storage requests are bounded
 #: separately, by max_connections)
 PRELOAD_MAX = 64
+#: shards fetched ahead of the reader at the same time: enough to keep a
+#: distant store's pipe full, few enough that the shard the reader needs
+#: next is not slowed by a dozen others sharing the bandwidth
+AHEAD_PARALLEL = 4
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def scan_order(key: str) -> tuple:
+    """A shard key's place in the order a scan of the view reaches shards.
+
+    The view lists chunks in C order over the inner-chunk grid, and the
+    first chunk of shard (a, b, c) comes before that of every shard after
+    it in C order over the shard grid: numeric order of the key's
+    coordinates ("c/0/10" after "c/0/9")."""
+    parts = _DIGITS.split(key)
+    parts[1::2] = [int(p) for p in parts[1::2]]
+    return tuple(parts)
 
 
 async def _guarded(fn, *args) -> None:
@@ -171,8 +191,10 @@ class ShardCache:
         # yet, in load order = the order a scan following the listings will
         # read them; and those fetched in the background but not read yet
         self.prefetch_ahead = min(prefetch_ahead, chunk_cache_bytes // 2) if prefetch else 0
-        self._unread: OrderedDict[str, tuple[ShardFormat, Any, int, float]] = OrderedDict()
+        self._unread: OrderedDict[str, tuple[ShardFormat, Any, int, float, tuple]] = OrderedDict()
         self._ahead: dict[str, tuple[float, int]] = {}  # key -> (started, bytes)
+        self._ahead_running = 0
+        self._reading: tuple = ()  # scan_order of the shard read last
         self._nursery: trio.Nursery | None = None
         self.read_aheads = 0
         # any fresh answer from storage about a shard re-validates its index
@@ -213,7 +235,8 @@ class ShardCache:
             if not forgotten:  # else replaced meanwhile: waiters load again
                 self.indexes.put(key, _Cached(index), 256 + (index.nbytes if index else 0))
                 if index is not None and self.prefetch_ahead:
-                    self._unread[key] = (fmt, shard_ctx, min(index.info.size, self.prefetch_max), time.monotonic())
+                    self._unread[key] = (fmt, shard_ctx, min(index.info.size, self.prefetch_max), time.monotonic(),
+                                         scan_order(key))
                     self._unread.move_to_end(key)
                     if len(self._unread) > SCAN_SHARDS:
                         self._unread.popitem(last=False)
@@ -262,6 +285,7 @@ class ShardCache:
         """The whole stored chunk as the view shows it, or None if absent."""
         if self.prefetch_ahead:
             self._unread.pop(key, None)
+            self._reading = scan_order(key)
             if self._ahead.pop(key, None) is not None or self._walk >= 2:
                 self._read_ahead()
         scan = None
@@ -351,20 +375,27 @@ class ShardCache:
     async def preload(self, fmt: ShardFormat, shards: list[tuple[str, Any]]) -> None:
         """Load the indexes of several shards at once, for a listing that
         needs them all: their requests overlap instead of queueing one after
-        another.  Errors are left to the caller's own :meth:`index` call,
-        which reports them."""
-        todo = [(k, c) for k, c in shards if self.indexes.peek(k) is None][:PRELOAD_MAX]
+        another.  They are sent in :func:`scan_order`, no more at a time
+        than the store has connections, so that the directories a walk lists
+        first get theirs first.  Errors are left to the caller's own
+        :meth:`index` call, which reports them."""
+        todo = sorted(((k, c) for k, c in shards if self.indexes.peek(k) is None),
+                      key=lambda kc: scan_order(kc[0]))[:PRELOAD_MAX]
         if len(todo) < 2:
             return
+        slots = trio.Semaphore(max(2, int(self.store.limiter.total_tokens)))
 
         async def one(key: str, ctx: Any) -> None:
             try:
                 await self.index(fmt, key, ctx)
             except Exception as exc:  # noqa: BLE001 - reported by the caller's own load
                 log.debug("preload of %s: %s", key, exc)
+            finally:
+                slots.release()
 
         async with trio.open_nursery() as nursery:
             for key, ctx in todo:
+                await slots.acquire()
                 nursery.start_soon(one, key, ctx)
 
     def soon(self, fn, *args) -> None:
@@ -390,28 +421,35 @@ class ShardCache:
 
         Which shards: those whose index was loaded (listings run ahead of a
         scan's reads: ``find``, ``cp -r``, ``rsync`` list a directory before
-        reading its files) and none of whose chunks was read yet, oldest
-        load first, loaded within AHEAD_STALE seconds.  How many: at most
-        ``prefetch_ahead`` bytes fetched but not yet read (a shard counts
-        until its first chunk is read, or for AHEAD_STALE seconds), so
-        read-ahead cannot evict what the reader is about to use.  Best
-        effort: failures are left to the real reads."""
-        if self._nursery is None or self._walk < 2:
+        reading its files) within AHEAD_STALE seconds and none of whose
+        chunks was read yet; the next ones after the reader's current shard
+        in :func:`scan_order` first, then those behind it.  How many: at
+        most AHEAD_PARALLEL GETs at a time, and at most ``prefetch_ahead``
+        bytes fetched but not yet read (a shard counts until its first chunk
+        is read, or for AHEAD_STALE seconds), so read-ahead cannot evict
+        what the reader is about to use.  Best effort: failures are left to
+        the real reads."""
+        if self._nursery is None or self._walk < 2 or self._ahead_running >= AHEAD_PARALLEL or not self._unread:
             return
         now = time.monotonic()
         for key in [k for k, (t, _) in self._ahead.items() if now - t > AHEAD_STALE]:
             del self._ahead[key]
         pending = sum(n for _, n in self._ahead.values())
-        while self._unread:
-            key, (fmt, ctx, nbytes, loaded) = next(iter(self._unread.items()))
-            if now - loaded > AHEAD_STALE:  # listed long ago: not what this scan follows
-                del self._unread[key]
-                continue
+        if self._ahead and pending >= self.prefetch_ahead:
+            return
+        while self._unread and next(iter(self._unread.values()))[3] < now - AHEAD_STALE:
+            self._unread.popitem(last=False)  # listed long ago: not what this scan follows
+        slots = AHEAD_PARALLEL - self._ahead_running
+        ahead = [(v[4], k) for k, v in self._unread.items() if v[4] > self._reading]
+        behind = [(v[4], k) for k, v in self._unread.items() if v[4] <= self._reading] if len(ahead) < slots else []
+        for _, key in heapq.nsmallest(slots, ahead) + heapq.nsmallest(slots - min(len(ahead), slots), behind):
+            fmt, ctx, nbytes, _, _ = self._unread[key]
             if self._ahead and pending + nbytes > self.prefetch_ahead:
                 return
             del self._unread[key]
             self._ahead[key] = (now, nbytes)
             pending += nbytes
+            self._ahead_running += 1
             self.read_aheads += 1
             self._nursery.start_soon(_guarded, self._fetch_ahead, fmt, key, ctx)
 
@@ -424,6 +462,9 @@ class ShardCache:
             log.debug("read-ahead of %s: %s", key, exc)
             if isinstance(exc, (PreconditionFailed, NotFound)):
                 self.forget(key)
+        finally:
+            self._ahead_running -= 1
+        self._read_ahead()  # the next one, if the reader still walks
 
     async def _prefetch(self, fmt: ShardFormat, key: str, index: ShardIndex, chunk_id: int):
         """Fetch stored chunks of the shard that are not cached, in the order

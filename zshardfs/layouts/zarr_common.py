@@ -363,8 +363,10 @@ class GridDataset(Dataset):
         return [(self._key(self.keys.format(s)), self.grid.shard_extent(s)) for s in shards]
 
     async def _warm_below(self, prefix: tuple[int, ...], coords) -> None:
-        """Background: list the storage directories ``prefix + (c,)`` and
-        load the indexes of the shards they hold, all at once."""
+        """Background: list the storage directories ``prefix + (c,)`` at
+        once, then load the indexes of the shards they hold (in the order a
+        walk reaches them: :meth:`ShardCache.preload`)."""
+        shards: list[tuple[str, Any]] = []
 
         async def one(c: int) -> None:
             storage_dir = "/".join(self.keys.dir_components(prefix + (c,)))
@@ -376,11 +378,12 @@ class GridDataset(Dataset):
             m = len(prefix) + 1
             found = sorted(s for name in listing.dirs
                            if (s := self.keys.parse_level(m, name)) is not None and 0 <= s < self.grid.shard_count(m))
-            await self.ctx.shards.preload(self.shard_format, self._leaf_shards(prefix + (c,), found))
+            shards.extend(self._leaf_shards(prefix + (c,), found))
 
         async with trio.open_nursery() as nursery:
             for c in coords:
                 nursery.start_soon(one, c)
+        await self.ctx.shards.preload(self.shard_format, shards)
 
     async def listdir(self, rel) -> AsyncIterator[tuple[str, Entry]]:
         keys, grid = self.keys, self.grid
