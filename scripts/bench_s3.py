@@ -271,7 +271,7 @@ def main() -> None:
     print(f"  {'':34} {'GETs/shard':>10} {'(data+index)':>13} {'MiB sent':>9} {'wall s':>7} {'MiB/s':>7}")
     for name, label in (("fuse", "zshardfs, find | xargs cat"),
                         ("fuse_par", f"zshardfs, xargs -P {args.parallel} cat"),
-                        ("zarr", "zarr-python open + arr[:] (ObjectStore)")):
+                        ("zarr", "zarr-python open + arr[:]")):
         rs = runs[name]
         per = med(rs, "server_gets") / n
         split = ""

@@ -736,6 +736,37 @@ def test_parallel_readers_overlap(mount, moto_server, bucket, array, slow_endpoi
     assert 4 <= proxy.max_inflight <= 8
 
 
+def test_metadata_probes_ask_at_once_and_never_twice(mount, moto_server, bucket, array, slow_endpoint):
+    """Is a directory a dataset? Every layout's probe asks at once (one
+    round trip, not one per layout); a directory listed first answers the
+    probes for documents it does not hold (no request), and a document found
+    missing is not asked for again within ``metadata_ttl``.  So a walk of a
+    store asks for no missing document at all, and a first lookup below the
+    root sends the root's probes together."""
+    proxy = slow_endpoint
+    moto_server.put_many(bucket, {f"{PREFIX}/plain/a/x.txt": b"x", f"{PREFIX}/plain/b/y.txt": b"yy"})
+    m = s3_mount(mount, moto_server, bucket, "metadata_ttl=60", endpoint=proxy.endpoint_url)
+    mark = moto_server.mark()
+    proxy.reset()
+    assert os.path.isdir(m.path / "plain")  # lookups: nothing was listed
+    assert proxy.max_inflight >= 2, "the probes of the root were sent one after another"
+    assert os.path.isdir(m.path / "plain/a") and os.path.isdir(m.path / "plain/b")
+    reqs = server_requests(moto_server, bucket, mark)
+    probes = sorted(key for kind, key, status in reqs if kind == "GET" and status == 404)
+    # the root's "info" is also where precomputed looks for "plain" (a scale's
+    # parent): asked once
+    assert probes == [f"{PREFIX}/{doc}" for doc in ("info", "plain/info", "plain/zarr.json", "zarr.json")], reqs
+
+    mark = moto_server.mark()
+    out = subprocess.run(["find", str(m.path)], capture_output=True, text=True, check=True).stdout
+    assert str(m.path / "plain/b/y.txt") in out and str(m.path / "arr/c/2/2/2") in out
+    reqs = server_requests(moto_server, bucket, mark)
+    missing = [key for kind, key, status in reqs if kind == "GET" and status == 404 and "/c/" not in key]
+    assert missing == [], "a probe asked again for a missing document, or for one its listing lacks"
+    documents = Counter(key for kind, key, status in reqs if kind == "GET" and "/c/" not in key)
+    assert documents == {f"{PREFIX}/arr/zarr.json": 1}, documents
+
+
 def test_walk_lists_and_loads_indexes_ahead(mount, moto_server, bucket, array, slow_endpoint):
     """A walk (``find``) of the array on S3: listing ``c`` lists the shard
     directories below it and loads their shards' indexes in the background,

@@ -28,6 +28,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import trio
+
 from .backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, StoreError, join_key
 from .layouts import LAYOUTS
 from .layouts.base import ChunkEntry, ChunkTarget, Dataset, DirEntry, LayoutContext
@@ -153,17 +155,32 @@ class View:
         cached = self.datasets.get(dir_key)
         if cached is not None:
             return cached[0]
-        found = None
-        for layout in LAYOUTS:
+        # Every layout asks at once: a directory that is no dataset costs one
+        # round trip, not one per layout.  The answer is the one asking in
+        # LAYOUTS order would give: the first dataset found, unless an
+        # earlier layout's probe failed (that error is raised).
+        answers: list = [None] * len(LAYOUTS)
+
+        async def probe(i: int, layout) -> None:
             try:
-                found = await layout.probe(self.ctx, dir_key)
+                answers[i] = await layout.probe(self.ctx, dir_key)
             except (CorruptData, NotFound) as exc:
                 log.warning("%s: %s", dir_key or "/", exc)
-                found = None
-            if found is not None:
+            except Exception as exc:  # noqa: BLE001 - raised below, in LAYOUTS order
+                answers[i] = exc
+
+        async with trio.open_nursery() as nursery:
+            for i, layout in enumerate(LAYOUTS):
+                nursery.start_soon(probe, i, layout)
+        dataset = None
+        for answer in answers:
+            if isinstance(answer, Exception):
+                raise answer
+            if answer is not None:
+                dataset = answer
                 break
-        self.datasets.put(dir_key, found)
-        return found
+        self.datasets.put(dir_key, dataset)
+        return dataset
 
     # -- nodes --------------------------------------------------------------
 
@@ -314,8 +331,10 @@ class View:
                 if fresh(child):
                     yield child
         else:
-            dataset = await self.dataset_at(node.key)
+            # listed first: the probes for metadata documents are then
+            # answered from the listing, with no request for those it lacks
             listing = await self.store.list(node.key)
+            dataset = await self.dataset_at(node.key)
             made = self.new_dirs.get(node.path)
             if made:  # stored now (local: at once; S3: once a file is below): no longer ours to remember
                 made.difference_update(listing.dirs)

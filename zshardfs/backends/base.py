@@ -231,7 +231,7 @@ class AsyncStore:
         self._unanswered: OrderedDict[tuple, float] = OrderedDict()  # (operation, key) -> when it failed
         # small whole objects (metadata documents) read in the last list_ttl
         # seconds: a probe and the listing that shows the document share one GET
-        self._documents: OrderedDict[str, tuple[Blob, float]] = OrderedDict()
+        self._documents: OrderedDict[str, tuple[Blob | None, float]] = OrderedDict()
 
     @property
     def counters(self) -> Counter:
@@ -251,11 +251,14 @@ class AsyncStore:
         started = time.monotonic()
         try:
             with trio.move_on_after(self.timeout) as scope:
-                result = await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
+                try:
+                    result = await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
+                except StoreError as exc:  # an answer too (not found, denied, precondition failed)
+                    self._unanswered.clear()
+                    self._trace(what, args, started, type(exc).__name__)
+                    raise
                 self._unanswered.clear()  # an answer: the endpoint is back for everyone
-                if log.isEnabledFor(logging.DEBUG):  # -o log_level=DEBUG: one line per storage call
-                    log.debug("storage %s %s %s: %.1f ms", what[0], what[1], args[1:3] if len(args) > 1 else "",
-                              1000 * (time.monotonic() - started))
+                self._trace(what, args, started)
                 return result
             if scope.cancelled_caught:
                 bump(self.backend.counters, "errors")  # worker threads bump concurrently
@@ -266,6 +269,13 @@ class AsyncStore:
             while len(self._unanswered) > 1024:
                 self._unanswered.popitem(last=False)
             raise
+
+    @staticmethod
+    def _trace(what: tuple, args: tuple, started: float, outcome: str = "") -> None:
+        """``-o log_level=DEBUG``: one line per storage call, with its time."""
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("storage %s %s %s: %s%.1f ms", what[0], what[1], args[1:3] if len(args) > 1 else "",
+                      f"{outcome} after " if outcome else "", 1000 * (time.monotonic() - started))
 
     def _seen(self, info: ObjectInfo | None) -> None:
         if info is not None:
@@ -286,11 +296,18 @@ class AsyncStore:
         self._seen(info)
         return info
 
+    def _fresh_listing(self, prefix: str) -> Listing | None:
+        """The listing of ``prefix`` if one was made within ``list_ttl``."""
+        cached = self._listings.get(prefix) if self.list_ttl > 0 else None
+        if cached is not None and time.monotonic() - cached[1] < self.list_ttl:
+            return cached[0]
+        return None
+
     async def is_dir(self, key: str) -> bool:
         parent, _, name = key.rpartition("/")
-        cached = self._listings.get(parent) if self.list_ttl > 0 else None
-        if cached is not None and time.monotonic() - cached[1] < self.list_ttl:
-            return name in cached[0].dirs  # a walk's lookups after its listing: no request
+        listing = self._fresh_listing(parent)
+        if listing is not None:
+            return name in listing.dirs  # a walk's lookups after its listing: no request
         return await self._run(self.backend.is_dir, key)
 
     async def get(self, key: str, start: int = 0, length: int | None = None, *,
@@ -306,20 +323,41 @@ class AsyncStore:
     async def get_document(self, key: str, etag: str | None = None) -> Blob:
         """The whole object ``key`` (a metadata document), from a read made
         within the last ``list_ttl`` seconds if there was one (and it was of
-        version ``etag``, when given); else read now."""
+        version ``etag``, when given); else read now.  Without ``etag``,
+        NotFound without a request when, within ``list_ttl``, a read found it
+        missing or a listing of its directory did not show it (most
+        directories are not datasets, and a probe asks for several documents
+        in each)."""
         cached = self._documents.get(key) if self.list_ttl > 0 else None
-        if cached is not None and time.monotonic() - cached[1] < self.list_ttl and \
-                (etag is None or cached[0].info.etag == etag):
-            self._documents.move_to_end(key)
-            return cached[0]
+        if cached is not None and time.monotonic() - cached[1] < self.list_ttl:
+            if cached[0] is None:
+                if etag is None:  # (a caller with a version in hand saw it since)
+                    raise NotFound(f"{key}: not found a moment ago", key)
+            elif etag is None or cached[0].info.etag == etag:
+                self._documents.move_to_end(key)
+                return cached[0]
+        if etag is None:
+            listing = self._fresh_listing(key.rpartition("/")[0])
+            if listing is not None and not any(info.key == key for info in listing.files):
+                raise NotFound(f"{key}: not in the listing of its directory", key)
         generation = self._list_generation
-        blob = await self.get(key)
-        if self.list_ttl > 0 and generation == self._list_generation and len(blob.data) <= self.DOCUMENT_MAX:
+        try:
+            blob = await self.get(key)
+        except NotFound:
+            self._keep_document(key, None, generation)
+            raise
+        if len(blob.data) <= self.DOCUMENT_MAX:
+            self._keep_document(key, blob, generation)
+        return blob
+
+    def _keep_document(self, key: str, blob: Blob | None, generation: int) -> None:
+        """Remember a document read (None: found missing) for ``list_ttl``,
+        unless a write of the mount's own happened while it was read."""
+        if self.list_ttl > 0 and generation == self._list_generation:
             self._documents[key] = (blob, time.monotonic())
             self._documents.move_to_end(key)
             while len(self._documents) > self.LIST_CACHE_ITEMS:
                 self._documents.popitem(last=False)
-        return blob
 
     async def get_or_none(self, key: str) -> Blob | None:
         try:
