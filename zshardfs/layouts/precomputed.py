@@ -771,18 +771,38 @@ async def _info(ctx: LayoutContext, key: str) -> dict | None:
 
 async def probe(ctx: LayoutContext, dir_key: str) -> PrecomputedDataset | None:
     """A directory of shards: described by its own ``info`` (top-level
-    ``sharding``) or by its parent's (a scale or annotation index ``key``)."""
-    doc = await _info(ctx, join_key(dir_key, "info"))
+    ``sharding``) or by its parent's (a scale or annotation index ``key``).
+    Both are asked for at once: one round trip."""
+    parent, _, name = dir_key.rpartition("/")
+    own, parents = join_key(dir_key, "info"), join_key(parent, "info")
+    docs: dict[str, dict | None | Exception] = {}
+
+    async def fetch(key: str) -> None:
+        try:
+            docs[key] = await _info(ctx, key)
+        except Exception as exc:  # noqa: BLE001 - raised below, in the order they are used
+            docs[key] = exc
+
+    async with trio.open_nursery() as nursery:
+        for key in (own, parents) if dir_key else (own,):
+            nursery.start_soon(fetch, key)
+
+    def answer(key: str) -> dict | None:
+        doc = docs[key]
+        if isinstance(doc, Exception):
+            raise doc
+        return doc
+
+    doc = answer(own)
     if doc is not None:
-        for part in parse_info(doc, join_key(dir_key, "info")):
+        for part in parse_info(doc, own):
             if part.key is None:
                 return PrecomputedDataset(ctx, dir_key, part.spec, part.naming, part.writable)
     if not dir_key:
         return None
-    parent, _, name = dir_key.rpartition("/")
-    doc = await _info(ctx, join_key(parent, "info"))
+    doc = answer(parents)
     if doc is not None:
-        for part in parse_info(doc, join_key(parent, "info")):
+        for part in parse_info(doc, parents):
             if part.key == name:
                 return PrecomputedDataset(ctx, dir_key, part.spec, part.naming, part.writable)
     return None
