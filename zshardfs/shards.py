@@ -188,8 +188,8 @@ class ShardCache:
         self.prefetches = 0
         # read-ahead across shards (see _read_ahead): shards whose index was
         # loaded (by a listing or lookup) and none of whose chunks was read
-        # yet, in load order = the order a scan following the listings will
-        # read them; and those fetched in the background but not read yet
+        # yet, in load order (for expiry), each with its scan_order; and
+        # those fetched in the background but not read yet
         self.prefetch_ahead = min(prefetch_ahead, chunk_cache_bytes // 2) if prefetch else 0
         self._unread: OrderedDict[str, tuple[ShardFormat, Any, int, float, tuple]] = OrderedDict()
         self._ahead: dict[str, tuple[float, int]] = {}  # key -> (started, bytes)
