@@ -170,6 +170,30 @@ def test_stat(store):
     assert b.stat("missing") is None
 
 
+def test_listing_and_stat_agree_on_mtime(store):
+    """The mtime of a listing's entry (S3: ISO 8601 in the XML) is the one
+    stat gives (S3: the RFC 1123 Last-Modified header), and it is now."""
+    b = store.backend
+    b.put("t/one", b"1")
+    listed = b.list("t").files[0]
+    assert listed.mtime == b.stat("t/one").mtime
+    assert abs(listed.mtime - time.time()) < 300
+
+
+@pytest.mark.parametrize("value", [
+    "2026-11-22T22:00:00.000Z", "2026-11-22T22:00:00Z", "2026-11-22T22:00:00.123456+01:00",
+    "Sun, 22 Nov 2026 22:00:00 GMT", "1700000000", "1700000000.5",
+])
+def test_s3_timestamps_parse_as_botocore_does(value):
+    import botocore.utils
+
+    from zshardfs.backends.s3 import parse_timestamp
+
+    assert parse_timestamp(value) == botocore.utils.parse_timestamp(value)
+    with pytest.raises(ValueError):
+        parse_timestamp("not a time")
+
+
 def test_is_dir(store):
     b = store.backend
     b.put("a/b/c", b"1")

@@ -28,10 +28,13 @@ import re
 import threading
 import time
 from collections import Counter
+from datetime import datetime
+from email.utils import parsedate_to_datetime
 from urllib.parse import urlsplit
 
 import boto3
 import botocore.exceptions as bce
+import botocore.utils
 from botocore.config import Config
 
 from .base import (
@@ -115,6 +118,18 @@ def _valid_endpoint(url: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
 
 
+def parse_timestamp(value: str) -> datetime:
+    """An S3 timestamp, as botocore's own parser would read it, faster:
+    ISO 8601 in XML bodies, RFC 1123 in headers; anything else goes to
+    botocore's (dateutil) parser."""
+    try:
+        if "T" in value:
+            return datetime.fromisoformat(value)
+        return parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return botocore.utils.parse_timestamp(value)
+
+
 class S3Backend:
     """Thread-safe; one botocore client (and its connection pool) shared by
     all worker threads.  The client is built on first use, so configuration
@@ -175,6 +190,11 @@ class S3Backend:
         try:
             if self._session is None:
                 self._session = boto3.Session(profile_name=self.profile)
+                # botocore parses every timestamp (Last-Modified of each GET,
+                # HEAD, and each key of a LIST) with dateutil: about 0.3 ms
+                # each, most of a request's CPU and most of a listing's
+                self._session._session.get_component("response_parser_factory").set_parser_defaults(
+                    timestamp_parser=parse_timestamp)
             config = Config(
                 connect_timeout=connect_timeout,
                 read_timeout=read_timeout,
