@@ -615,3 +615,34 @@ def test_server_killed_during_call_then_restarted(s3):
     assert blob.data == payload[4096:4096 + 65536]
     assert blob.info.size == len(payload)
     b.close()
+
+
+def test_outcomes_keep_each_error_itself_in_call_order():
+    """zshardfs.together.outcomes: calls run at once (the slow first one does
+    not hold up the others), results come back in call order, and a failure
+    is the exception itself in its place, not an ExceptionGroup."""
+    from zshardfs.backends.base import NotFound
+    from zshardfs.together import first_error, outcomes
+
+    finished = []
+
+    async def slow():
+        await trio.sleep(0.05)
+        finished.append("slow")
+        return 1
+
+    async def fails():
+        finished.append("fails")
+        raise NotFound("gone", "k")
+
+    async def fast():
+        finished.append("fast")
+        return 3
+
+    async def main():
+        return await outcomes(slow, fails, fast)
+
+    results = trio.run(main)
+    assert results[0] == 1 and isinstance(results[1], NotFound) and results[2] == 3
+    assert finished[-1] == "slow"  # the others did not wait for it
+    assert first_error(results) is results[1] and first_error([1, None]) is None

@@ -22,18 +22,18 @@ translates.  Nothing here knows a shard format: layouts do.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-import trio
-
 from .backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, StoreError, join_key
 from .layouts import LAYOUTS
 from .layouts.base import ChunkEntry, ChunkTarget, Dataset, DirEntry, LayoutContext
 from .shards import ShardCache
+from .together import outcomes
 from .writeback import WriteBack
 
 log = logging.getLogger(__name__)
@@ -159,24 +159,13 @@ class View:
         # round trip, not one per layout.  The answer is the one asking in
         # LAYOUTS order would give: the first dataset found, unless an
         # earlier layout's probe failed (that error is raised).
-        answers: list = [None] * len(LAYOUTS)
-
-        async def probe(i: int, layout) -> None:
-            try:
-                answers[i] = await layout.probe(self.ctx, dir_key)
-            except (CorruptData, NotFound) as exc:
-                log.warning("%s: %s", dir_key or "/", exc)
-            except Exception as exc:  # noqa: BLE001 - raised below, in LAYOUTS order
-                answers[i] = exc
-
-        async with trio.open_nursery() as nursery:
-            for i, layout in enumerate(LAYOUTS):
-                nursery.start_soon(probe, i, layout)
         dataset = None
-        for answer in answers:
-            if isinstance(answer, Exception):
+        for answer in await outcomes(*(functools.partial(layout.probe, self.ctx, dir_key) for layout in LAYOUTS)):
+            if isinstance(answer, (CorruptData, NotFound)):
+                log.warning("%s: %s", dir_key or "/", answer)
+            elif isinstance(answer, Exception):
                 raise answer
-            if answer is not None:
+            elif answer is not None:
                 dataset = answer
                 break
         self.datasets.put(dir_key, dataset)

@@ -68,15 +68,16 @@ empties the fragment data.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
 import numpy as np
-import trio
 
 from ..backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, join_key
 from ..shards import ByteLRU
 from ..singleflight import SingleFlight
+from ..together import first_error, outcomes
 from .base import ChunkEntry, ChunkTarget, Dataset, LayoutContext, dump_json, load_json, parse_index_name, warn_once
 from .precomputed_format import (
     U64_MAX,
@@ -240,19 +241,9 @@ class PrecomputedShardIndex:
         if len(groups) == 1:
             await load(groups[0])
         elif groups:  # the reads overlap instead of queueing (S3: one round trip, not one each)
-            failed: list[Exception] = []
-
-            async def load_or_note(group: list[int]) -> None:
-                try:
-                    await load(group)
-                except Exception as exc:  # noqa: BLE001 - raised below as itself, not as a group
-                    failed.append(exc)
-
-            async with trio.open_nursery() as nursery:
-                for group in groups:
-                    nursery.start_soon(load_or_note, group)
-            if failed:
-                raise failed[0]
+            error = first_error(await outcomes(*(functools.partial(load, group) for group in groups)))
+            if error is not None:
+                raise error
         return dict(sorted(out.items()))
 
     async def locate(self, chunk_id: int) -> tuple[int, int] | None:
@@ -775,32 +766,21 @@ async def probe(ctx: LayoutContext, dir_key: str) -> PrecomputedDataset | None:
     Both are asked for at once: one round trip."""
     parent, _, name = dir_key.rpartition("/")
     own, parents = join_key(dir_key, "info"), join_key(parent, "info")
-    docs: dict[str, dict | None | Exception] = {}
+    docs = await outcomes(*(functools.partial(_info, ctx, key) for key in ((own, parents) if dir_key else (own,))))
 
-    async def fetch(key: str) -> None:
-        try:
-            docs[key] = await _info(ctx, key)
-        except Exception as exc:  # noqa: BLE001 - raised below, in the order they are used
-            docs[key] = exc
+    def answer(i: int) -> dict | None:
+        if isinstance(docs[i], Exception):
+            raise docs[i]
+        return docs[i]
 
-    async with trio.open_nursery() as nursery:
-        for key in (own, parents) if dir_key else (own,):
-            nursery.start_soon(fetch, key)
-
-    def answer(key: str) -> dict | None:
-        doc = docs[key]
-        if isinstance(doc, Exception):
-            raise doc
-        return doc
-
-    doc = answer(own)
+    doc = answer(0)
     if doc is not None:
         for part in parse_info(doc, own):
             if part.key is None:
                 return PrecomputedDataset(ctx, dir_key, part.spec, part.naming, part.writable)
     if not dir_key:
         return None
-    doc = answer(parents)
+    doc = answer(1)
     if doc is not None:
         for part in parse_info(doc, parents):
             if part.key == name:
