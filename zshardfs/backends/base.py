@@ -253,8 +253,9 @@ class AsyncStore:
             with trio.move_on_after(self.timeout) as scope:
                 try:
                     result = await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
-                except StoreError as exc:  # an answer too (not found, denied, precondition failed)
-                    self._unanswered.clear()
+                except StoreError as exc:
+                    if not isinstance(exc, Unavailable):  # an answer too (not found, denied, ...)
+                        self._unanswered.clear()
                     self._trace(what, args, started, type(exc).__name__)
                     raise
                 self._unanswered.clear()  # an answer: the endpoint is back for everyone
