@@ -360,6 +360,34 @@ def test_async_store_timeout(store, monkeypatch):
     assert b.counters["errors"] == 1
 
 
+def test_async_store_fails_fast_after_no_answer(store, monkeypatch):
+    """After a call got no answer, the same call fails at once for a moment
+    (the kernel repeats a failed page read many times); an unreachable
+    endpoint reported for another key does not reset that, an answer does."""
+    b = store.backend
+    b.put("k", b"1")
+    calls = []
+
+    def unreachable(key, *args, **kwargs):
+        calls.append(key)
+        raise Unavailable("no route")
+
+    monkeypatch.setattr(b, "get", unreachable)
+    astore = AsyncStore(b, timeout=5)
+
+    async def main():
+        for key in ("a", "b", "a", "b"):
+            with pytest.raises(Unavailable):
+                await astore.get(key)
+        assert calls == ["a", "b"]  # the repeats were answered from memory
+        monkeypatch.undo()
+        assert (await astore.stat("k")).size == 1  # an answer: the endpoint is back...
+        with pytest.raises(NotFound):  # ...so "a" is asked again (and is missing)
+            await astore.get("a")
+
+    trio.run(main)
+
+
 # ---------------------------------------------------------------------------
 # S3 only: layout, requests on the wire
 
