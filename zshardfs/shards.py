@@ -194,7 +194,7 @@ class ShardCache:
         self._unread: OrderedDict[str, tuple[ShardFormat, Any, int, float, tuple]] = OrderedDict()
         self._ahead: dict[str, tuple[float, int]] = {}  # key -> (started, bytes)
         self._ahead_running = 0
-        self._reading: tuple = ()  # scan_order of the shard read last
+        self._reading_key, self._reading = "", ()  # the shard read last, its scan_order
         self._nursery: trio.Nursery | None = None
         self.read_aheads = 0
         # any fresh answer from storage about a shard re-validates its index
@@ -285,7 +285,8 @@ class ShardCache:
         """The whole stored chunk as the view shows it, or None if absent."""
         if self.prefetch_ahead:
             self._unread.pop(key, None)
-            self._reading = scan_order(key)
+            if key != self._reading_key:  # (runs of reads in one shard: parse its key once)
+                self._reading_key, self._reading = key, scan_order(key)
             if self._ahead.pop(key, None) is not None or self._walk >= 2:
                 self._read_ahead()
         scan = None
