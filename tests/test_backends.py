@@ -236,6 +236,42 @@ def test_list_many(store):
         assert b.counters["list"] - before == 2  # one count per page
 
 
+def test_a_directory_found_is_listed_and_answers_lookups_below(store):
+    """With listings kept (``metadata_ttl``), the request that finds a
+    directory (S3: a LIST) keeps its listing when one page holds it: the
+    listing, and the lookups below it (stat, is_dir), then cost nothing.  A
+    directory of more than one page is only found.  Re-validation (stat
+    without ``listed_ok``) always asks."""
+    b = store.backend
+    items = {"d/x": b"1", "d/sub/y": b"22"}
+    items.update({f"big/f{i:04d}": b"z" for i in range(1001)})
+    store.seed(items)
+    astore = AsyncStore(b, timeout=30, list_ttl=60)
+
+    def requests():
+        return sum(b.counters[k] for k in ("list", "head", "get", "get_range"))
+
+    async def main():
+        assert await astore.is_dir("d")
+        after_found = requests()
+        listing = await astore.list("d")
+        assert listing.dirs == ["sub"] and [f.key for f in listing.files] == ["d/x"]
+        assert (await astore.stat("d/x", listed_ok=True)).size == 1
+        assert await astore.stat("d/nope", listed_ok=True) is None
+        assert await astore.is_dir("d/sub") and not await astore.is_dir("d/x")
+        if store.kind == "s3":
+            assert requests() == after_found, "the listing of a directory just found was asked again"
+        assert (await astore.stat("d/x")).size == 1  # asks
+        if store.kind == "s3":
+            assert requests() == after_found + 1
+            lists = b.counters["list"]
+            assert await astore.is_dir("big")
+            await astore.list("big")  # two pages: the one that found it was not kept
+            assert b.counters["list"] - lists == 3
+
+    trio.run(main)
+
+
 # ---------------------------------------------------------------------------
 # conformance: writes
 

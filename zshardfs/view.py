@@ -257,7 +257,7 @@ class View:
         if dataset is not None and dataset.claims((name,)):
             return await self._dataset_child(path, dataset, (name,))
         key = join_key(parent.key, name)
-        info = await self.store.stat(key)
+        info = await self.store.stat(key, listed_ok=True)
         if info is not None:
             return await self._stored_file(path, info)
         if await self.store.is_dir(key):

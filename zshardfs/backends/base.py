@@ -105,6 +105,14 @@ class Listing:
     dirs: list[str]  # immediate sub-"directory" names (common prefixes)
     files: list[ObjectInfo]  # immediate objects, ``key`` is the full key
 
+    def file(self, key: str) -> ObjectInfo | None:
+        """The entry of the object ``key`` (a full key), if listed."""
+        by_key = self.__dict__.get("_by_key")
+        if by_key is None:  # built on first use: most listings are only walked
+            by_key = {info.key: info for info in self.files}
+            object.__setattr__(self, "_by_key", by_key)
+        return by_key.get(key)
+
 
 class Backend(Protocol):
     """Synchronous storage primitives.  Implementations must be thread-safe."""
@@ -292,7 +300,15 @@ class AsyncStore:
             for i in range(len(parts)):
                 self._listings.pop("/".join(parts[:i]), None)
 
-    async def stat(self, key: str) -> ObjectInfo | None:
+    async def stat(self, key: str, *, listed_ok: bool = False) -> ObjectInfo | None:
+        """Info of the object ``key``, asked now; with ``listed_ok``, from a
+        listing of its directory made within ``list_ttl`` if there is one (a
+        lookup after a listing, as in ``ls`` then ``cat``, costs no request).
+        Re-validation of a cached version must ask: a listing may be older."""
+        if listed_ok:
+            listing = self._fresh_listing(key.rpartition("/")[0])
+            if listing is not None:
+                return listing.file(key)
         info = await self._run(self.backend.stat, key)
         self._seen(info)
         return info
@@ -309,7 +325,14 @@ class AsyncStore:
         listing = self._fresh_listing(parent)
         if listing is not None:
             return name in listing.dirs  # a walk's lookups after its listing: no request
-        return await self._run(self.backend.is_dir, key)
+        dir_page = getattr(self.backend, "dir_page", None)
+        if dir_page is None or self.list_ttl <= 0:
+            return await self._run(self.backend.is_dir, key)
+        generation = self._list_generation
+        exists, listing = await self._run(dir_page, key)
+        if listing is not None:  # its listing, which usually comes next
+            self._keep_listing(key, listing, generation)
+        return exists
 
     async def get(self, key: str, start: int = 0, length: int | None = None, *,
                   suffix: int | None = None, if_match: str | None = None) -> Blob:
@@ -339,7 +362,7 @@ class AsyncStore:
                 return cached[0]
         if etag is None:
             listing = self._fresh_listing(key.rpartition("/")[0])
-            if listing is not None and not any(info.key == key for info in listing.files):
+            if listing is not None and listing.file(key) is None:
                 raise NotFound(f"{key}: not in the listing of its directory", key)
         generation = self._list_generation
         try:
@@ -377,6 +400,12 @@ class AsyncStore:
         generation = self._list_generation
         with self._lists.loading(prefix):
             listing = await self._run(self.backend.list, prefix)
+        self._keep_listing(prefix, listing, generation)
+        return listing
+
+    def _keep_listing(self, prefix: str, listing: Listing, generation: int) -> None:
+        """Pass on the versions a listing shows, and keep it for ``list_ttl``
+        unless a write of the mount's own happened while it was made."""
         for info in listing.files:
             self._seen(info)
         if (self.list_ttl > 0 and generation == self._list_generation
@@ -385,7 +414,6 @@ class AsyncStore:
             self._listings.move_to_end(prefix)
             while len(self._listings) > self.LIST_CACHE_ITEMS:
                 self._listings.popitem(last=False)
-        return listing
 
     async def put(self, key: str, data: bytes, *, if_match: str | None = None,
                   if_none_match: bool = False) -> ObjectInfo:

@@ -345,6 +345,20 @@ class S3Backend:
         resp = self._call("list", "list_objects_v2", key, Prefix=self._dir(key), MaxKeys=1)
         return resp.get("KeyCount", 0) > 0 or bool(resp.get("Contents"))
 
+    def dir_page(self, key: str) -> tuple[bool, Listing | None]:
+        """Is ``key`` a directory, and its listing if one page holds all of
+        it.  One LIST either way: the lookup of a directory is nearly always
+        followed by its listing, which then costs no request of its own."""
+        if not key:
+            return True, None
+        dir_prefix = self._dir(key)
+        resp = self._call("list", "list_objects_v2", key, Prefix=dir_prefix, Delimiter="/")
+        exists = bool(resp.get("CommonPrefixes") or resp.get("Contents"))
+        if resp.get("IsTruncated"):
+            return exists, None
+        dirs, files = self._page(resp, dir_prefix)
+        return exists, Listing(sorted(dirs), sorted(files, key=lambda f: f.key))
+
     def _empty(self, key: str, if_match: str | None) -> Blob:
         """Zero bytes requested or available: S3 cannot express that as a
         range (416), so the version comes from a HEAD."""
@@ -412,15 +426,9 @@ class S3Backend:
         params = {"Prefix": dir_prefix, "Delimiter": "/"}
         while True:
             resp = self._call("list", "list_objects_v2", prefix, **params)
-            for cp in resp.get("CommonPrefixes", ()):
-                name = cp["Prefix"][len(dir_prefix):].rstrip("/")
-                if name:
-                    dirs.append(name)
-            for obj in resp.get("Contents", ()):
-                name = obj["Key"][len(dir_prefix):]
-                if not name or name.endswith("/"):
-                    continue  # "directory marker" objects written by some tools
-                files.append(self._info(self._rel(obj["Key"]), obj, obj.get("Size", 0)))
+            page_dirs, page_files = self._page(resp, dir_prefix)
+            dirs += page_dirs
+            files += page_files
             token = resp.get("NextContinuationToken")
             if not resp.get("IsTruncated") or not token:
                 break
@@ -428,6 +436,21 @@ class S3Backend:
         dirs.sort()
         files.sort(key=lambda f: f.key)
         return Listing(dirs, files)
+
+    def _page(self, resp: dict, dir_prefix: str) -> tuple[list[str], list[ObjectInfo]]:
+        """The directories and files of one ListObjectsV2 page."""
+        dirs = []
+        for cp in resp.get("CommonPrefixes", ()):
+            name = cp["Prefix"][len(dir_prefix):].rstrip("/")
+            if name:
+                dirs.append(name)
+        files = []
+        for obj in resp.get("Contents", ()):
+            name = obj["Key"][len(dir_prefix):]
+            if not name or name.endswith("/"):
+                continue  # "directory marker" objects written by some tools
+            files.append(self._info(self._rel(obj["Key"]), obj, obj.get("Size", 0)))
+        return dirs, files
 
     # -- writes ----------------------------------------------------------------
 
