@@ -864,6 +864,126 @@ def test_made_directories_are_remembered_only_while_empty(store, mount):
     assert m.stats()["made_dirs"] == 0
 
 
+def test_rename_moves_the_open_file_with_it(store, mount, tmp_path):
+    """As on POSIX, a file renamed while open for writing keeps receiving
+    that handle's writes under its new name: a plain file, a temporary
+    renamed onto a chunk, a chunk renamed onto a chunk, and Python's
+    ``os.replace`` inside the ``with`` block (its buffered bytes are written
+    after the rename).  Nothing reappears under the old names."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    c = m / "arr" / "c"
+    chunk = raw_chunk(7)
+    cases = [(m / "notes.tmp", m / "notes.txt", b"11112222"),
+             (c / "0" / ".0.partial", c / "0" / "0", chunk),
+             (c / "1" / "1", c / "2" / "2", chunk)]
+    for old, new, content in cases:
+        fd = os.open(old, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            os.write(fd, content[:6])
+            os.rename(old, new)
+            os.write(fd, content[6:])
+        finally:
+            os.close(fd)
+        assert new.read_bytes() == content, new
+        assert not old.exists(), old
+    with open(c / "3" / "3.tmp", "wb") as f:
+        f.write(raw_chunk(9))
+        os.replace(c / "3" / "3.tmp", c / "3" / "3")
+    assert (c / "3" / "3").read_bytes() == raw_chunk(9)
+    m.umount()
+    assert store.get("notes.txt") == b"11112222" and store.get("notes.tmp") is None
+    got = stored_chunks(store, "arr", (2, 2))
+    assert got[0, 0] == chunk and got[2, 2] == chunk and got[3, 3] == raw_chunk(9)
+    assert (1, 1) not in got
+    assert got[0, 1] == data[0:2, 2:4].tobytes()
+
+
+def test_names_outside_the_grid_are_refused(store, mount, tmp_path):
+    """A name spelled as a chunk but outside the array's grid can never be
+    stored: creating it, renaming onto it or making it a directory fails
+    at once with ENOENT (it was once accepted, kept in memory and dropped
+    at the next sync, after fsync had returned 0)."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    seed_array(store, tmp_path, "dot", (8, 8), (2, 2), (4, 4), "<i4", data=data, sep=".")
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    for name in ("arr/c/0/4", "arr/c/0/17", "dot/c.0.4", "dot/c.4.0"):
+        with pytest.raises(FileNotFoundError):
+            write_file(m / name, raw_chunk(1), fsync=True)
+    with pytest.raises(FileNotFoundError):
+        os.rename(m / "arr/c/2/3", m / "arr/c/2/5")
+    with pytest.raises(FileNotFoundError):
+        os.mkdir(m / "arr/c/4")
+    assert (m / "arr/c/2/3").read_bytes() == data[4:6, 6:8].tobytes()
+    (m / "arr/c/0/0.tmp").write_bytes(b"a temporary name is still fine")
+    os.unlink(m / "arr/c/0/0.tmp")
+    m.umount()
+    assert stored_chunks(store, "arr", (2, 2))[2, 3] == data[4:6, 6:8].tobytes()
+    assert "discarded" not in m.log_text()  # nothing was kept only to be dropped
+
+
+def test_open_for_writing_shows_what_the_view_shows(store, mount, tmp_path):
+    """Opening a sharded array's zarr.json read-write (an editor, ``r+``)
+    starts from the view's document, so other readers keep seeing valid
+    metadata while it is open; closing it unchanged stores nothing.  A
+    chunk file opened read-write and then unlinked by another process is
+    still readable through its descriptor, as on POSIX."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    stored_doc = store.get("arr/zarr.json")
+    m = mount(store.source, "flush_delay=60", "open_fill=0", extra=store.extra)
+    shown = (m / "arr/zarr.json").read_bytes()
+    fd = os.open(m / "arr/zarr.json", os.O_RDWR)
+    try:
+        assert os.pread(fd, len(shown) + 10, 0) == shown
+        out = subprocess.run([sys.executable, "-c", "import sys, zarr; "
+                              f"print(int(zarr.open_array({str(m / 'arr')!r}, mode='r')[...].sum()))"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == str(int(data.sum())), out.stderr
+    finally:
+        os.close(fd)
+    m.umount()
+    assert store.get("arr/zarr.json") == stored_doc
+
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    chunk = m / "arr/c/1/2"
+    fd = os.open(chunk, os.O_RDWR)
+    try:
+        os.pwrite(fd, b"ZZ", 0)
+        os.unlink(chunk)
+        assert os.pread(fd, 100, 0) == b"ZZ" + data[2:4, 4:6].tobytes()[2:]
+    finally:
+        os.close(fd)
+    assert not chunk.exists()
+
+
+def test_cp_r_copies_an_array_into_a_shard_mount(store, mount, tmp_path):
+    """``cp -r`` of an unsharded array into a ``-o shard=2`` mount stores it
+    sharded.  cp makes each directory of the new array with mkdir right
+    after writing chunks elsewhere, and treats EEXIST as an error: in an
+    array made through the mount, a chunk directory exists only once made
+    or written to, as in a directory store."""
+    data = np.arange(8 * 8 * 4, dtype="<i4").reshape(8, 8, 4)
+    src = tmp_path / "unsharded"
+    zarr.create_array(store=str(src / "arr"), shape=data.shape, chunks=(2, 2, 2), dtype="<i4",
+                      fill_value=0, compressors=None)[...] = data
+    m = mount(store.source, "shard=2", "flush_delay=60", extra=store.extra)
+    out = subprocess.run(["cp", "-r", src / "arr", m / "arr"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert not (m / "arr/c/0/7").exists()  # inside the grid, never written: no such directory
+    np.testing.assert_array_equal(zarr.open_array(str(m / "arr"), mode="r")[...], data)
+    m.umount()
+    root = store.local_copy(tmp_path / "copy")
+    stored = zarr.open_array(str(root / "arr"), mode="r")
+    assert stored.shards == (4, 4, 4)
+    np.testing.assert_array_equal(stored[...], data)
+    m = mount(store.source, "ro", extra=store.extra)
+    assert (m / "arr/c/3/3").is_dir()  # an array found in storage: as before
+    np.testing.assert_array_equal(zarr.open_array(str(m / "arr"), mode="r")[...], data)
+
+
 # ---------------------------------------------------------------------------
 # back-pressure
 

@@ -147,6 +147,18 @@ class View:
         self.new_chunks: dict[str, dict[str, tuple[Dataset, tuple, ChunkTarget]]] = {}  # dir -> name -> chunk
         self._new_chunks_pruned_at = 0
         self.new_dirs: dict[str, set[str]] = {}  # dir -> names of directories made here
+        # path -> handles open for writing there: a rename moves them along
+        self.writers: dict[str, set[Handle]] = {}
+        # Datasets whose metadata this mount created, and the chunk
+        # directories it wrote chunks into.  A chunk directory of any other
+        # dataset exists as soon as it is inside the grid (cheap: no index is
+        # read to prove it); in a dataset made here it exists only once made
+        # or written to, as in a directory store, because a tool copying an
+        # array in (``cp -r``) makes each directory after writing others and
+        # expects no EEXIST (which the kernel answers itself for a name that a
+        # lookup found).  All of its content came through this mount.
+        self.born_here: set[str] = set()
+        self.written_dirs: set[str] = set()
 
     # -- datasets -----------------------------------------------------------
 
@@ -235,6 +247,8 @@ class View:
         if entry is None:
             return None
         if isinstance(entry, DirEntry):
+            if dataset.root in self.born_here and path not in self.written_dirs:
+                return None
             return Node(path, True, 0, entry.mtime or self.started, dataset=dataset, rel=rel)
         return self._chunk_node(path, dataset, rel, entry, target)
 
@@ -247,15 +261,18 @@ class View:
         buf = self.buffers.get(path)
         if buf is not None:
             return self._buffer_node(buf)
-        if name in self.new_dirs.get(parent.path, ()):
-            if self._in_dataset(parent):
-                return Node(path, True, 0, time.time(), dataset=parent.dataset, rel=parent.rel + (name,))
-            return Node(path, True, 0, time.time(), key=join_key(parent.key, name))
+        made = name in self.new_dirs.get(parent.path, ())
+        if made and self._in_dataset(parent):
+            return Node(path, True, 0, time.time(), dataset=parent.dataset, rel=parent.rel + (name,))
         if self._in_dataset(parent):
             return await self._dataset_child(path, parent.dataset, parent.rel + (name,))
         dataset = await self.dataset_at(parent.key)
         if dataset is not None and dataset.claims((name,)):
+            if made:  # the chunk directory of an array, made before it held anything
+                return Node(path, True, 0, time.time(), dataset=dataset, rel=(name,))
             return await self._dataset_child(path, dataset, (name,))
+        if made:
+            return Node(path, True, 0, time.time(), key=join_key(parent.key, name))
         key = join_key(parent.key, name)
         info = await self.store.stat(key, listed_ok=True)
         if info is not None:
@@ -384,6 +401,10 @@ class View:
         buf = buf or self.buffers.get(node.path)
         if buf is not None:
             return bytes(buf.data[offset: offset + size])
+        chunk = handle.chunk if isinstance(handle, Handle) else None
+        if chunk is not None and chunk.data is not None:
+            # its own file, as on POSIX, also once unlinked or replaced by a rename
+            return bytes(chunk.data[offset: offset + size])
         if node.is_chunk:
             data = await self.content(node)
             return data[offset: offset + size]
@@ -406,6 +427,11 @@ class View:
 
     def _remember_new_chunk(self, node: Node) -> None:
         self.new_chunks.setdefault(_parent(node.path), {})[node.name] = (node.dataset, node.rel, node.target)
+        if node.dataset.root in self.born_here:
+            path = _parent(node.path)
+            for _ in node.rel[:-1]:
+                self.written_dirs.add(path)
+                path = _parent(path)
 
     async def open(self, node: Node, *, write: bool, truncate: bool) -> Handle:
         if not write:
@@ -423,16 +449,29 @@ class View:
                 del chunk.data[:]
                 self.writeback.changed(t.shard_key, chunk)
             self._remember_new_chunk(node)
-            return Handle(node, True, chunk=chunk)
+            return self._writer(Handle(node, True, chunk=chunk))
         buf = self.buffers.get(node.path)
         if buf is None:
-            data = b"" if truncate else await self._stored_bytes(node)
+            # what the view shows (a rewritten document, mapped back if it
+            # is changed), so readers see the same bytes while it is open
+            data = b"" if truncate else node.document if node.document is not None else await self._stored_bytes(node)
             buf = self.buffers[node.path] = FileBuffer(node.path, node.key, bytearray(data))
         if truncate and buf.data:
             del buf.data[:]
             buf.dirty = True
         buf.handles += 1
-        return Handle(node, True, buffer=buf)
+        return self._writer(Handle(node, True, buffer=buf))
+
+    def _writer(self, handle: Handle) -> Handle:
+        self.writers.setdefault(handle.node.path, set()).add(handle)
+        return handle
+
+    def _not_writer(self, handle: Handle) -> None:
+        handles = self.writers.get(handle.node.path)
+        if handles is not None:
+            handles.discard(handle)
+            if not handles:
+                del self.writers[handle.node.path]
 
     async def _stored_bytes(self, node: Node) -> bytes:
         if node.key is None:
@@ -456,12 +495,14 @@ class View:
             if target is not None:
                 node = Node(path, False, 0, time.time(), dataset=dataset, rel=rel, target=target)
                 return await self.open(node, write=True, truncate=True)
+            if dataset.outside(rel):
+                raise ViewError(errno.ENOENT, f"{path}: outside the array's chunk grid")
             key = None  # scratch: a temporary name inside the chunk namespace
         else:
             key = join_key(parent.key, name)
         buf = self.buffers[path] = FileBuffer(path, key, bytearray(), dirty=True, in_store=False)
         buf.handles += 1
-        return Handle(self._buffer_node(buf), True, buffer=buf)
+        return self._writer(Handle(self._buffer_node(buf), True, buffer=buf))
 
     async def write(self, handle: Handle, offset: int, data: bytes) -> int:
         if not handle.writable:
@@ -532,6 +573,12 @@ class View:
                 if accepted is not None:
                     data = accepted
                     break
+        if not buf.in_store and any(layout.is_document(buf.key) for layout in LAYOUTS):
+            # a new dataset, if nothing is stored below it yet (see __init__)
+            root = _parent(buf.key)
+            listing = await self.store.list(root)
+            if not listing.dirs and all(any(layout.is_document(f.key) for layout in LAYOUTS) for f in listing.files):
+                self.born_here.add(root)
         await self.store.put(buf.key, data)
         buf.dirty = False
         buf.in_store = True
@@ -547,6 +594,7 @@ class View:
             await self.writeback.flush(handle.node.target.shard_key)
 
     async def release(self, handle: Handle) -> None:
+        self._not_writer(handle)
         if handle.buffer is not None:
             buf = handle.buffer
             buf.handles -= 1
@@ -591,6 +639,8 @@ class View:
         self._check_writable()
         if await self.lookup(parent, name) is not None:
             raise ViewError(errno.EEXIST, f"{name}: exists")
+        if self._in_dataset(parent) and parent.dataset.outside(parent.rel + (name,)):
+            raise ViewError(errno.ENOENT, f"{name}: outside the array's chunk grid")
         if not self._in_dataset(parent):
             dataset = await self.dataset_at(parent.key)
             if dataset is None or not dataset.claims((name,)):
@@ -634,6 +684,27 @@ class View:
             self.buffers.pop(node.path, None)  # scratch: nothing stored to remove
         else:
             await self.unlink(parent, name)
+        await self._move_writers(node.path, new_parent, new_name)
+
+    async def _move_writers(self, path: str, new_parent: Node, new_name: str) -> None:
+        """Handles still open for writing on a renamed file write to its new
+        name from now on, as on POSIX, where the open file is what moved.
+        (Python's ``with open(tmp) as f: ...; os.replace(tmp, final)`` writes
+        its buffered bytes only after the rename.)"""
+        handles = self.writers.pop(path, ())
+        if not handles:
+            return
+        node = await self.lookup(new_parent, new_name)
+        for h in handles:
+            moved = await self.open(node, write=True, truncate=False)
+            self._not_writer(moved)
+            if h.buffer is not None:
+                h.buffer.handles -= 1  # the old name's buffer: removed by the rename
+            elif h.chunk is not None:
+                t = h.node.target
+                self.writeback.close_chunk(t.shard_key, t.chunk_id, h.chunk)
+            h.node, h.buffer, h.chunk = moved.node, moved.buffer, moved.chunk
+            self._writer(h)
 
     async def sync(self) -> list[StoreError]:
         """Store everything that is only in memory (sync, unmount, SIGTERM)."""

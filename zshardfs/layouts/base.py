@@ -104,6 +104,12 @@ class Dataset(ABC):
         yet; None if ``rel`` is not a valid chunk file name.  No I/O."""
         return None
 
+    def outside(self, rel: tuple[str, ...]) -> bool:
+        """True if ``rel`` is spelled as a chunk file or chunk directory but
+        lies outside the dataset's grid: it can never exist, so creating it
+        is refused (a temporary name would be kept in memory and dropped)."""
+        return False
+
     async def read(self, entry: ChunkEntry | ChunkTarget) -> bytes:
         """The whole content of a chunk file (the view reads every chunk file
         through here, so a layout can show more than one stored chunk)."""

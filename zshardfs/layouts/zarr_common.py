@@ -271,6 +271,10 @@ class GridDataset(Dataset):
         return ChunkTarget(self._key(self.keys.format(shard)), linear_index(pos, extent), extent,
                            self.grid.capacity(shard))
 
+    def outside(self, rel) -> bool:
+        parsed = self.keys.parse(rel)
+        return parsed is not None and not all(0 <= c < n for c, n in zip(parsed[0], self.grid.inner_counts))
+
     # -- lookup -------------------------------------------------------------
 
     async def chunk_entry(self, coords) -> ChunkEntry | None:
