@@ -4,6 +4,11 @@
 - ``is_document(key) -> bool``: cheap name test for metadata it may rewrite
 - ``rewrite_document(key, data) -> bytes | None``
 
+and optionally ``accept_document(key, new, stored, shard_option)`` (what to
+store when a document is written through the view) and its variant with
+storage reads, ``async accept_document_async(ctx, key, new, stored,
+shard_option, pending)``.
+
 ``LAYOUTS`` is the order in which the view asks them.
 """
 

@@ -5,6 +5,7 @@ sharding codec's inner ``codecs`` and a regular ``chunk_grid`` of the inner
 chunk shape; its chunk files are the inner chunks, named with the array's
 own ``chunk_key_encoding``.  Group documents pass through, with the array
 documents embedded in ``consolidated_metadata`` rewritten the same way.
+Documents written through the view are mapped back (``accept_document``).
 
 Arrays whose codec chain the view cannot express (array->array codecs
 before the sharding codec, bytes->bytes codecs after it, an index codec
@@ -14,10 +15,13 @@ other than ``bytes`` [+ ``crc32c``]) are shown raw, with one warning.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..backends.base import NotFound, join_key
+from ..together import outcomes
 from .base import LayoutContext, dump_json, load_json, warn_once
 from .grids import GridError, ShardGrid, parse_chunk_grid
 from .zarr_common import ChunkKeys, GridDataset, ZarrShardFormat, parse_separator
@@ -107,6 +111,26 @@ def _rewrite_array(doc: dict, what: str) -> dict | None:
     return view_array_doc(doc, meta) if meta else None
 
 
+# Sharded array documents as stored, by key, that this process showed
+# rewritten or stored through the view (the last SHOWN_MAX): a tool that
+# consolidates metadata through the view embeds what it read there, and each
+# member maps back to the stored document it was shown from.  Only a fallback
+# for a view that cannot call accept_document_async (which reads them).
+SHOWN_MAX = 4096
+_shown: OrderedDict[str, bytes] = OrderedDict()
+
+
+def _remember(key: str, stored: bytes | None) -> None:
+    """``stored`` is what ``key`` holds now (None: not a sharded array)."""
+    if stored is None:
+        _shown.pop(key, None)
+        return
+    _shown[key] = stored
+    _shown.move_to_end(key)
+    while len(_shown) > SHOWN_MAX:
+        _shown.popitem(last=False)
+
+
 def is_document(key: str) -> bool:
     return key.rsplit("/", 1)[-1] == "zarr.json"
 
@@ -120,6 +144,7 @@ def rewrite_document(key: str, data: bytes) -> bytes | None:
         return None
     if doc.get("node_type") == "array":
         new = _rewrite_array(doc, key)
+        _remember(key, data if new is not None else None)
         return dump_json(new) if new is not None else None
     cm = doc.get("consolidated_metadata")
     if doc.get("node_type") == "group" and isinstance(cm, dict) and isinstance(cm.get("metadata"), dict):
@@ -179,53 +204,170 @@ def _sharded_doc(doc: dict, factors: tuple[int, ...]) -> dict | None:
     return out
 
 
-def accept_document(key: str, new: bytes, stored: bytes | None, shard_option) -> bytes | None:
+def _meta_or_none(doc: dict) -> ShardedArrayMeta | None:
+    try:
+        return sharded_array_meta(doc)
+    except Unsupported:
+        return None
+
+
+def _is_unsharded_array(doc) -> bool:
+    """A v3 array document a tool may have written from the view's rendering."""
+    if not isinstance(doc, dict) or doc.get("node_type") != "array" or doc.get("zarr_format") != 3:
+        return False
+    try:
+        return sharded_array_meta(doc) is None
+    except Unsupported:
+        return False  # sharded, in a form the view shows raw: written as stored
+
+
+def _map_back(doc: dict, old: dict, old_meta: ShardedArrayMeta) -> dict:
+    """The stored form of ``doc``, a view of the sharded array ``old`` edited by
+    a tool: its sharding put back.  ValueError for a change that would make the
+    stored chunks unreadable (inner chunk shape, codecs, data type, key encoding)."""
+    view = view_array_doc(old, old_meta)
+    if doc == view:
+        return old
+    for field_name in ("codecs", "chunk_grid", "data_type", "chunk_key_encoding"):
+        if doc.get(field_name) != view.get(field_name):
+            raise ValueError(f"changing {field_name} of a sharded array would make its stored chunks unreadable")
+    out = dict(doc)
+    out["codecs"] = old["codecs"]
+    out["chunk_grid"] = old["chunk_grid"]
+    try:
+        ShardGrid.build(out["shape"], parse_chunk_grid(out["chunk_grid"], out["shape"]),
+                        old_meta.inner_chunk_shape)
+    except (GridError, TypeError, KeyError) as exc:
+        raise ValueError(f"the new shape does not fit the stored shard grid: {exc}") from None
+    return out
+
+
+def _chunk_names(doc: dict, names) -> list[str]:
+    """Those of ``names`` (directly below a new array) that its chunk keys
+    begin with: ``c``, ``c.*`` (default encoding), ``<n>``, ``<n>.*`` (v2)."""
+    try:
+        enc, sep = parse_separator(doc.get("chunk_key_encoding"))
+    except (ValueError, AttributeError):
+        return sorted(names)  # (such an array is not stored sharded anyway)
+    if enc == "default":
+        return sorted(n for n in names if n == "c" or n.startswith("c" + sep))
+    return sorted(n for n in names if n.split(".", 1)[0].isdigit())
+
+
+def _consolidated(doc: dict | None) -> dict | None:
+    cm = doc.get("consolidated_metadata") if isinstance(doc, dict) and doc.get("zarr_format") == 3 else None
+    return cm if isinstance(cm, dict) and isinstance(cm.get("metadata"), dict) else None
+
+
+def _accept_group(key: str, doc: dict, old: dict | None, members: dict | None) -> dict | None:
+    """``doc`` with each consolidated member that the view shows from a
+    sharded array mapped back to that array's stored form; None if none is."""
+    cm = _consolidated(doc)
+    if cm is None:
+        return None
+    base = key.rpartition("/")[0]
+    old_members = (_consolidated(old) or {}).get("metadata") or {}
+    out = {}
+    changed = False
+    for path, member in cm["metadata"].items():
+        out[path] = member
+        if not _is_unsharded_array(member):
+            continue
+        if members is not None:  # read from storage now
+            source = members.get(path)
+        else:  # what this process showed of the member, else the stored snapshot
+            shown = _shown.get(join_key(base, path, "zarr.json"))
+            source = load_json(shown, path) if shown is not None else old_members.get(path)
+        meta = _meta_or_none(source) if isinstance(source, dict) else None
+        if meta is None:
+            continue  # stored unsharded (or unknown): as written
+        try:
+            out[path] = _map_back(member, source, meta)
+        except ValueError as exc:
+            raise ValueError(f"consolidated member {path!r}: {exc}") from None
+        changed = True
+    if not changed:
+        return None
+    return {**doc, "consolidated_metadata": {**cm, "metadata": out}}
+
+
+def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
+                    members: dict | None = None, below=None) -> bytes | None:
     """What to store when a tool writes ``zarr.json`` through the view.
 
     - over a sharded array: the view's document mapped back onto the stored
       one (attributes, fill value, shape...); a change that would make the
       stored chunks unreadable (inner chunk shape, codecs, data type, key
       encoding) raises ValueError;
-    - a new unsharded array with ``-o shard=K``: stored sharded;
-    - anything else: None (stored as written).
+    - a group with consolidated metadata: each member array the view shows
+      from a sharded one mapped back the same way (``members``: the members'
+      stored documents by path, read now; None: those this process showed);
+    - a NEW unsharded array with ``-o shard=K``: stored sharded, unless
+      ``below`` (names in its directory: stored, or made through the mount
+      and not stored yet) holds chunk names.  Chunk objects stored plain
+      would be unreadable under a sharded document, and so would files
+      written later into chunk directories made before the document (to
+      the view those are plain directories);
+    - anything else, an existing unsharded array included: None (as written).
     """
-    if key.rsplit("/", 1)[-1] != "zarr.json":
+    if not is_document(key):
         return None
     doc = load_json(new, key)
-    if doc is None or doc.get("node_type") != "array":
+    if doc is None:
         return None
+    if doc.get("node_type") == "group":
+        out = _accept_group(key, doc, load_json(stored, key) if stored is not None else None, members)
+        return dump_json(out) if out is not None else None
+    if doc.get("node_type") != "array":
+        return None
+    out = None
     old = load_json(stored, key) if stored is not None else None
-    old_meta = None
-    if old is not None:
-        try:
-            old_meta = sharded_array_meta(old)
-        except Unsupported:
-            old_meta = None
+    old_meta = _meta_or_none(old) if old is not None else None
     if old_meta is not None:
-        try:
-            if sharded_array_meta(doc) is not None:
-                return None  # the tool wrote a sharded document itself
-        except Unsupported:
-            return None
-        view = view_array_doc(old, old_meta)
-        for field_name in ("codecs", "chunk_grid", "data_type", "chunk_key_encoding"):
-            if doc.get(field_name) != view.get(field_name):
-                raise ValueError(f"changing {field_name} of a sharded array would make its stored chunks unreadable")
-        out = dict(doc)
-        out["codecs"] = old["codecs"]
-        out["chunk_grid"] = old["chunk_grid"]
-        try:
-            ShardGrid.build(out["shape"], parse_chunk_grid(out["chunk_grid"], out["shape"]),
-                            old_meta.inner_chunk_shape)
-        except (GridError, TypeError, KeyError) as exc:
-            raise ValueError(f"the new shape does not fit the stored shard grid: {exc}") from None
-        return dump_json(out)
-    if shard_option:
-        try:
-            if sharded_array_meta(doc) is not None:
-                return None
-        except Unsupported:
-            return None
-        sharded = _sharded_doc(doc, tuple(shard_option))
-        return dump_json(sharded) if sharded is not None else None
-    return None
+        if _is_unsharded_array(doc):
+            out = _map_back(doc, old, old_meta)
+    elif shard_option and stored is None and _is_unsharded_array(doc):
+        found = _chunk_names(doc, below) if below is not None else None
+        if found:
+            log.warning("%s: stored unsharded, as written: its chunks (%s) were made before it, and would be "
+                        "unreadable under a sharded document", key, ", ".join(found[:3]))
+        else:
+            out = _sharded_doc(doc, tuple(shard_option))
+            if out is not None and _meta_or_none(out) is None:
+                out = None  # (a key encoding the view cannot show sharded)
+    result = out if out is not None else doc
+    _remember(key, dump_json(result) if _meta_or_none(result) else None)
+    return dump_json(out) if out is not None else None
+
+
+async def _stored_document(ctx: LayoutContext, key: str) -> dict | None:
+    try:
+        blob = await ctx.store.get_document(key)
+    except NotFound:
+        return None
+    return load_json(blob.data, key)
+
+
+async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored: bytes | None,
+                                shard_option, pending=()) -> bytes | None:
+    """``accept_document`` with the facts it needs read from storage: the
+    stored documents of a group's consolidated members (all at once), and,
+    for a new array under ``-o shard``, the listing of its directory plus
+    ``pending``, the names the view holds there only in memory (directories
+    made, files being written)."""
+    doc = load_json(new, key) if is_document(key) else None
+    members = below = None
+    if doc is not None and doc.get("node_type") == "group" and _consolidated(doc) is not None:
+        base = key.rpartition("/")[0]
+        paths = [p for p, m in _consolidated(doc)["metadata"].items() if _is_unsharded_array(m)]
+        found = await outcomes(*(functools.partial(_stored_document, ctx, join_key(base, p, "zarr.json"))
+                                 for p in paths))
+        members = {}
+        for path, answer in zip(paths, found):
+            if isinstance(answer, Exception):
+                raise answer
+            members[path] = answer
+    elif doc is not None and doc.get("node_type") == "array" and shard_option and stored is None:
+        listing = await ctx.store.list(key.rpartition("/")[0])
+        below = {*listing.dirs, *(f.key.rsplit("/", 1)[-1] for f in listing.files), *pending}
+    return accept_document(key, new, stored, shard_option, members=members, below=below)

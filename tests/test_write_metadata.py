@@ -1,0 +1,216 @@
+"""Metadata documents written through the view (SEMANTICS.md §4.11, §4.12): consolidated
+metadata, unsharded arrays copied into a ``-o shard=K`` mount, and existing
+unsharded arrays there.  The oracle is zarr-python reading the *store*
+directly; a fresh mount must read the same."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from tests import test_write as tw
+from tests.test_write import assert_no_strays, chunk_name
+
+store = tw.store  # the local directory and the S3 bucket of test_write.py
+
+DATA = np.arange(64, dtype="<i4").reshape(8, 8) + 1
+SERIES = np.linspace(0, 1, 12)
+
+
+def _doc(path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def _hierarchy(root: Path, sharded: bool) -> None:
+    """A group holding a sharded 2-d array, a group with a sharded 1-d array
+    (attributes, dimension names) and an unsharded array; or its unsharded twin."""
+    g = zarr.open_group(str(root), mode="w")
+    g.create_group("sub")
+    for path, data, chunks, shards, extra in (
+            ("arr", DATA, (2, 2), (4, 4), {"compressors": zarr.codecs.GzipCodec(level=1)}),
+            ("sub/b", SERIES, (3,), (6,), {"attributes": {"units": "m"}, "dimension_names": ["t"],
+                                           "compressors": None})):
+        a = zarr.create_array(str(root / path), shape=data.shape, chunks=chunks, dtype=data.dtype,
+                              shards=shards if sharded else None, fill_value=0, **extra)
+        a[...] = data
+    zarr.create_array(str(root / "plain"), shape=(5,), chunks=(2,), dtype="u1", fill_value=0)[...] = np.arange(5)
+
+
+def _consolidate(path) -> None:
+    with warnings.catch_warnings():  # "not part of the Zarr format 3 specification"
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(str(path))
+
+
+def _open_consolidated(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return zarr.open_consolidated(str(path), mode="r")
+
+
+def _check_consolidated_store(store, tmp_path, attrs) -> None:
+    """zarr-python reads the stored hierarchy through its consolidated metadata."""
+    g = _open_consolidated(store.local_copy(tmp_path / f"copy-{os.urandom(4).hex()}") / "h")
+    assert g.metadata.consolidated_metadata is not None
+    assert g["arr"].shards == (4, 4) and g["sub/b"].shards == (6,)
+    assert dict(g["arr"].attrs) == attrs  # from the consolidated metadata, not arr/zarr.json
+    np.testing.assert_array_equal(g["arr"][...], DATA)
+    np.testing.assert_array_equal(g["sub/b"][...], SERIES)
+    np.testing.assert_array_equal(g["plain"][...], np.arange(5))
+
+
+def test_consolidated_metadata_maps_back_to_the_stored_arrays(store, mount, tmp_path):
+    """zarr.consolidate_metadata through the view, then a tool editing the
+    consolidated document: the stored group embeds the arrays' stored (sharded)
+    documents, the view shows exactly what was written, and zarr-python opens
+    the store consolidated."""
+    _hierarchy(tmp_path / "seed", sharded=True)
+    store.put_tree(tmp_path / "seed", "h")
+    m = mount(store.source, extra=store.extra)
+    _consolidate(m / "h")
+    written = _doc(m / "h/zarr.json")
+    members = written["consolidated_metadata"]["metadata"]
+    for path in ("arr", "sub/b", "plain"):  # what the tool read of each member is what the view shows back
+        assert members[path] == _doc(m / "h" / path / "zarr.json"), path
+    assert members["arr"]["chunk_grid"]["configuration"]["chunk_shape"] == [2, 2]
+
+    # a tool edits the consolidated document itself (group and member attributes)
+    edit = json.loads(json.dumps(written))
+    edit["attributes"] = {"k": 1}
+    edit["consolidated_metadata"]["metadata"]["arr"]["attributes"] = {"note": "consolidated"}
+    (m / "h/zarr.json").write_text(json.dumps(edit))
+    assert _doc(m / "h/zarr.json") == edit
+    # a member change the stored chunks cannot follow is refused, as for the array's own document
+    bad = json.loads(json.dumps(edit))
+    bad["consolidated_metadata"]["metadata"]["sub/b"]["chunk_grid"]["configuration"]["chunk_shape"] = [4]
+    with pytest.raises(PermissionError):
+        (m / "h/zarr.json").write_text(json.dumps(bad))
+    assert _doc(m / "h/zarr.json") == edit
+    assert "refused to store h/zarr.json: consolidated member 'sub/b'" in m.log_text()
+    m.umount()
+
+    stored = json.loads(store.get("h/zarr.json"))["consolidated_metadata"]["metadata"]
+    for path in ("arr", "sub/b"):
+        own = json.loads(store.get(f"h/{path}/zarr.json"))
+        assert [c["name"] for c in stored[path]["codecs"]] == ["sharding_indexed"], path
+        assert (stored[path]["codecs"], stored[path]["chunk_grid"]) == (own["codecs"], own["chunk_grid"])
+    assert stored["sub/b"] == json.loads(store.get("h/sub/b/zarr.json"))
+    assert stored["plain"] == members["plain"]  # unsharded: as written
+    _check_consolidated_store(store, tmp_path, {"note": "consolidated"})
+
+    # a fresh daemon: the same view, and a rewrite that never read the members
+    # maps back onto the stored consolidated snapshot
+    m = mount(store.source, extra=store.extra)
+    assert _doc(m / "h/zarr.json") == edit
+    edit["attributes"] = {"k": 2}
+    (m / "h/zarr.json").write_text(json.dumps(edit))
+    assert _doc(m / "h/zarr.json") == edit
+    m.umount()
+    _check_consolidated_store(store, tmp_path, {"note": "consolidated"})
+
+
+def test_consolidated_document_copied_in_maps_back(store, mount, tmp_path):
+    """A consolidated group document made elsewhere (the unsharded twin's) and
+    copied onto the store's group through a fresh mount, which has shown none
+    of the members: each member is mapped back to its array's stored document,
+    read from storage then.  Needs view.py to call accept_document_async."""
+    _hierarchy(tmp_path / "seed", sharded=True)
+    store.put_tree(tmp_path / "seed", "h")
+    _hierarchy(tmp_path / "twin", sharded=False)
+    _consolidate(tmp_path / "twin")
+    m = mount(store.source, extra=store.extra)
+    subprocess.run(["cp", tmp_path / "twin/zarr.json", m / "h/zarr.json"], check=True)
+    assert _doc(m / "h/zarr.json") == _doc(tmp_path / "twin/zarr.json")
+    m.umount()
+    _check_consolidated_store(store, tmp_path, {})
+
+
+def test_existing_unsharded_array_stays_unsharded_in_a_shard_mount(store, mount, tmp_path):
+    """``-o shard=K`` stores NEW arrays sharded; rewriting the metadata of an
+    array stored unsharded (attributes, resize) keeps it unsharded, since its
+    chunks are plain objects."""
+    zarr.create_array(str(tmp_path / "seed/arr"), shape=(8, 8), chunks=(2, 2), dtype="<i4", fill_value=0,
+                      compressors=None)[...] = DATA
+    store.put_tree(tmp_path / "seed/arr", "arr")
+    m = mount(store.source, "shard=2", extra=store.extra)
+    a = zarr.open_array(str(m / "arr"), mode="r+")
+    a.attrs["note"] = "kept"
+    a.resize((10, 8))
+    m.umount()
+    stored = json.loads(store.get("arr/zarr.json"))
+    assert [c["name"] for c in stored["codecs"]] == ["bytes"]
+    assert stored["attributes"] == {"note": "kept"} and stored["shape"] == [10, 8]
+    b = zarr.open_array(str(store.local_copy(tmp_path / "copy") / "arr"), mode="r")
+    np.testing.assert_array_equal(b[:8], DATA)
+    np.testing.assert_array_equal(b[8:], 0)
+
+
+def _unsharded_source(tmp_path: Path) -> Path:
+    src = tmp_path / "unsharded"
+    zarr.create_array(str(src / "arr"), shape=(8, 8), chunks=(2, 2), dtype="<i4", fill_value=0,
+                      compressors=None)[...] = DATA
+    return src / "arr"
+
+
+def test_rsync_into_a_shard_mount_never_shards_over_stored_chunks(store, mount, tmp_path):
+    """``rsync -a`` copies in sorted order: the chunks (``c/...``) are stored
+    before ``zarr.json`` arrives.  That array is stored unsharded, as written,
+    with one log line; an array whose metadata arrives first is stored sharded.
+    Needs view.py to call accept_document_async."""
+    src = _unsharded_source(tmp_path)
+    m = mount(store.source, "shard=2", extra=store.extra)
+    subprocess.run(["rsync", "-a", f"{src}/", f"{m / 'arr'}/"], check=True, capture_output=True)
+    subprocess.run(["rsync", "-a", src / "zarr.json", f"{m / 'first'}/"], check=True, capture_output=True)
+    subprocess.run(["rsync", "-a", f"{src}/", f"{m / 'first'}/"], check=True, capture_output=True)
+    for name in ("arr", "first"):
+        np.testing.assert_array_equal(zarr.open_array(str(m / name), mode="r")[...], DATA, err_msg=name)
+    m.umount()
+    assert m.log_text().count("stored unsharded") == 1
+    assert "arr/zarr.json: stored unsharded" in m.log_text()
+
+    root = store.local_copy(tmp_path / "copy")
+    arr, first = zarr.open_array(str(root / "arr"), mode="r"), zarr.open_array(str(root / "first"), mode="r")
+    assert arr.shards is None and first.shards == (4, 4)
+    np.testing.assert_array_equal(arr[...], DATA)
+    np.testing.assert_array_equal(first[...], DATA)
+    allowed = {"arr/zarr.json", "first/zarr.json"}
+    allowed.update(f"arr/{chunk_name((i, j), '/')}" for i in range(4) for j in range(4))
+    allowed.update(f"first/{chunk_name((i, j), '/')}" for i in range(2) for j in range(2))
+    assert_no_strays(store, allowed)
+    m = mount(store.source, "ro", extra=store.extra)
+    for name in ("arr", "first"):
+        np.testing.assert_array_equal(zarr.open_array(str(m / name), mode="r")[...], DATA, err_msg=name)
+
+
+def test_chunk_directories_of_a_new_array_can_be_made(store, mount, tmp_path):
+    """What ``cp -r`` does when it copies ``zarr.json`` first: mkdir of each
+    chunk directory of the array that document just created must succeed (the
+    kernel answers EEXIST itself when a lookup finds the name).  Then a real
+    ``cp -r``, in whatever order the source directory lists.  Needs the
+    view.py change for chunk directories of arrays made through the mount."""
+    src = _unsharded_source(tmp_path)
+    m = mount(store.source, "shard=2", extra=store.extra)
+    os.mkdir(m / "arr")
+    shutil.copyfile(src / "zarr.json", m / "arr/zarr.json")
+    os.mkdir(m / "arr/c")
+    for i in range(4):
+        os.mkdir(m / f"arr/c/{i}")
+        for j in range(4):
+            shutil.copyfile(src / f"c/{i}/{j}", m / f"arr/c/{i}/{j}")
+    subprocess.run(["cp", "-r", src, m / "copy"], check=True, capture_output=True)
+    for name in ("arr", "copy"):
+        np.testing.assert_array_equal(zarr.open_array(str(m / name), mode="r")[...], DATA, err_msg=name)
+    m.umount()
+    root = store.local_copy(tmp_path / "copy")
+    arr = zarr.open_array(str(root / "arr"), mode="r")
+    assert arr.shards == (4, 4)
+    np.testing.assert_array_equal(arr[...], DATA)
+    np.testing.assert_array_equal(zarr.open_array(str(root / "copy"), mode="r")[...], DATA)
