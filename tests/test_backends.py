@@ -432,8 +432,15 @@ def test_parse_s3_url():
     assert parse_s3_url("s3://bucket") == ("bucket", "")
     assert parse_s3_url("s3://bucket/") == ("bucket", "")
     assert parse_s3_url("s3://bucket/a/b/") == ("bucket", "a/b")
-    assert parse_s3_url("s3://bucket//a//b") == ("bucket", "a/b")
-    for bad in ("s3://", "http://bucket/a", "bucket/a", "s3://bucket/a?x=1", "s3://key:secret@bucket/a"):
+    # S3 keys are opaque: the prefix is kept exactly, as the AWS CLI reads
+    # it; only the one '/' before the objects' names is dropped
+    assert parse_s3_url("s3://bucket/a//b") == ("bucket", "a//b")
+    assert parse_s3_url("s3://bucket/a//b/") == ("bucket", "a//b")
+    assert parse_s3_url("s3://bucket//a//b") == ("bucket", "/a//b")
+    assert parse_s3_url("s3://bucket/a//") == ("bucket", "a/")
+    assert parse_s3_url("s3://bucket/a/./b") == ("bucket", "a/./b")
+    for bad in ("s3://", "http://bucket/a", "bucket/a", "s3://bucket/a?x=1", "s3://key:secret@bucket/a",
+                "s3://bucket//"):
         with pytest.raises(ValueError):
             parse_s3_url(bad)
         with pytest.raises(S3URLError):
@@ -447,7 +454,7 @@ def test_s3_key_layout(moto_server, s3_bucket):
     def raw_keys():
         return sorted(o["Key"] for o in raw.list_objects_v2(Bucket=bucket).get("Contents", []))
 
-    b = s3_backend(endpoint, bucket, prefix="/deep//prefix/")
+    b = s3_backend(endpoint, bucket, prefix="deep/prefix")
     assert b.url == f"s3://{bucket}/deep/prefix"
     b.put("a/b", b"1")
     assert raw_keys() == ["deep/prefix/a/b"]
@@ -463,6 +470,44 @@ def test_s3_key_layout(moto_server, s3_bucket):
     raw.put_object(Bucket=bucket, Key="deep/prefix/m/", Body=b"")
     assert b.list("").dirs == ["a", "m"]
     assert b.list("m").files == []
+
+
+def test_s3_prefix_is_kept_exactly(moto_server, s3_bucket):
+    """``a//b``, ``a/b`` and ``/a/b`` are three different S3 prefixes: a
+    mount of each shows its own objects only."""
+    endpoint, bucket = s3_bucket
+    moto_server.put_many(bucket, {"a//b/double": b"1", "a/b/single": b"2", "/a/b/leading": b"3",
+                                  "a/double-slash-dir//x": b"4"})
+    seen = {}
+    for url in (f"s3://{bucket}/a//b", f"s3://{bucket}/a//b/", f"s3://{bucket}/a/b", f"s3://{bucket}//a/b",
+                f"s3://{bucket}/a/double-slash-dir//"):
+        name, prefix = parse_s3_url(url)
+        b = s3_backend(endpoint, name, prefix=prefix)
+        try:
+            listing = b.list("")
+            seen[url] = [f.key for f in listing.files]
+            for key in seen[url]:
+                assert b.get(key).data in (b"1", b"2", b"3", b"4")
+        finally:
+            b.close()
+    assert seen == {
+        f"s3://{bucket}/a//b": ["double"],
+        f"s3://{bucket}/a//b/": ["double"],
+        f"s3://{bucket}/a/b": ["single"],
+        f"s3://{bucket}//a/b": ["leading"],
+        f"s3://{bucket}/a/double-slash-dir//": ["x"],
+    }
+
+
+def test_check_invalid_region():
+    """botocore's InvalidRegionError is a ValueError too: it must not be
+    reported as a bad endpoint URL."""
+    for endpoint in (None, "http://127.0.0.1:9"):
+        b = S3Backend("bucket", "", endpoint_url=endpoint, region="eu west 1")
+        with pytest.raises(StoreError) as info:
+            b.check()
+        assert "region 'eu west 1'" in str(info.value) and "endpoint" not in str(info.value)
+        assert_clean_message(info.value)
 
 
 def test_s3_one_request_per_call(s3):

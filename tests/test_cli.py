@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
+import logging.handlers
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -271,6 +274,14 @@ BAD_OPTIONS = {
     "value_missing": "chunk_cache",
     "log_level_bad": "log_level=LOUD",
     "negative_timeout": "timeout=-1",
+    "timeout_0": "timeout=0",
+    "timeout_nan": "timeout=nan",
+    "timeout_inf": "timeout=inf",
+    "timeout_over_a_day": "timeout=86401",
+    "flush_delay_nan": "rw,flush_delay=nan",
+    "attr_timeout_nan": "attr_timeout=NaN",
+    "metadata_ttl_nan": "metadata_ttl=nan",
+    "index_ttl_nan": "index_ttl=-nan",
     "log_file_unwritable": "log_file={tmp}/no/such/dir/zs.log",
 }
 
@@ -290,6 +301,14 @@ BAD_OPTIONS = {
         ("value_missing", ["chunk_cache", "needs a value"]),
         ("log_level_bad", ["log_level"]),
         ("negative_timeout", ["timeout"]),
+        ("timeout_0", ["timeout", "more than 0"]),
+        ("timeout_nan", ["timeout", "'nan' is not a number of seconds"]),
+        ("timeout_inf", ["timeout", "at most 86400"]),
+        ("timeout_over_a_day", ["timeout", "at most 86400"]),
+        ("flush_delay_nan", ["flush_delay", "not a number"]),
+        ("attr_timeout_nan", ["attr_timeout", "not a number"]),
+        ("metadata_ttl_nan", ["metadata_ttl", "not a number"]),
+        ("index_ttl_nan", ["index_ttl", "not a number"]),
         ("log_file_unwritable", ["log file", "No such file or directory"]),
         ("bad_scheme", ["source", "supported"]),
     ],
@@ -329,6 +348,36 @@ def test_mount_on_a_mount_point(store, mount):
     assert len(mounts_at(m.path)) == 1
     name, data = first_chunk(store)
     assert (m / name).read_bytes() == data  # the first mount is untouched
+
+
+@pytest.mark.parametrize("case", ["inside", "deep_inside", "through_symlinks", "is_the_source"])
+def test_mountpoint_inside_the_source_is_refused(store, tmp_path, case):
+    """A view containing itself would turn the daemon's own reads into FUSE
+    requests to itself (deadlocked workers, then a busy unmount)."""
+    source = store.root
+    if case == "inside":
+        target = store.root / "mnt"
+    elif case == "deep_inside":
+        target = store.root / "arr" / "deeper" / "mnt"
+    elif case == "through_symlinks":  # neither path names the other
+        (tmp_path / "src-link").symlink_to(store.root)
+        (tmp_path / "mnt-link").symlink_to(store.root / "mnt")
+        source, target = tmp_path / "src-link", tmp_path / "mnt-link"
+        (store.root / "mnt").mkdir()
+    else:
+        source = target = tmp_path / "empty"
+    target_real = Path(os.path.realpath(target)) if case != "through_symlinks" else store.root / "mnt"
+    target_real.mkdir(parents=True, exist_ok=True)
+    try:
+        result = zs("mount", source, target, "-o", "ro,timeout=5")
+        line = assert_one_line_error(result, "mountpoint", "the view would contain itself")
+        assert ("is the source" if case == "is_the_source" else "inside the source") in line
+        assert mounts_at(target_real) == []
+        # --foreground is refused just the same, before anything is mounted
+        assert_one_line_error(zs("mount", "-f", source, target, timeout=30), "would contain itself")
+        assert mounts_at(target_real) == []
+    finally:
+        force_unmount(target_real)
 
 
 def test_dead_mount_is_reported_and_removable(store, mnt):
@@ -507,6 +556,54 @@ def test_debug_logs_reads(store, mount):
     assert re.search(rf"read\(\d+, 0, \d+\) -> <{len(data)} bytes>|read\(\d+, 0, \d+\) -> '", m.log_text())
 
 
+def test_log_lines_naming_non_utf8_paths(tmp_path, mount):
+    """A directory whose name is not UTF-8: the damage is logged, its name
+    written as \\xNN, instead of a '--- Logging error ---' block."""
+    store = SmallStore(tmp_path / "store")
+    bad = os.fsdecode(b"arr\xff")
+    os.rename(store.root / "arr", store.root / bad)
+    name = sorted(store.chunks)[0]
+    rel = Path(store.shard_files[name]).relative_to(store.root / "arr")
+    (store.root / bad / rel).write_bytes(b"garbage")  # a shard too short for its index
+    m = mount(store.root, "ro")
+    with pytest.raises(OSError) as info:
+        (m / bad / name.split("/", 1)[1]).read_bytes()
+    assert info.value.errno == errno.EIO
+    raw = m.log.read_bytes()
+    assert b"Logging error" not in raw and b"Traceback" not in raw, raw.decode(errors="replace")[-3000:]
+    assert re.search(rb"ERROR zshardfs\.\S+: damaged data: arr\\xff/", raw), raw.decode(errors="replace")[-3000:]
+    raw.decode("utf-8")  # the log itself stays valid UTF-8
+
+
+def test_syslog_lines_naming_non_utf8_paths(tmp_path, monkeypatch):
+    """In the background without log_file the log goes to syslog; a line
+    naming a non-UTF-8 path reaches it too.  (No syslog daemon is needed:
+    /dev/log is replaced by a socket of this test's.)"""
+    from zshardfs import cli
+    from zshardfs.config import MountConfig
+
+    address = str(tmp_path / "dev-log")
+    real_exists, real_handler = os.path.exists, logging.handlers.SysLogHandler
+    monkeypatch.setattr(cli.os.path, "exists", lambda p: True if p == "/dev/log" else real_exists(p))
+    monkeypatch.setattr(cli.logging.handlers, "SysLogHandler",
+                        lambda addr, *a, **k: real_handler(address if addr == "/dev/log" else addr, *a, **k))
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as syslog:
+        syslog.bind(address)
+        syslog.settimeout(5)
+        try:
+            cli._setup_logging(MountConfig(source="s", mountpoint="m"), background=True)
+            logging.getLogger("zshardfs.test").error("damaged data: %s: too short", os.fsdecode(b"arr\xff/c/0/0"))
+            received = syslog.recv(65536)
+        finally:
+            for handler in root.handlers:
+                handler.close()
+            root.handlers[:] = saved[0]
+            root.setLevel(saved[1])
+    assert b"ERROR zshardfs.test: damaged data: arr\\xff/c/0/0: too short" in received, received
+
+
 def test_cache_options_reach_the_daemon(store, mount):
     m = mount(store.root, "ro", "index_cache=1M", "chunk_cache=3M", "max_connections=2", "timeout=5")
     stats = m.stats()
@@ -515,6 +612,35 @@ def test_cache_options_reach_the_daemon(store, mount):
     name, data = first_chunk(store)
     assert (m / name).read_bytes() == data
     assert m.stats()["chunk_cache"]["entries"] == 1
+
+
+def test_seconds_options_refuse_nan_and_take_inf_as_never(store, tmp_path, mount):
+    """NaN is no number of seconds (it crashed the daemon at the first
+    write); inf is: TTLs that never expire, and a shard that is never
+    flushed for being idle, only by a sync (or fsync, unmount, ...)."""
+    nowhere = tmp_path / "m-nan"
+    nowhere.mkdir()
+    try:
+        assert_one_line_error(zs("mount", store.root, nowhere, "-o", "rw,flush_delay=nan"), "flush_delay")
+        assert mounts_at(nowhere) == []
+    finally:
+        force_unmount(nowhere)
+
+    m = mount(store.root, "rw", "flush_delay=inf", "attr_timeout=inf", "metadata_ttl=inf", "index_ttl=inf")
+    name, data = first_chunk(store)
+    assert (m / name).read_bytes() == data
+    assert os.stat(m / name).st_size == len(data)
+    shard = store.shard_files[name]
+    before = shard.read_bytes()
+    (m / name).write_bytes(b"new bytes")
+    time.sleep(3)  # idle for longer than the default flush_delay
+    assert shard.read_bytes() == before
+    assert (m / name).read_bytes() == b"new bytes"
+    result = zs("sync", m.path)
+    assert result.returncode == 0, result.stderr
+    assert shard.read_bytes() != before
+    assert (m / name).read_bytes() == b"new bytes"
+    assert " ERROR " not in m.log_text()
 
 
 def test_fsname_option(store, mount):
@@ -554,3 +680,43 @@ def test_umount_of_a_busy_mount(store, mnt):
     # the daemon ends once the last file is closed
     assert wait_for(lambda: not process_running(pid), timeout=20)
     assert "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------
+# S3 arguments
+
+
+@pytest.mark.parametrize("how", ["option", "option_and_endpoint", "environment"])
+def test_invalid_region_is_named(mnt, how):
+    env, extra = dict(os.environ), []
+    if how == "environment":
+        env["AWS_DEFAULT_REGION"] = env["AWS_REGION"] = "eu west 1"
+    else:
+        extra = ["--region", "eu west 1"]
+    if how == "option_and_endpoint":
+        extra += ["--endpoint-url", "http://127.0.0.1:9"]
+    result = subprocess.run([*ZSHARDFS, "mount", "s3://some-bucket", str(mnt), *extra], env=env,
+                            capture_output=True, text=True, timeout=60)
+    line = assert_one_line_error(result, "region", "'eu west 1'")
+    assert "endpoint" not in line
+    assert mounts_at(mnt) == []
+
+
+def test_endpoint_credentials_stay_off_the_daemon_command_line(moto_server, s3_bucket, mnt):
+    """``ps`` shows every user each process's command line: a
+    ``user:password@`` given in --endpoint-url must not be on the
+    long-lived daemon's."""
+    endpoint, bucket = s3_bucket
+    moto_server.s3.put_object(Bucket=bucket, Key="data/hello.txt", Body=b"hi\n")
+    secret = "pw-in-the-endpoint-url"
+    result = zs("mount", f"s3://{bucket}/data", mnt, "-o", "ro", "--region", "us-east-1",
+                "--endpoint-url", endpoint.replace("http://", f"http://someone:{secret}@"))
+    assert result.returncode == 0, result.stderr
+    try:
+        assert (mnt / "hello.txt").read_bytes() == b"hi\n"  # the daemon has the endpoint
+        cmdline = Path(f"/proc/{daemon_pid(mnt)}/cmdline").read_bytes().split(b"\0")
+        assert not any(secret.encode() in arg or b"someone" in arg for arg in cmdline), cmdline
+        assert b"--region=us-east-1" in cmdline  # the other arguments do reach it
+        assert secret not in zs("stats", "--json", mnt).stdout
+    finally:
+        assert zs("umount", mnt).returncode == 0

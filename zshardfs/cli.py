@@ -38,18 +38,37 @@ def _fail(message: str, status: int = EXIT_FAIL) -> int:
     return status
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _escape_surrogate(m: re.Match) -> str:
+    code = ord(m.group())
+    # U+DC80..U+DCFF: a byte that was not UTF-8 (os.fsdecode's surrogateescape)
+    return f"\\x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"\\u{code:04x}"
+
+
+class _Formatter(logging.Formatter):
+    """Log lines name paths, and a path read from disk need not be UTF-8
+    (its bytes come as surrogate escapes, which no UTF-8 stream accepts):
+    they are written as ``\\xNN``, so the line reaches the file, syslog or
+    stderr instead of being lost to an encoding error."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return _SURROGATE.sub(_escape_surrogate, super().format(record))
+
+
 def _setup_logging(cfg: MountConfig, background: bool) -> None:
     root = logging.getLogger()
     root.handlers.clear()
     fmt = "%(asctime)s zshardfs[%(process)d] %(levelname)s %(name)s: %(message)s"
     if cfg.log_file:
-        handler: logging.Handler = logging.FileHandler(cfg.log_file)
+        handler: logging.Handler = logging.FileHandler(cfg.log_file, errors="backslashreplace")
     elif background and os.path.exists("/dev/log"):
         handler = logging.handlers.SysLogHandler("/dev/log")
         fmt = "zshardfs[%(process)d]: %(levelname)s %(name)s: %(message)s"
     else:
         handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(fmt))
+    handler.setFormatter(_Formatter(fmt))
     root.addHandler(handler)
     root.setLevel(cfg.log_level)
     # boto's own chatter (which could include request details) stays quiet
@@ -88,10 +107,47 @@ def check_mountpoint(path: str) -> None:
         raise ConfigError(f"mountpoint {path!r} is not accessible") from None
 
 
+def check_not_inside_source(source: str, mountpoint: str) -> None:
+    """A mountpoint inside a local source (or the source itself) would put
+    the view inside itself: every read of the daemon's own storage would
+    come back to it as a FUSE request.  Compared by device and inode, so
+    symlinks and bind mounts cannot hide it."""
+    if "://" in source:
+        return
+    try:
+        src = os.stat(source)
+    except OSError:
+        return  # a missing or unreadable source is reported by the daemon
+    path = os.path.realpath(mountpoint)
+    while True:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        if (st.st_dev, st.st_ino) == (src.st_dev, src.st_ino):
+            where = "is the source" if path == os.path.realpath(mountpoint) else f"is inside the source {source!r}"
+            raise ConfigError(f"mountpoint {mountpoint!r} {where}: the view would contain itself; "
+                              f"choose a mountpoint outside the source")
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+
+
+#: how the background daemon gets ``--endpoint-url``: a ``user:password@``
+#: in it must not be on the long-lived daemon's command line, which every
+#: user can read (ps); a process's environment only its owner can
+ENDPOINT_ENV = "_ZSHARDFS_ENDPOINT_URL"
+
+
 def _build_config(args) -> MountConfig:
     cfg = MountConfig(source=args.source, mountpoint=os.path.abspath(args.mountpoint))
     cfg.foreground = args.foreground
     cfg.endpoint_url = args.endpoint_url
+    if args.ready_fd is not None:  # the daemon _spawn started
+        endpoint = os.environ.pop(ENDPOINT_ENV, None)
+        if cfg.endpoint_url is None:
+            cfg.endpoint_url = endpoint
     cfg.region = args.region
     cfg.profile = args.profile
     parse_options(cfg, args.o or [])
@@ -113,6 +169,7 @@ def cmd_mount(args) -> int:
     try:
         cfg = _build_config(args)
         check_mountpoint(cfg.mountpoint)
+        check_not_inside_source(cfg.source, cfg.mountpoint)
     except ConfigError as exc:
         return _fail(str(exc), EXIT_USAGE if "option" in str(exc) else EXIT_FAIL)
     if cfg.foreground:
@@ -186,14 +243,18 @@ def _serve(cfg: MountConfig, ready_fd: int | None) -> int:
 def _spawn(args, cfg: MountConfig) -> int:
     """Start ``zshardfs mount --foreground`` detached and wait for its word."""
     read_fd, write_fd = os.pipe()
-    argv = [sys.executable, "-m", "zshardfs.cli", *args.raw_argv, "--foreground", "--ready-fd", str(write_fd)]
+    argv = _daemon_argv(args, write_fd)
+    env = dict(os.environ)
+    env.pop(ENDPOINT_ENV, None)
+    if args.endpoint_url is not None:
+        env[ENDPOINT_ENV] = args.endpoint_url
     # The child's stderr goes to an unlinked temporary file until it is
     # ready (then it points it at the log or /dev/null): if it dies first,
     # its last words are the reason we show.
     with open(os.devnull, "rb") as devnull_in, open(os.devnull, "wb") as devnull_out, \
             tempfile.TemporaryFile() as early_err:
         proc = subprocess.Popen(argv, stdin=devnull_in, stdout=devnull_out, stderr=early_err,
-                                pass_fds=(write_fd,), start_new_session=True, close_fds=True)
+                                pass_fds=(write_fd,), start_new_session=True, close_fds=True, env=env)
         os.close(write_fd)
         with os.fdopen(read_fd, "rb") as pipe:
             answer = pipe.readline().decode(errors="replace").strip()
@@ -206,6 +267,18 @@ def _spawn(args, cfg: MountConfig) -> int:
         lines = [ln.strip() for ln in early_err.read()[-4096:].decode(errors="replace").splitlines() if ln.strip()]
     reason = f": {lines[-1]}" if lines else (f" (see {cfg.log_file})" if cfg.log_file else "")
     return _fail(f"the daemon exited ({code}) before the mount was ready{reason}")
+
+
+def _daemon_argv(args, ready_fd: int) -> list[str]:
+    """The background daemon's command line, rebuilt from the parsed
+    arguments, without ``--endpoint-url`` (see :data:`ENDPOINT_ENV`)."""
+    argv = [sys.executable, "-m", "zshardfs.cli", "mount", "--foreground", "--ready-fd", str(ready_fd)]
+    argv += [f"-o{group}" for group in args.o or [] if group]
+    if args.region is not None:
+        argv.append(f"--region={args.region}")
+    if args.profile is not None:
+        argv.append(f"--profile={args.profile}")
+    return [*argv, "--", args.source, args.mountpoint]
 
 
 def _control(mountpoint: str, name: str) -> bytes:
@@ -365,7 +438,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):
         argv = ["mount", *argv]  # mount.fuse3 calls "zshardfs SOURCE MOUNTPOINT -o OPTS"
     args = parser.parse_args(argv)
-    args.raw_argv = argv
     try:
         return args.func(args)
     except KeyboardInterrupt:

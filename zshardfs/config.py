@@ -6,6 +6,7 @@ meaning; ``zshardfs mount --help`` prints that table, and README.md copies it.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, fields
 
@@ -25,13 +26,30 @@ def parse_size(text: str, name: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+#: the longest ``timeout`` accepted: a day is "never" for one storage
+#: operation, and far larger values overflow socket timeouts on S3
+MAX_TIMEOUT = 86400.0
+
+
 def parse_seconds(text: str, name: str) -> float:
+    """A duration: 0 or more seconds, ``inf`` for "never" (a TTL that never
+    expires, a flush that never happens by itself); never NaN."""
     try:
         value = float(text)
     except ValueError:
         raise ConfigError(f"option {name}: {text!r} is not a number of seconds") from None
+    if math.isnan(value):
+        raise ConfigError(f"option {name}: {text!r} is not a number of seconds")
     if value < 0:
         raise ConfigError(f"option {name}: must not be negative")
+    return value
+
+
+def parse_timeout(text: str, name: str) -> float:
+    """A deadline: more than 0 and at most :data:`MAX_TIMEOUT` seconds."""
+    value = parse_seconds(text, name)
+    if not 0 < value <= MAX_TIMEOUT:
+        raise ConfigError(f"option {name}: must be more than 0 and at most {MAX_TIMEOUT:g} seconds")
     return value
 
 
@@ -86,11 +104,15 @@ OPTIONS = {
     "debug": ("debug", None, "log every request (implies log_level=DEBUG)"),
     "index_cache": ("index_cache", parse_size, "bytes of parsed shard indexes kept in memory (default 64M)"),
     "chunk_cache": ("chunk_cache", parse_size, "bytes of chunk data kept in memory (default 64M)"),
-    "metadata_ttl": ("metadata_ttl", parse_seconds, "seconds a metadata document/probe/listing is trusted (default 1)"),
-    "index_ttl": ("index_ttl", parse_seconds, "seconds a shard index is trusted before re-validation (default 1)"),
-    "attr_timeout": ("attr_timeout", parse_seconds, "kernel entry/attribute cache time in seconds (default 5)"),
+    "metadata_ttl": ("metadata_ttl", parse_seconds, "seconds a metadata document/probe/listing is trusted, 0 to inf "
+                     "(default 1)"),
+    "index_ttl": ("index_ttl", parse_seconds, "seconds a shard index is trusted before re-validation, 0 to inf "
+                  "(default 1)"),
+    "attr_timeout": ("attr_timeout", parse_seconds, "kernel entry/attribute cache time in seconds, 0 to inf "
+                     "(default 5)"),
     "max_connections": ("max_connections", parse_int, "storage requests in flight at once (default 16)"),
-    "timeout": ("timeout", parse_seconds, "deadline of one storage operation in seconds; then EIO (default 30)"),
+    "timeout": ("timeout", parse_timeout, f"deadline of one storage operation in seconds, more than 0 and at most "
+                f"{MAX_TIMEOUT:g}; then EIO (default 30)"),
     "log_level": ("log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
     "log_file": ("log_file", str, "write the log to this file (default: stderr in --foreground, else syslog)"),
     "fsname": ("fsname", str, "name shown in /proc/mounts (default: the source)"),
@@ -103,7 +125,8 @@ OPTIONS = {
     "open_fill": ("open_fill", parse_size, "files up to this size are put in the kernel's page cache when opened, "
                   "saving the read round trip; 0 turns it off (default 1M)"),
     "max_dirty": ("max_dirty", parse_size, "written-but-unflushed bytes before writers wait (default 256M)"),
-    "flush_delay": ("flush_delay", parse_seconds, "seconds after its last write (and close) a shard is flushed (default 2)"),
+    "flush_delay": ("flush_delay", parse_seconds, "seconds after its last write (and close) a shard is flushed, 0 to "
+                    "inf (inf: only when full, at max_dirty, fsync, sync or unmount; default 2)"),
     "shard": ("shard", None, "K or K1xK2x...: store new Zarr v3 arrays sharded, K inner chunks per shard and dimension"),
 }
 

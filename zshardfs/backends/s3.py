@@ -84,8 +84,11 @@ class S3URLError(StoreError, ValueError):
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
-    """``s3://bucket[/prefix]`` -> ``(bucket, prefix)``, prefix without
-    leading/trailing '/' ('' for the bucket root)."""
+    """``s3://bucket[/prefix]`` -> ``(bucket, prefix)``, '' for the bucket
+    root.  S3 keys are opaque strings, so the prefix is kept exactly as
+    written (``s3://b/a//b`` is ``a//b``, not ``a/b``, like the AWS CLI
+    reads it); only one trailing '/' is dropped (``s3://b/a/`` is ``a``:
+    the objects below ``a/``)."""
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -94,7 +97,12 @@ def parse_s3_url(url: str) -> tuple[str, str]:
         raise S3URLError(f"{url!r} is not an S3 URL of the form s3://bucket[/prefix].")
     if parts.query or parts.fragment:
         raise S3URLError(f"The S3 URL {url!r} must not have a query or fragment.")
-    prefix = "/".join(p for p in parts.path.split("/") if p)
+    prefix = parts.path[1:]
+    if prefix.endswith("/"):
+        prefix = prefix[:-1]
+    if not prefix and parts.path not in ("", "/"):
+        raise S3URLError(f"The S3 URL {url!r} names the prefix '/' (keys starting with '/'), which cannot be "
+                         f"mounted; write s3://{parts.netloc} for the bucket root.")
     return parts.netloc, prefix
 
 
@@ -156,9 +164,12 @@ class S3Backend:
         worker threads hold limiter slots until they give up.
 
         ``addressing_style`` defaults to "path" with a custom endpoint
-        (MinIO, Ceph, moto need it) and to botocore's choice for AWS."""
+        (MinIO, Ceph, moto need it) and to botocore's choice for AWS.
+
+        ``prefix`` is taken exactly (as :func:`parse_s3_url` gives it): the
+        objects are those below ``prefix + "/"``, or all with ``""``."""
         self.bucket = bucket
-        self.prefix = "/".join(p for p in prefix.split("/") if p)
+        self.prefix = prefix  # exact: "a//b" and "a/b" are different prefixes
         self.endpoint_url = endpoint_url
         self.region = region
         self.profile = profile
@@ -213,9 +224,17 @@ class S3Backend:
             )
         except bce.ProfileNotFound:
             raise AccessDenied(f"The AWS profile {self.profile!r} is not defined in the AWS config files.") from None
-        except ValueError:
+        except bce.InvalidRegionError as exc:  # a ValueError too: before the endpoint URL's
+            region = exc.kwargs.get("region_name", self.region)
             raise StoreError(
-                f"Invalid S3 endpoint URL {_redact(self.endpoint_url or '')!r}: expected http(s)://host[:port]."
+                f"Invalid AWS region {region!r} (from --region, AWS_DEFAULT_REGION or the AWS profile): "
+                f"expected a name like 'eu-west-1'."
+            ) from None
+        except ValueError as exc:
+            if self.endpoint_url is None:
+                raise StoreError(f"Cannot set up the S3 client for {self.url}: {type(exc).__name__}.") from None
+            raise StoreError(
+                f"Invalid S3 endpoint URL {_redact(self.endpoint_url)!r}: expected http(s)://host[:port]."
             ) from None
         except bce.BotoCoreError as exc:
             raise StoreError(f"Cannot set up the S3 client for {self.url}: {type(exc).__name__}.") from None
