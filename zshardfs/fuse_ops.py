@@ -33,7 +33,7 @@ import pyfuse3
 
 from .backends.base import CorruptData, StoreError
 from .logonce import log_once
-from .view import Handle, Node, View
+from .view import Changed, Handle, Node, View
 
 log = logging.getLogger(__name__)
 
@@ -376,10 +376,21 @@ class Operations(pyfuse3.Operations):
         node = handle.node
         if self.view.in_memory(node) is not None:
             return  # being written: the size the kernel knows may differ
-        try:
-            data = await self.view.read(handle, 0, node.size)
+        try:  # one byte more than the kernel knows of: a grown file shows
+            data = await self.view.read(handle, 0, node.size + 1)
+        except Changed:
+            data = None
         except (StoreError, CorruptData):
             return
+        if data is None or len(data) != node.size:
+            # Another client replaced it since the kernel was given its size:
+            # the kernel's attributes and pages are of the old version, and a
+            # read would get the new bytes cut to the old size.  Tell the
+            # kernel what it is now (safe here for the reason above).
+            data = await self._renew(inode, entry, handle)
+            if data is None:
+                return
+            node = handle.node
         if len(data) != node.size or entry.handles or self.inodes.get(inode) is not entry:
             return  # changed under us, or another open got in while we waited
         try:
@@ -389,6 +400,30 @@ class Operations(pyfuse3.Operations):
             return
         entry.filled = (node.size, node.mtime)
         self.open_fills += 1
+
+    async def _renew(self, inode: int, entry: _Inode, handle: Handle) -> bytes | None:
+        """The current version of an opened file whose stored content changed
+        since the kernel learned its size: the table and the handle take it,
+        the kernel forgets its attributes and pages; its bytes if small
+        enough to fill the page cache with (None otherwise)."""
+        try:
+            fresh = await self.view.refresh(handle.node)
+        except StoreError:
+            return None
+        if fresh is None or entry.handles or self.inodes.get(inode) is not entry:
+            return None
+        entry.node = handle.node = fresh
+        entry.filled = None
+        try:
+            pyfuse3.invalidate_inode(inode)
+        except OSError as exc:
+            log.debug("invalidate_inode(%d): %s", inode, exc)
+        if not 0 < fresh.size <= self.open_fill:
+            return None
+        try:
+            return await self.view.read(handle, 0, fresh.size + 1)
+        except (StoreError, CorruptData):
+            return None
 
     @_translate
     async def read(self, fh, off, size):

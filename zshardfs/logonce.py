@@ -17,8 +17,11 @@ def log_once(logger: logging.Logger, level: int, msg: str, interval: float = 60.
     """Log ``msg`` unless the same text was logged (by any logger) less than ``interval`` seconds ago."""
     now = time.monotonic()
     if now - _last_logged.get(msg, -1e9) > interval:
-        if len(_last_logged) > 10000:
-            _last_logged.clear()
+        if len(_last_logged) > 10000:  # forget what is old enough to be logged again anyway
+            for old in [m for m, t in _last_logged.items() if now - t > interval]:
+                del _last_logged[old]
+            if len(_last_logged) > 10000:
+                _last_logged.clear()
         _last_logged[msg] = now
         logger.log(level, msg)
 

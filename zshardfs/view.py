@@ -29,10 +29,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from .backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, StoreError, join_key
+from .backends.base import (AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed,
+                            StoreError, join_key)
 from .layouts import LAYOUTS
 from .layouts.base import ChunkEntry, ChunkTarget, Dataset, DirEntry, LayoutContext
 from .shards import ShardCache
+from .logonce import log_once
 from .together import outcomes
 from .writeback import WriteBack
 
@@ -45,6 +47,12 @@ class ViewError(StoreError):
     def __init__(self, err: int, message: str):
         super().__init__(message)
         self.errno = err
+
+
+class Changed(StoreError):
+    """The file's content is no longer the version its size was given for:
+    serving it would hand the reader a mix, or the new bytes cut to the old
+    size.  The opener re-reads the node; a reader that had it open gets EIO."""
 
 
 @dataclass(eq=False)
@@ -61,6 +69,7 @@ class Node:
     dataset: Dataset | None = None  # owner of a virtual entry
     rel: tuple[str, ...] = ()  # path below the dataset root
     target: ChunkTarget | None = None  # for chunk files: where the chunk is stored
+    version: str | None = None  # passthrough files: the etag their reads are pinned to
     created: float = field(default_factory=time.monotonic)
 
     @property
@@ -120,6 +129,17 @@ class _TTLCache:
         self._d.pop(key, None)
 
 
+#: what parsing a malformed metadata document can raise, beyond the layouts'
+#: own checks (a list where an object belongs, a document nested 100000
+#: deep, ...): the document is then shown as stored, with one warning
+METADATA_ERRORS = (TypeError, AttributeError, KeyError, IndexError, ValueError, RecursionError, OverflowError)
+
+
+def _not_understood(where: str, exc: Exception) -> None:
+    log_once(log, logging.WARNING, f"{where}: metadata not understood ({type(exc).__name__}: {exc}); "
+                                   "shown as stored")
+
+
 def _parent(path: str) -> str:
     return path.rpartition("/")[0]
 
@@ -173,8 +193,10 @@ class View:
         # earlier layout's probe failed (that error is raised).
         dataset = None
         for answer in await outcomes(*(functools.partial(layout.probe, self.ctx, dir_key) for layout in LAYOUTS)):
-            if isinstance(answer, (CorruptData, NotFound)):
+            if isinstance(answer, (CorruptData, NotFound, AccessDenied)):
                 log.warning("%s: %s", dir_key or "/", answer)
+            elif isinstance(answer, METADATA_ERRORS):
+                _not_understood(dir_key or "/", answer)
             elif isinstance(answer, Exception):
                 raise answer
             elif answer is not None:
@@ -199,7 +221,11 @@ class View:
         new = None
         for layout in LAYOUTS:
             if layout.is_document(info.key):
-                new = layout.rewrite_document(info.key, blob.data)
+                try:
+                    new = layout.rewrite_document(info.key, blob.data)
+                except METADATA_ERRORS as exc:
+                    _not_understood(info.key, exc)
+                    new = None
                 if new is not None:
                     break
         # cached under the etag actually read, so a racing replace is not masked
@@ -211,7 +237,7 @@ class View:
     async def _stored_file(self, path: str, info: ObjectInfo) -> Node:
         doc = await self._document(info)
         size = len(doc) if doc is not None else info.size
-        return Node(path, False, size, info.mtime, key=info.key, document=doc)
+        return Node(path, False, size, info.mtime, key=info.key, document=doc, version=info.etag)
 
     def _buffer_node(self, buf: FileBuffer) -> Node:
         return Node(buf.path, False, len(buf.data), buf.mtime, key=buf.key)
@@ -275,9 +301,10 @@ class View:
             return Node(path, True, 0, time.time(), key=join_key(parent.key, name))
         key = join_key(parent.key, name)
         info = await self.store.stat(key, listed_ok=True)
-        if info is not None:
+        if info is not None and not (info.size == 0 and await self.store.is_dir(key)):
             return await self._stored_file(path, info)
-        if await self.store.is_dir(key):
+        if info is not None or await self.store.is_dir(key):
+            # (an empty object named like a directory, as some S3 tools leave: the directory wins)
             return Node(path, True, 0, self.started, key=key)
         return None
 
@@ -346,13 +373,23 @@ class View:
                 made.difference_update(listing.dirs)
                 if not made:
                     del self.new_dirs[node.path]
+            # a name that is both an object and a directory is shown once,
+            # as lookup answers: the directory if the object is empty (a
+            # marker some S3 tools leave), else the file
+            dirs = set(listing.dirs)
+            both = {name: info.size for info in listing.files
+                    if (name := info.key.rsplit("/", 1)[-1]) in dirs} if dirs else {}
             for name in listing.dirs:
+                if both.get(name):
+                    continue
                 if dataset is None or not dataset.claims((name,)):
                     child = Node(join_key(node.path, name), True, 0, self.started, key=join_key(node.key, name))
                     if fresh(child):
                         yield child
             for info in listing.files:
                 name = info.key.rsplit("/", 1)[-1]
+                if both.get(name) == 0:
+                    continue
                 if dataset is None or not dataset.claims((name,)):
                     try:
                         child = await self._stored_file(join_key(node.path, name), info)
@@ -412,7 +449,11 @@ class View:
             return node.document[offset: offset + size]
         if size <= 0 or offset >= node.size:
             return b""
-        blob = await self.store.get(node.key, offset, size)
+        try:  # pinned: the version whose size the reader was given, never a mix
+            blob = await self.store.get(node.key, offset, size, if_match=node.version)
+        except PreconditionFailed:
+            raise Changed(f"{node.path}: replaced by another client while being read; open it again",
+                          node.key) from None
         return blob.data
 
     # -- writing ------------------------------------------------------------
@@ -559,9 +600,17 @@ class View:
         for layout in LAYOUTS:
             if layout.is_document(buf.key) and hasattr(layout, "accept_document"):
                 stored = await self.store.get_or_none(buf.key)
+                # a layout that needs to read storage to decide (members'
+                # documents, what the directory already holds) offers an
+                # async variant
+                accept = getattr(layout, "accept_document_async", None)
                 try:
-                    accepted = layout.accept_document(buf.key, data, stored.data if stored else None,
-                                                      self.shard_option)
+                    if accept is not None:
+                        accepted = await accept(self.ctx, buf.key, data, stored.data if stored else None,
+                                                self.shard_option, self._pending_children(_parent(buf.path)))
+                    else:
+                        accepted = layout.accept_document(buf.key, data, stored.data if stored else None,
+                                                          self.shard_option)
                 except ValueError as exc:
                     log.error("refused to store %s: %s", buf.key, exc)
                     # refused for good: the view shows the stored document

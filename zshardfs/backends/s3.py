@@ -24,9 +24,11 @@ can reach a log through them.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
+import zlib
 from collections import Counter
 from datetime import datetime
 from email.utils import parsedate_to_datetime
@@ -124,6 +126,16 @@ def _valid_endpoint(url: str) -> bool:
     except ValueError:
         return False
     return parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
+
+
+def version_mtime(last_modified: float, etag: str) -> float:
+    """Last-Modified in whole seconds (all S3 gives), plus a fraction of a
+    second derived from the ETag.  The kernel (and rsync, make) tell a
+    changed file by its size and mtime; an object replaced within the same
+    second by one of the same size (uncompressed chunks always are) would
+    otherwise look unchanged, and stale pages would be served for good.
+    The same version always gives the same mtime (HEAD, GET and LIST agree)."""
+    return math.floor(last_modified) + (zlib.crc32(etag.encode()) % 1_000_000) / 1e6
 
 
 def parse_timestamp(value: str) -> datetime:
@@ -339,8 +351,9 @@ class S3Backend:
     @staticmethod
     def _info(key: str, meta: dict, size: int) -> ObjectInfo:
         modified = meta.get("LastModified")
+        etag = meta.get("ETag", "")
         mtime = modified.timestamp() if modified is not None else time.time()
-        return ObjectInfo(key, size, meta.get("ETag", ""), mtime)
+        return ObjectInfo(key, size, etag, version_mtime(mtime, etag))
 
     # -- reads -----------------------------------------------------------------
 

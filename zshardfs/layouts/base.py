@@ -139,7 +139,7 @@ def load_json(data: bytes, what: str) -> dict | None:
     """Parse a metadata document; None (and one log line) if it is not a JSON object."""
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         warn_once(log, f"{what}: malformed JSON ({exc}); shown unchanged")
         return None
     if not isinstance(doc, dict):

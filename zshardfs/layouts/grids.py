@@ -25,6 +25,15 @@ class GridError(ValueError):
     """A chunk grid the view cannot express (reason in the message)."""
 
 
+#: Limits on what a metadata document may declare, so that a few hundred
+#: bytes of JSON cannot make the daemon build huge tables: shards listed edge
+#: by edge along one dimension (variable grids; regular ones are computed,
+#: not listed), and inner chunks in one shard (its index alone would be 16
+#: bytes each).  Arrays beyond them are shown as stored, with one warning.
+MAX_VARIABLE_EDGES = 1_000_000
+MAX_CHUNKS_PER_SHARD = 1 << 24
+
+
 def _expand_edges(spec, extent: int, dim: int) -> list[int]:
     """Edge lengths of one dimension, covering ``extent``.
 
@@ -36,7 +45,11 @@ def _expand_edges(spec, extent: int, dim: int) -> list[int]:
     if isinstance(spec, int):
         if spec <= 0:
             raise GridError(f"dimension {dim}: chunk edge must be positive, got {spec}")
-        return [spec] * max(1, math.ceil(extent / spec)) if extent else [spec]
+        count = max(1, math.ceil(extent / spec)) if extent else 1
+        if count > MAX_VARIABLE_EDGES:
+            raise GridError(f"dimension {dim}: {count} chunks along one dimension of a variable grid "
+                            f"(at most {MAX_VARIABLE_EDGES} are supported)")
+        return [spec] * count
     if not isinstance(spec, list):
         raise GridError(f"dimension {dim}: bad chunk edges {spec!r}")
     edges: list[int] = []
@@ -45,11 +58,17 @@ def _expand_edges(spec, extent: int, dim: int) -> list[int]:
             length, repeat = item
             if length <= 0 or repeat < 0:
                 raise GridError(f"dimension {dim}: bad run {item!r}")
+            if len(edges) + repeat > MAX_VARIABLE_EDGES:
+                raise GridError(f"dimension {dim}: more than {MAX_VARIABLE_EDGES} chunks along one dimension "
+                                f"of a variable grid")
             edges.extend([length] * repeat)
         elif isinstance(item, int) and not isinstance(item, bool) and item > 0:
             edges.append(item)
         else:
             raise GridError(f"dimension {dim}: bad chunk edge {item!r}")
+        if len(edges) > MAX_VARIABLE_EDGES:
+            raise GridError(f"dimension {dim}: more than {MAX_VARIABLE_EDGES} chunks along one dimension "
+                            f"of a variable grid")
     if sum(edges) < extent:
         raise GridError(f"dimension {dim}: edges sum to {sum(edges)}, less than the extent {extent}")
     return edges
@@ -83,6 +102,11 @@ def parse_chunk_grid(doc: dict, shape: list[int]) -> list[list[int]] | list[int]
     return [_expand_edges(spec, extent, d) for d, (spec, extent) in enumerate(zip(cs, shape))]
 
 
+def _check_chunks_per_shard(per_dim) -> None:
+    if math.prod(per_dim) > MAX_CHUNKS_PER_SHARD:
+        raise GridError(f"{math.prod(per_dim)} inner chunks per shard (at most {MAX_CHUNKS_PER_SHARD} are supported)")
+
+
 @dataclass(frozen=True)
 class ShardGrid:
     """Maps inner-chunk coordinates to (shard coordinates, position in shard).
@@ -112,9 +136,9 @@ class ShardGrid:
                 if s % c:
                     raise GridError(f"shard edge {s} is not a multiple of inner chunk edge {c} (dimension {d})")
                 cps.append(s // c)
-            bounds = tuple(
-                tuple(range(0, max(n, 1) + k, k))[: max(1, math.ceil(n / k)) + 1] for n, k in zip(n_inner, cps)
-            )
+            _check_chunks_per_shard(cps)
+            # ranges, not tuples: a regular grid of 10**9 shards costs nothing
+            bounds = tuple(range(0, max(1, math.ceil(n / k)) * k + 1, k) for n, k in zip(n_inner, cps))
             return cls(shape, inner, bounds, tuple(cps))
         bounds_l = []
         for d, (edges, c) in enumerate(zip(shard_grid, inner)):
@@ -124,6 +148,7 @@ class ShardGrid:
                     raise GridError(f"shard edge {e} is not a multiple of inner chunk edge {c} (dimension {d})")
                 acc.append(acc[-1] + e // c)
             bounds_l.append(tuple(acc))
+        _check_chunks_per_shard([max(b - a for a, b in zip(acc, acc[1:])) if len(acc) > 1 else 1 for acc in bounds_l])
         return cls(shape, inner, tuple(bounds_l), None)
 
     @property

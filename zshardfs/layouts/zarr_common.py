@@ -244,6 +244,22 @@ class ChunkKeys:
 SMALL_LISTING = 256
 
 
+def _report_shard_damage(key: str, index: ZarrShardIndex) -> None:
+    """One line per damaged shard, not one per damaged chunk slot (a garbage
+    index can damage thousands, and every chunk directory lists a slice of
+    its shard): one damaged entry is reported as a read of it would be (so
+    the two share one line), more as the shard's (log_once keeps one)."""
+    damaged = np.flatnonzero(index.damaged_mask())
+    if len(damaged) == 1:
+        try:
+            index.locate_now(int(damaged[0]))
+        except CorruptData as exc:
+            report_damage(log, exc)
+        return
+    report_damage(log, CorruptData(f"{key}: {len(damaged)} index entries lie past the end of the shard or are "
+                                   "half-empty; those chunks are not listed, and reading one gives EIO", key))
+
+
 class GridDataset(Dataset):
     """A sharded Zarr array: virtual chunk files on the inner grid, stored
     in shards on the shard grid, both spelled with ``keys``."""
@@ -329,24 +345,23 @@ class GridDataset(Dataset):
         if small is not None:
             # a chunk directory's slice of a shard (a few chunks): plain
             # Python beats the vectorised path's fixed cost many times over
-            out = []
+            out, damaged = [], False
             for c, cid in small:
                 try:
                     where = index.locate_now(cid)
-                except CorruptData as exc:  # not listed; a lookup gives EIO
-                    report_damage(log, exc)
+                except CorruptData:  # not listed; a lookup gives EIO
+                    damaged = True
                     continue
                 if where is not None:
                     out.append((c, ChunkEntry(key, cid, where[1], mtime, extent)))
+            if damaged:
+                _report_shard_damage(key, index)
             return out
         coords, linear = self.grid.chunks_in_shard(shard, fixed)
         keep = index.present_mask()[linear]
         damaged = keep & index.damaged_mask()[linear]
-        for cid in linear[damaged].tolist():  # not listed; a lookup gives EIO
-            try:
-                index.locate_now(cid)
-            except CorruptData as exc:
-                report_damage(log, exc)
+        if damaged.any():  # not listed; a lookup gives EIO
+            _report_shard_damage(key, index)
         keep &= ~damaged
         sizes = index.table[linear[keep], 1].tolist()
         return [(tuple(c), ChunkEntry(key, cid, size, mtime, extent))
