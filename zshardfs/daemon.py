@@ -4,6 +4,10 @@ Order of things: open the backend and check it (a bad source fails here,
 before anything is mounted), mount, tell the waiting parent we are ready,
 serve until unmounted or signalled, then flush and unmount cleanly.
 
+Stopping never drops data silently: SIGTERM/SIGINT (or an unmount from
+outside) stores everything first, retrying while storage fails; only the
+same signal again gives up, and the log names what is lost.
+
 Control channel: extended attributes of the mount's root directory
 (``user.zshardfs.stats``, ``user.zshardfs.pid``) — no extra socket to
 secure, no extra file in the view.
@@ -97,13 +101,14 @@ class Mount:
                                  prefetch_max=cfg.prefetch_max, prefetch_gap=cfg.prefetch_gap,
                                  prefetch_ahead=self._prefetch_ahead(cfg))
         self.writeback = WriteBack(self.store, self.shards, max_dirty_bytes=cfg.max_dirty,
-                                   idle_delay=cfg.flush_delay)
+                                   idle_delay=cfg.flush_delay, room_timeout=cfg.timeout)
         self.view = View(self.store, self.shards, self.writeback, metadata_ttl=cfg.metadata_ttl,
                          read_only=cfg.read_only, shard_option=cfg.shard)
         self.ops = Operations(self.view, read_only=cfg.read_only, entry_timeout=cfg.attr_timeout,
                               attr_timeout=cfg.attr_timeout, open_fill=cfg.open_fill, control=self)
         if cfg.debug:
             self.ops.trace_requests()
+        self._give_up = False  # a second SIGTERM/SIGINT: exit without storing the rest
 
     def _prefetch_ahead(self, cfg: MountConfig) -> int:
         """Read-ahead across shards hides request latency; a local source has
@@ -178,26 +183,77 @@ class Mount:
             log.info("unmounted %s", self.cfg.mountpoint)
 
     async def _signals(self, nursery) -> None:
+        """SIGTERM/SIGINT: store everything, then unmount; the same signal
+        again gives up storing (systemd sends it after TimeoutStopSec, see
+        systemd/zshardfs@.service)."""
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+            stopping = None
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     continue
-                log.info("signal %s: flushing and unmounting", signal.Signals(signum).name)
-                await self._final_sync()
-                pyfuse3.terminate()
+                name = signal.Signals(signum).name
+                if stopping is None:
+                    log.info("signal %s: storing what is in memory, then unmounting", name)
+                    stopping = trio.CancelScope()
+                    nursery.start_soon(self._stop, stopping)
+                else:
+                    log.warning("signal %s again: exiting without storing what is left", name)
+                    self._give_up = True
+                    stopping.cancel()
+
+    async def _stop(self, scope: trio.CancelScope) -> None:
+        with scope:
+            await self._store_all("SIGTERM or SIGINT again exits without them")
+        pyfuse3.terminate()
+
+    async def _store_all(self, how_to_give_up: str) -> None:
+        """Store everything still in memory, in rounds until one succeeds: a
+        transient storage failure must not lose data.  One log line per
+        failed round; rounds 1 s apart, doubling up to 30 s."""
+        delay, failed = 1.0, 0
+        while True:
+            errors = await self.view.sync()
+            if not errors:
+                if failed:
+                    log.info("stored everything after %d failed rounds", failed)
                 return
+            failed += 1
+            log.error("not stored yet: %s (%s); retrying in %gs, %s",
+                      self._unstored(), errors[0], delay, how_to_give_up)
+            await trio.sleep(delay)
+            delay = min(30.0, 2 * delay)
+
+    def _unstored(self) -> str:
+        """What only memory holds, for the log ("" if nothing)."""
+        chunks, shards = self.writeback.unstored()
+        files = [b.key for b in self.view.buffers.values() if b.dirty and b.key is not None]
+        if not chunks and not files:
+            return ""
+        text = f"{chunks} chunks in {shards} shards"
+        return text + (f" and {len(files)} files ({', '.join(files[:5])})" if files else "")
 
     async def _final_sync(self) -> None:
-        """Store everything still in memory; failures are logged, never lost
-        silently (the log names each shard that could not be written)."""
+        """Store everything still in memory before exit, retrying like a stop
+        (the mount may be gone already: the data is nowhere else) until
+        stored or SIGTERM/SIGINT; what is given up is logged."""
         with trio.CancelScope(shield=True):
-            for attempt in range(3):
-                errors = await self.view.sync()
-                if not errors:
-                    return
-                await trio.sleep(0.5 * (attempt + 1))
-            for exc in errors:
-                log.error("could not store before exit: %s", exc)
+            if not self._give_up:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async with trio.open_nursery() as nursery:
+                        async def give_up():
+                            async for signum in signals:
+                                log.warning("signal %s: exiting without storing what is left",
+                                            signal.Signals(signum).name)
+                                nursery.cancel_scope.cancel()
+
+                        nursery.start_soon(give_up)
+                        await self._store_all("SIGTERM or SIGINT exits without them")
+                        nursery.cancel_scope.cancel()
+            lost = self._unstored()
+            if lost:
+                keys = list(self.writeback.dirty)
+                log.error("exiting without storing %s: lost (shards %s%s)", lost, ", ".join(keys[:10]),
+                          ", ..." if len(keys) > 10 else "")
 
 
 def run(cfg: MountConfig, ready=None) -> None:

@@ -16,6 +16,8 @@ Invariants (docs/SEMANTICS.md names the tests):
   is retried later, and the error is reported by the next ``fsync``.
 - Memory is bounded: writers wait (back-pressure) while dirty bytes exceed
   ``max_dirty_bytes``, and the flusher writes the oldest shards first.
+- A writer never waits forever: once flushes fail and none can make room,
+  it gets the flush's error (see ``wait_for_room``).
 
 Flush triggers: ``fsync`` of a chunk in the shard; ``sync_all`` (the
 ``zshardfs sync`` command, unmount, SIGTERM); a shard whose every chunk has
@@ -25,6 +27,7 @@ last write (once no writer has it open); and dirty-memory pressure.
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import time
@@ -34,6 +37,7 @@ from typing import Any
 import trio
 
 from .backends.base import AsyncStore, NotFound, PreconditionFailed, StoreError
+from .logonce import log_once
 from .shards import ShardCache, ShardFormat
 
 log = logging.getLogger(__name__)
@@ -41,6 +45,11 @@ log = logging.getLogger(__name__)
 DELETED = None  # marker value of a dirty chunk that was unlinked
 
 MAX_GAP = 64 << 10  # kept chunks closer than this are read in one range
+
+#: while writers wait for room, a shard whose flush failed is retried this
+#: often instead of after its backoff: they learn at once that storage
+#: still fails, or go on as soon as it works again
+PRESSURE_RETRY = 1.0
 
 
 def _backoff(attempt: int) -> float:
@@ -69,6 +78,7 @@ class DirtyShard:
     touched: float = field(default_factory=time.monotonic)
     error: StoreError | None = None
     failures: int = 0
+    failed_at: float = 0.0  # monotonic time of the last failed flush
     lock: trio.Lock = field(default_factory=trio.Lock)
 
     @property
@@ -89,7 +99,7 @@ class DirtyShard:
 
 class WriteBack:
     def __init__(self, store: AsyncStore, shards: ShardCache, *, max_dirty_bytes: int = 256 << 20,
-                 idle_delay: float = 2.0, max_attempts: int = 12):
+                 idle_delay: float = 2.0, max_attempts: int = 12, room_timeout: float = 30.0):
         self.store = store
         self.shards = shards
         self.max_dirty_bytes = max_dirty_bytes
@@ -102,12 +112,23 @@ class WriteBack:
         self._room = trio.Condition()
         self.flushes = 0
         self.flush_errors = 0
+        # a writer waiting for room while the last flush failed gets its
+        # error after this long, even if failing shards hold less than the cap
+        self.room_timeout = room_timeout
+        self.last_failure: StoreError | None = None
+        self.failing = False  # the latest flush failed
+        self._waiting = 0  # writers waiting for room
 
     # -- the dirty set ------------------------------------------------------
 
     @property
     def dirty_bytes(self) -> int:
         return sum(s.nbytes for s in self.dirty.values())
+
+    def unstored(self) -> tuple[int, int]:
+        """(chunks, shards) held in memory only."""
+        chunks = sum(1 for s in self.dirty.values() for c in s.chunks.values() if c.clean != c.version)
+        return chunks, sum(1 for s in self.dirty.values() if any(c.clean != c.version for c in s.chunks.values()))
 
     def shard(self, key: str, fmt: ShardFormat, ctx: Any, capacity: int | None = None) -> DirtyShard:
         shard = self.dirty.get(key)
@@ -176,15 +197,37 @@ class WriteBack:
         self._wake.set()
 
     async def wait_for_room(self) -> None:
-        """Back-pressure: block a writer while dirty memory is over the cap."""
+        """Back-pressure: block a writer while dirty memory is over the cap.
+
+        Never forever (a writer in a FUSE request cannot even be killed): it
+        gets the error of a flush that failed while it waited once no flush
+        can make room, that is when the failing shards alone hold more than
+        the cap, or when the last flush failed and it has waited
+        ``room_timeout``.  Flushes that succeed, however slowly, keep it
+        waiting."""
         if self.dirty_bytes <= self.max_dirty_bytes:
             return
-        self._wake.set()
-        async with self._room:
-            while self.dirty_bytes > self.max_dirty_bytes:
-                with trio.move_on_after(1.0):
-                    await self._room.wait()
-                self._wake.set()
+        started = time.monotonic()
+        failures = self.flush_errors
+        self._waiting += 1
+        try:
+            self._wake.set()
+            async with self._room:
+                while self.dirty_bytes > self.max_dirty_bytes:
+                    with trio.move_on_after(1.0):
+                        await self._room.wait()
+                    if self.dirty_bytes <= self.max_dirty_bytes:
+                        return
+                    if self.flush_errors != failures and self.last_failure is not None and self._no_room(started):
+                        raise copy.copy(self.last_failure)  # one exception object per request
+                    self._wake.set()
+        finally:
+            self._waiting -= 1
+
+    def _no_room(self, waiting_since: float) -> bool:
+        failing = sum(s.nbytes for s in self.dirty.values() if s.error is not None)
+        return failing > self.max_dirty_bytes or (
+            self.failing and time.monotonic() - waiting_since >= self.room_timeout)
 
     # -- flushing -------------------------------------------------------------
 
@@ -202,6 +245,7 @@ class WriteBack:
                         for cid, c in shard.chunks.items() if c.clean != c.version}
             if not snapshot:
                 return
+            failed = None
             try:
                 await self._write_shard(shard, {cid: d for cid, (_, d) in snapshot.items()})
             except StoreError as exc:
@@ -209,25 +253,31 @@ class WriteBack:
                     # a place to write that vanished (local: a parent that is
                     # a file) is a failed write, not a missing file: EIO
                     exc = StoreError(str(exc), key)
-                shard.error = exc
+                failed = shard.error = self.last_failure = exc
                 shard.failures += 1
+                shard.failed_at = time.monotonic()
                 self.flush_errors += 1
-                log.error("flush of %s failed (attempt %d, kept in memory): %s", key, shard.failures, exc)
-                raise exc from None
-            shard.error = None
-            shard.failures = 0
-            self.flushes += 1
-            for cid, (version, _) in snapshot.items():
-                chunk = shard.chunks.get(cid)
-                if chunk is not None and chunk.version == version:
-                    if chunk.writers:
-                        chunk.clean = version
-                    else:
-                        del shard.chunks[cid]
-            if not shard.chunks:
-                del self.dirty[key]
+                self.failing = True
+                # retried every second while writers wait: one line a minute
+                log_once(log, logging.ERROR, f"flush of {key} failed (kept in memory, retried): {exc}")
+            else:
+                shard.error = None
+                shard.failures = 0
+                self.failing = False
+                self.flushes += 1
+                for cid, (version, _) in snapshot.items():
+                    chunk = shard.chunks.get(cid)
+                    if chunk is not None and chunk.version == version:
+                        if chunk.writers:
+                            chunk.clean = version
+                        else:
+                            del shard.chunks[cid]
+                if not shard.chunks:
+                    del self.dirty[key]
         async with self._room:
-            self._room.notify_all()
+            self._room.notify_all()  # waiting writers judge every outcome
+        if failed is not None:
+            raise failed
 
     async def _write_shard(self, shard: DirtyShard, changes: dict[int, bytes | None]) -> None:
         fmt, ctx = shard.fmt, shard.ctx
@@ -302,9 +352,12 @@ class WriteBack:
 
     def _due(self, now: float) -> list[str]:
         over = self.dirty_bytes > self.max_dirty_bytes
+        pressed = over and self._waiting > 0
         due = []
-        for key, shard in sorted(self.dirty.items(), key=lambda kv: kv[1].since):
-            if shard.error is not None and now - shard.touched < min(30.0, 0.5 * 2 ** shard.failures):
+        # over the cap, shards that did not fail go first: they make room
+        for key, shard in sorted(self.dirty.items(), key=lambda kv: (over and kv[1].error is not None, kv[1].since)):
+            if (shard.error is not None and now - shard.touched < min(30.0, 0.5 * 2 ** shard.failures)
+                    and not (pressed and now - shard.failed_at >= PRESSURE_RETRY)):
                 continue  # back off after failures
             if over or (not shard.busy and (shard.full or now - shard.touched >= self.idle_delay)):
                 due.append(key)

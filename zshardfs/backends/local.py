@@ -2,7 +2,11 @@
 
 Atomic replace: data goes to a temporary file in the same directory, is
 fsynced, renamed over the key, and the directory is fsynced.  A reader (or a
-crash) therefore sees the old or the new object, never a mix.
+crash) therefore sees the old or the new object, never a mix.  A put that
+fails removes its temporary file; one left by a writer that died (kill -9)
+is removed by the first put into its directory (or a listing of it) once
+no live process can be writing it (:func:`_writer_gone`) and it is
+STALE_AGE seconds old.
 
 The etag is ``<inode>-<mtime_ns>-<size>``: a rename-replace always changes
 the inode, so a pinned read notices a replaced shard.  Conditional writes are
@@ -14,39 +18,73 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import threading
+import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 
 from .base import Blob, Listing, NotFound, ObjectInfo, PreconditionFailed, StoreError, bump
 
+log = logging.getLogger(__name__)
+
 TMP_PREFIX = ".zshardfs-tmp-"
+
+#: a dead writer's temporary file is removed only once it is this old: a put
+#: in flight in another pid namespace sharing the store (whose pid means
+#: nothing here) has written it within moments
+STALE_AGE = 60.0
+
+#: temporary files this process is writing now (its pid alone does not prove
+#: a file is its own: a restarted container's daemon often gets the same pid)
+_writing: set[str] = set()
+_writing_lock = threading.Lock()
 
 
 def _is_internal(name: str) -> bool:
     return name.startswith(TMP_PREFIX)
 
 
-def _remove_if_orphaned(path: str, name: str) -> None:
-    """A temporary file left by a writer that died (kill -9 mid-put): its
-    name carries the writer's pid; if that process is gone, remove it.
-    Found while listing, so cleaning costs no scan of its own."""
+def _writer_gone(path: str, name: str) -> bool:
+    """True if no live writer can be writing this temporary file: the pid in
+    its name is no running process, or is this process, which is not."""
     try:
         pid = int(name[len(TMP_PREFIX):].split("-", 1)[0])
+    except ValueError:
+        return False
+    if pid == os.getpid():
+        with _writing_lock:
+            return path not in _writing
+    try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-    except (ValueError, PermissionError, OSError):
-        pass
+        return True
+    except OSError:
+        pass  # EPERM: running, as another user
+    return False
+
+
+def _remove_if_old(path: str) -> bool:
+    """Remove a dead writer's temporary file once it is STALE_AGE old; True
+    if it is gone."""
+    try:
+        if time.time() - os.stat(path).st_mtime < STALE_AGE:
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    log.info("removed %s, a temporary file left by a writer that died", path)
+    return True
 
 
 class LocalBackend:
     #: open descriptors kept for pinned reads without a thread hop
     FD_CACHE = 64
+    #: directories swept of dead writers' temporary files (see _sweep)
+    SWEPT_DIRS = 1 << 16
 
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
@@ -54,6 +92,8 @@ class LocalBackend:
         self.counters: Counter = Counter()
         self._fds: OrderedDict[tuple[str, str], int] = OrderedDict()  # (key, etag) -> fd
         self._fd_lock = threading.Lock()
+        self._swept: OrderedDict[str, None] = OrderedDict()
+        self._swept_lock = threading.Lock()
 
     # -- helpers -------------------------------------------------------------
 
@@ -165,7 +205,8 @@ class LocalBackend:
             with os.scandir(self._path(prefix)) as it:
                 for entry in it:
                     if _is_internal(entry.name):
-                        _remove_if_orphaned(entry.path, entry.name)
+                        if _writer_gone(entry.path, entry.name):
+                            _remove_if_old(entry.path)
                         continue
                     try:
                         if entry.is_dir():
@@ -207,17 +248,43 @@ class LocalBackend:
             bump(self.counters, "precondition_failed")
             raise PreconditionFailed(f"{key}: changed since it was read", key)
 
+    def _sweep(self, dirpath: str) -> None:
+        """Before the first put into a directory, remove the temporary files
+        dead writers left there: chunk directories are listed from shard
+        indexes, so no listing would ever meet them, and on a full disk they
+        hold the space the put needs.  Done again on later puts while a dead
+        writer's file there is still too young to remove."""
+        with self._swept_lock:
+            if dirpath in self._swept:
+                return
+        again = False
+        try:
+            with os.scandir(dirpath) as it:
+                for entry in it:
+                    if _is_internal(entry.name) and _writer_gone(entry.path, entry.name):
+                        again |= not _remove_if_old(entry.path)
+        except OSError:
+            return
+        if not again:
+            with self._swept_lock:
+                self._swept[dirpath] = None
+                while len(self._swept) > self.SWEPT_DIRS:
+                    self._swept.popitem(last=False)
+
     def put(self, key, data, *, if_match=None, if_none_match=False) -> ObjectInfo:
         path = self._path(key)
         dirpath = os.path.dirname(path)
+        tmp = os.path.join(dirpath, f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{os.path.basename(path)}")
+        with _writing_lock:
+            _writing.add(tmp)
         try:
             os.makedirs(dirpath, exist_ok=True)
-            tmp = os.path.join(dirpath, f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{os.path.basename(path)}")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            self._sweep(dirpath)
             try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
                 if if_match is not None or if_none_match:
                     with self._dir_lock(dirpath):
                         self._check(key, path, if_match, if_none_match)
@@ -225,6 +292,8 @@ class LocalBackend:
                 else:
                     os.rename(tmp, path)
             except BaseException:
+                # a partial temporary file (ENOSPC mid-write) would hold the
+                # space a retry needs, and nothing else would ever remove it
                 try:
                     os.unlink(tmp)
                 except OSError:
@@ -238,6 +307,9 @@ class LocalBackend:
             st = os.stat(path)
         except OSError as exc:
             raise self._fail(key, exc) from None
+        finally:
+            with _writing_lock:
+                _writing.discard(tmp)
         bump(self.counters, "put")
         bump(self.counters, "bytes_written", len(data))
         return self._info(key, st)

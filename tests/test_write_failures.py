@@ -1,0 +1,407 @@
+"""Writes while storage fails: full disks, broken stores, stops.
+
+Real mounts of local stores (a small tmpfs for ENOSPC); stored data is read
+back with zarr-python, never with zshardfs' own code.  Every wait is
+bounded, and a writer that hangs is released (storage repaired) before the
+test fails, so a regression fails the test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from tests.conftest import ZSHARDFS
+from tests.util import process_running, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+TMP = ".zshardfs-tmp-"
+
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 2 MiB tmpfs, a file system that fills up (request it before
+    ``mount``, so that the mount is gone before it is)."""
+    path = tmp_path / "small"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)], check=True)
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def free_bytes(path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def fill(path: Path, leave: int) -> Path:
+    """Fill the file system holding ``path`` until ``leave`` bytes are free."""
+    filler = path / "filler"
+    filler.write_bytes(b"f" * max(0, free_bytes(path) - leave))
+    return filler
+
+
+def temporaries(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob(TMP + "*"))
+
+
+def zs(*args, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([*ZSHARDFS, *map(str, args)], capture_output=True, text=True, timeout=120)
+    if check and result.returncode:
+        raise AssertionError(f"zshardfs {' '.join(map(str, args))} failed: {result.stderr}")
+    return result
+
+
+def must(cond, timeout: float, what: str):
+    value = wait_for(cond, timeout)
+    if not value:
+        raise AssertionError(f"timed out ({timeout:g}s) waiting for {what}")
+    return value
+
+
+def daemon_pid(m) -> int:
+    return int(os.getxattr(m.path, "user.zshardfs.pid"))
+
+
+def dirty_bytes(m) -> int:
+    return json.loads(os.getxattr(m.path, "user.zshardfs.stats"))["writeback"]["dirty_bytes"]
+
+
+def chunk_bytes(value: int) -> bytes:
+    """A 16x16 <i4 chunk (1 KiB), every byte ``value``."""
+    return bytes([value % 256]) * 1024
+
+
+def grid_array(root: Path):
+    """256x256 <i4 in 16x16 chunks, 4x4 chunks (16 KiB) per shard, nothing stored."""
+    return zarr.create_array(str(root / "arr"), shape=(256, 256), chunks=(16, 16), shards=(64, 64),
+                             dtype="<i4", fill_value=0, compressors=None)
+
+
+def stored_chunk(root: Path, i: int, j: int, size: int = 16) -> bytes:
+    a = zarr.open_array(str(root / "arr"), mode="r")
+    return a[i * size:(i + 1) * size, j * size:(j + 1) * size].astype("<i4").tobytes()
+
+
+# ---------------------------------------------------------------------------
+# A. temporary shard files
+
+
+def test_enospc_leaves_no_temporary_file_and_keeps_the_data(small_fs, mount):
+    a = zarr.create_array(str(small_fs / "arr"), shape=(256, 256), chunks=(64, 64), shards=(128, 128),
+                          dtype="<i4", fill_value=0, compressors=None)  # 4 shards of 4 x 16 KiB
+    data = np.arange(256 * 256, dtype="<i4").reshape(256, 256)
+    a[...] = data
+    old_shard = (small_fs / "arr/c/0/0").read_bytes()
+    filler = fill(small_fs, 20 << 10)  # less than a shard
+    free = free_bytes(small_fs)
+    m = mount(small_fs, "flush_delay=60")
+    new = b"\x07" * (16 << 10)
+    fd = os.open(m / "arr/c/0/0", os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, new)
+        with pytest.raises(OSError) as info:
+            os.fsync(fd)
+        assert info.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    # the failed put took its partial shard with it: the space is free again
+    assert temporaries(small_fs) == []
+    assert free_bytes(small_fs) >= free - 4096
+    assert (small_fs / "arr/c/0/0").read_bytes() == old_shard
+    assert (m / "arr/c/0/0").read_bytes() == new  # kept in memory
+    filler.unlink()
+    zs("sync", m.path)
+    m.umount()
+    assert temporaries(small_fs) == []
+    data[0:64, 0:64] = 0x07070707
+    np.testing.assert_array_equal(zarr.open_array(str(small_fs / "arr"), mode="r")[...], data)
+
+
+def test_temporary_files_of_dead_writers_are_removed_where_shards_are_written(tmp_path, mount):
+    """kill -9 between a temporary shard's write and its rename leaves it
+    behind; chunk directories are listed from shard indexes, so only the
+    next put into its directory can meet it."""
+    store = tmp_path / "store"
+    a = zarr.create_array(str(store / "arr"), shape=(8, 8), chunks=(2, 2), shards=(4, 4), dtype="<i4",
+                          fill_value=0, compressors=None)
+    a[...] = np.arange(64, dtype="<i4").reshape(8, 8)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert not process_running(gone.pid)
+    m = mount(store, "flush_delay=60")
+    shard_dir = store / "arr/c/0"
+    hour_ago = time.time() - 3600
+
+    def leftover(name: str, old: bool = True) -> Path:
+        p = shard_dir / name
+        p.write_bytes(b"partial shard")
+        if old:
+            os.utime(p, (hour_ago, hour_ago))
+        return p
+
+    dead = leftover(f"{TMP}{gone.pid}-1-0")
+    young = leftover(f"{TMP}{gone.pid}-2-1", old=False)  # another pid namespace's put may be writing it
+    live = leftover(f"{TMP}{os.getpid()}-3-0")  # a running process's
+    # the daemon's own pid, not a file it is writing: a restarted container's
+    # daemon often has the pid of the one that died
+    same_pid = leftover(f"{TMP}{daemon_pid(m)}-4-1")
+    assert sorted(os.listdir(m / "arr/c/0")) == ["0", "1", "2", "3"]  # never shown
+
+    (m / "arr/c/0/0").write_bytes(b"\x01" * 16)
+    zs("sync", m.path)
+    assert not dead.exists() and not same_pid.exists()
+    assert young.exists() and live.exists()
+    # the directory is swept again on a later put while a dead writer's file is too young
+    os.utime(young, (hour_ago, hour_ago))
+    (m / "arr/c/0/1").write_bytes(b"\x02" * 16)
+    zs("sync", m.path)
+    assert not young.exists() and live.exists()
+    m.umount()
+    assert "left by a writer that died" in m.log_text()
+    stored = zarr.open_array(str(store / "arr"), mode="r")
+    assert stored[0:2, 0:2].tobytes() == b"\x01" * 16 and stored[0:2, 2:4].tobytes() == b"\x02" * 16
+
+
+# ---------------------------------------------------------------------------
+# B. back-pressure while every flush fails
+
+
+WRITER = r"""
+import errno, os, sys
+root, seed = sys.argv[1], int(sys.argv[2])
+n = 0
+for i in range(16):
+    for j in range(16):
+        fd = os.open(f"{root}/arr/c/{i}/{j}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            os.write(fd, bytes([(16 * i + j + seed) % 256]) * 1024)
+        except OSError as exc:
+            print(errno.errorcode[exc.errno], n, flush=True)
+            sys.exit(0)
+        finally:
+            os.close(fd)
+        n += 1
+print("ok", n, flush=True)
+"""
+
+
+def _break(kind: str, root: Path):
+    """Make every flush into ``root/arr`` fail; returns the repair."""
+    if kind == "enospc":
+        filler = fill(root, 0)
+        return filler.unlink
+    blocker = root / "arr" / "c"
+    blocker.write_bytes(b"a file where the shard directories must go")  # every put: EIO
+    return blocker.unlink
+
+
+@pytest.mark.parametrize("kind", ["enospc", "broken"])
+def test_writers_get_the_flush_error_instead_of_waiting_forever(kind, small_fs, mount):
+    grid_array(small_fs)
+    repair = _break(kind, small_fs)
+    m = mount(small_fs, "max_dirty=64k,flush_delay=0.5")
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(m.path), "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = writer.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        repair()  # lets the flushes make room, so the writer can end
+        writer.communicate(timeout=60)
+        pytest.fail("a writer over max_dirty waited forever while every flush failed")
+    name, written = out.split()
+    assert name == ("ENOSPC" if kind == "enospc" else "EIO")
+    assert int(written) >= 64  # max_dirty of 1 KiB chunks were taken before any wait
+
+    # storage recovers: writes go on, and everything is stored
+    repair()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(m.path), "1"], stdout=subprocess.PIPE, text=True)
+    out, _ = writer.communicate(timeout=120)
+    assert out.split() == ["ok", "256"]
+    zs("sync", m.path)
+    assert dirty_bytes(m) == 0
+    m.umount()
+    assert temporaries(small_fs) == []
+    for i in range(16):
+        for j in range(16):
+            assert stored_chunk(small_fs, i, j) == chunk_bytes(16 * i + j + 1), (i, j)
+
+
+def test_writers_waiting_on_a_hung_store_get_eio_within_the_timeout(moto_server, s3_bucket, tmp_path, mount):
+    """A hung endpoint fails one flush per ``timeout`` (the flusher writes one
+    shard at a time): waiting until the failing shards alone hold more than
+    max_dirty would take 33 failed flushes, over a minute."""
+    _, bucket = s3_bucket
+    seed = tmp_path / "seed"
+    zarr.create_array(str(seed / "arr"), shape=(128, 96), chunks=(16, 16), shards=(16, 16), dtype="<i4",
+                      fill_value=0, compressors=None)  # 48 shards of one 1 KiB chunk
+    moto_server.s3.put_object(Bucket=bucket, Key="store/arr/zarr.json", Body=(seed / "arr/zarr.json").read_bytes())
+    m = mount(f"s3://{bucket}/store", "max_dirty=32k,flush_delay=60,timeout=2",
+              extra=["--endpoint-url", moto_server.endpoint_url])
+    fds = [os.open(m / f"arr/c/{i}/{j}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC) for i in range(8) for j in range(6)]
+    outcomes: dict[int, str] = {}
+
+    def write(k: int) -> None:
+        try:
+            os.write(fds[k], chunk_bytes(k))
+            outcomes[k] = "ok"
+        except OSError as exc:
+            outcomes[k] = errno.errorcode[exc.errno]
+
+    threads = [threading.Thread(target=write, args=(k,), daemon=True) for k in range(len(fds))]
+    moto_server.pause()
+    try:
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.1, t0 + 30 - time.monotonic()))
+        took = time.monotonic() - t0
+    finally:
+        moto_server.resume()
+    for t in threads:
+        t.join(60)
+    for fd in fds:
+        os.close(fd)
+    assert took < 30, f"writers waited {took:.0f}s for room on a hung store"
+    assert set(outcomes.values()) <= {"ok", "EIO"} and "EIO" in outcomes.values(), outcomes
+    must(lambda: zs("sync", m.path, check=False).returncode == 0, 30, "a sync once the endpoint is back")
+    assert dirty_bytes(m) == 0
+    m.umount()
+
+
+KEEPS_WRITING = r"""
+import os, sys
+root, progress = sys.argv[1], sys.argv[2]
+k = 0
+while True:
+    i, j = divmod(k % 256, 16)
+    k += 1
+    try:
+        fd = os.open(f"{root}/arr/c/{i}/{j}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            os.write(fd, b"k" * 1024)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    with open(progress, "a") as f:
+        f.write(".")
+"""
+
+
+def test_a_writer_waiting_for_room_can_be_killed(tmp_path, mount):
+    """The kernel ends a killed process only once the daemon answers its
+    request: a wait for room with no end made writers unkillable."""
+    store = tmp_path / "store"
+    grid_array(store)
+    repair = _break("broken", store)
+    m = mount(store, "max_dirty=16k,flush_delay=0.5")
+    progress = tmp_path / "progress"
+    writer = subprocess.Popen([sys.executable, "-c", KEEPS_WRITING, str(m.path), str(progress)])
+    try:
+        must(lambda: progress.exists() and len(progress.read_text()) >= 12, 30, "the writer's first writes")
+        time.sleep(3)  # past max_dirty: every write now waits for room
+        writer.kill()
+        try:
+            writer.wait(30)
+        except subprocess.TimeoutExpired:
+            repair()
+            writer.wait(60)
+            pytest.fail("SIGKILL did not end a writer waiting for room")
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+    repair()
+    zs("sync", m.path)
+    m.umount()
+
+
+# ---------------------------------------------------------------------------
+# C. stopping while storage fails
+
+
+def _seeded(tmp_path) -> tuple[Path, np.ndarray]:
+    store = tmp_path / "store"
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    a = zarr.create_array(str(store / "arr"), shape=(8, 8), chunks=(2, 2), shards=(4, 4), dtype="<i4",
+                          fill_value=0, compressors=None)
+    a[...] = data
+    return store, data
+
+
+def _break_shards(store: Path):
+    """Every flush of arr fails (its shard directory is a file); returns the repair."""
+    (store / "arr/c").rename(store / "arr/c.kept")
+    (store / "arr/c").write_bytes(b"blocker")
+
+    def repair():
+        (store / "arr/c").unlink()
+        (store / "arr/c.kept").rename(store / "arr/c")
+
+    return repair
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigint", "unmounted"])
+def test_stop_while_storage_fails_keeps_retrying_until_stored(tmp_path, mount, how):
+    store, data = _seeded(tmp_path)
+    m = mount(store, "flush_delay=60")
+    precious = np.array([[1001, 1002], [1003, 1004]], "<i4")
+    (m / "arr/c/0/0").write_bytes(precious.tobytes())
+    pid = daemon_pid(m)
+    repair = _break_shards(store)
+    try:
+        assert zs("umount", m.path, check=False).returncode != 0  # refuses: the data is only in memory
+        if how in ("sigterm", "sigint"):
+            os.kill(pid, signal.SIGTERM if how == "sigterm" else signal.SIGINT)
+        else:
+            subprocess.run(["fusermount3", "-uz", str(m.path)], check=True)
+            m.mounted = False
+        must(lambda: "not stored yet: 1 chunks in 1 shards" in m.log_text(), 30, "a failed round in the log")
+        time.sleep(3)
+        assert process_running(pid), "the daemon exited with data it could not store"
+        assert os.path.ismount(m.path) == (how != "unmounted")  # a stop unmounts once stored
+    finally:
+        repair()
+    must(lambda: not process_running(pid), 90, "the daemon to store and exit")
+    m.mounted = False
+    assert not os.path.ismount(m.path)
+    assert "lost" not in m.log_text()
+    data[0:2, 0:2] = precious
+    np.testing.assert_array_equal(zarr.open_array(str(store / "arr"), mode="r")[...], data)
+
+
+def test_a_second_sigterm_exits_without_the_unstored_data_and_says_so(tmp_path, mount):
+    store, data = _seeded(tmp_path)
+    m = mount(store, "flush_delay=60")
+    (m / "arr/c/0/0").write_bytes(b"\x09" * 16)
+    pid = daemon_pid(m)
+    repair = _break_shards(store)
+    try:
+        os.kill(pid, signal.SIGTERM)
+        must(lambda: "not stored yet: 1 chunks in 1 shards" in m.log_text(), 30, "a failed round in the log")
+        assert process_running(pid)
+        os.kill(pid, signal.SIGTERM)
+        must(lambda: not process_running(pid), 30, "the daemon to exit on the second SIGTERM")
+        m.mounted = False
+        assert not os.path.ismount(m.path)  # unmounted, not left as a dead mount
+    finally:
+        repair()
+    log = m.log_text()
+    assert "exiting without storing 1 chunks in 1 shards: lost (shards arr/c/0/0)" in log
+    np.testing.assert_array_equal(zarr.open_array(str(store / "arr"), mode="r")[...], data)  # as it was
