@@ -19,8 +19,9 @@ behind a one-lock middleware that serialises PUT/POST/DELETE requests.
 ``serialize_writes=False`` runs the unmodified ``python -m moto.server``.
 
 :class:`TcpProxy` goes between a client and the server: it delays every HTTP
-request (added latency, as to a distant region) and counts requests in flight
-and the bytes the server sends back.
+request (added latency, as to a distant region), can limit the bandwidth of the
+answers (a slow link), and counts requests in flight and the bytes the server
+sends back.
 
 Run as a script (``python tests/s3server.py --serve HOST PORT``) it is that
 child process.
@@ -357,14 +358,19 @@ class TcpProxy:
     Connection set-up is not delayed.  Requests on different connections wait
     independently, so overlapping requests overlap their delays.
 
+    ``rate``: bytes per second at which the server's answers are passed on,
+    per connection (0: as fast as they come), i.e. a slow link.
+
     Counters, since the start or :meth:`reset`: ``bytes`` the server sent back
     (HTTP headers included), ``requests``, ``inflight`` (requests forwarded or
     waiting to be, not yet answered) and its maximum ``max_inflight``.
     """
 
-    def __init__(self, upstream_port: int, *, delay: float = 0.0, upstream_host: str = "127.0.0.1"):
+    def __init__(self, upstream_port: int, *, delay: float = 0.0, upstream_host: str = "127.0.0.1",
+                 rate: float = 0.0):
         self.upstream = (upstream_host, upstream_port)
         self.delay = delay
+        self.rate = rate
         self.lock = threading.Lock()
         self.bytes = self.requests = self.inflight = self.max_inflight = 0
         self._conns: set[socket.socket] = set()
@@ -452,7 +458,11 @@ class TcpProxy:
                     if state["waiting"]:
                         state["waiting"] = False
                         self.inflight -= 1
-                client.sendall(data)
+                step = 1 << 14 if self.rate > 0 else len(data)  # a slow link: 16 KiB at a time
+                for i in range(0, len(data), step):
+                    if self.rate > 0:
+                        time.sleep(min(step, len(data) - i) / self.rate)
+                    client.sendall(data[i:i + step])
         except OSError:
             pass
         with self.lock:

@@ -801,3 +801,55 @@ def test_walk_lists_and_loads_indexes_ahead(mount, moto_server, bucket, array, s
     assert gets[()] == gets[("prefetch_ahead=0",)] and len(set(gets[()])) == len(gets[()])  # every index once
     print(f"\nwalk: {times[('prefetch_ahead=0',)]:.2f}s without listing ahead, {times[()]:.2f}s with")
     assert times[()] < 0.7 * times[("prefetch_ahead=0",)], times
+
+
+# --------------------------------------------------------------------------
+# a slow link
+
+
+def test_read_ahead_on_a_slow_link_never_slows_a_read(mount, moto_server, s3_bucket, tmp_path):
+    """Read-ahead is speculative: it must never make a read slower than the
+    deadline, or fail it, where a plain read would succeed.  A link of
+    512 KiB/s, one 4 MiB shard of 64 chunks of 64 KiB, ``-o timeout=5``: a
+    plain read of a chunk takes about 0.15 s, while fetching the rest of the
+    shard (what read-ahead would like, up to ``prefetch_max``) takes 8 s.
+    Reading the chunks in order, every read takes well under the deadline
+    (it used to take the whole deadline, the read-ahead GET's, and sometimes
+    failed with EIO: that GET's missing answer, fail-fast), and read-ahead
+    still coalesces: at most 2 GETs for 3 chunks."""
+    import zarr
+
+    _, bucket = s3_bucket
+    timeout, n_chunks, chunk = 5.0, 64, 64 << 10
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, size=(n_chunks, chunk), dtype=np.uint8)
+    arr = zarr.create_array(tmp_path / "slow", shape=data.shape, dtype="uint8", chunks=(1, chunk),
+                            shards=data.shape, compressors=None, fill_value=0)
+    arr[:] = data
+    moto_server.put_many(bucket, {f"{PREFIX}/{p.relative_to(tmp_path)}": p.read_bytes()
+                                  for p in (tmp_path / "slow").rglob("*") if p.is_file()})
+    shard = f"{PREFIX}/slow/c/0/0"
+    with TcpProxy(moto_server.port, rate=512 << 10) as proxy:
+        m = s3_mount(mount, moto_server, bucket, f"timeout={timeout:g}", endpoint=proxy.endpoint_url)
+        root = m.path / "slow"
+        mark = moto_server.mark()
+        reads, slowest = 12, 0.0
+        for i in range(reads):
+            t0 = time.monotonic()
+            try:
+                got = read_file(root / f"c/{i}/0")
+            except OSError as exc:
+                pytest.fail(f"chunk {i}: {exc} after {time.monotonic() - t0:.1f}s")
+            took = time.monotonic() - t0
+            assert got == data[i].tobytes(), i
+            assert took < timeout / 2, f"chunk {i} took {took:.1f}s (deadline {timeout:g}s)"
+            slowest = max(slowest, took)
+        stats = m.stats()
+        gets = [r for r in server_requests(moto_server, bucket, mark) if r[0] == "GET" and r[1] == shard]
+        m.umount()
+    print(f"\nslow link: {reads} chunks read in order, the slowest in {slowest:.2f}s, "
+          f"{len(gets) - 1} data GETs")
+    assert stats["errors"] == 0, stats
+    assert stats["prefetches"] >= 1, "no read-ahead at all: the test proves nothing"
+    # one GET for the first chunk, then pieces of several chunks
+    assert len(gets) - 1 <= 2 * reads // 3, f"read-ahead no longer coalesces: {len(gets)} GETs (index included)"

@@ -12,12 +12,19 @@ Invariants:
   ``nbytes`` estimate); memory does not grow with the size of the store.
 - A cached index is reused for ``index_ttl`` seconds; after that its shard is
   re-validated (a local ``stat`` or S3 ``HEAD`` — cheaper than re-reading).
+- Read-ahead is speculative and never what makes a read slow or fail: it runs
+  in the background in GETs sized by observed throughput, a reader waits for
+  it only briefly (then reads its chunk alone), and a read-ahead GET with no
+  answer is given up at half the deadline, before the store's deadline would
+  end it and fail-fast would fail the reader's next call on that key.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
+import math
 import re
 import time
 from collections import OrderedDict
@@ -26,7 +33,7 @@ from typing import Any, Protocol
 
 import trio
 
-from .backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed
+from .backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, StoreError
 from .singleflight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -129,6 +136,17 @@ PRELOAD_MAX = 64
 #: distant store's pipe full, few enough that the shard the reader needs
 #: next is not slowed by a dozen others sharing the bandwidth
 AHEAD_PARALLEL = 4
+#: read-ahead is speculative: each of its GETs is sized, by the throughput
+#: storage has shown, to take about this long (at most; and at most an
+#: eighth of ``-o timeout``), so a reader waiting for the piece that holds
+#: its chunk waits about as long as for a plain read, on any link
+PIECE_TIME = 1.0
+#: bytes of the first read-ahead GET, before any GET has been timed
+PIECE_FIRST = 1 << 20
+#: bytes a read-ahead GET may always ask for: on any link worth the name
+#: they cost about one round trip, which is all a small GET's time tells
+#: (a 512-byte chunk read in 50 ms says little about bandwidth)
+PIECE_MIN = 64 << 10
 
 _DIGITS = re.compile(r"(\d+)")
 
@@ -184,8 +202,22 @@ class ShardCache:
         # (chunk id, end offset), and how many reads in a row continued one
         self._positions: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._walk = 0
-        self._prefetching: dict[tuple[str, str], list[tuple[set[int], trio.Event]]] = {}
+        # chunks read-ahead is fetching, by shard version: chunk id -> set
+        # once that chunk is cached (or its fetch given up)
+        self._coming: dict[tuple[str, str], dict[int, trio.Event]] = {}
         self.prefetches = 0
+        # bytes per second a GET of chunk data achieved (an estimate that
+        # errs low: see _observed), which sizes read-ahead's GETs; None: none timed yet
+        self._rate: float | None = None
+        timeout = float(getattr(store, "timeout", 60.0))
+        # read-ahead GETs aim at piece_time each, and are given up (no answer
+        # awaited, no error) after half the deadline: a call the deadline ends
+        # fails the same key at once for a moment (AsyncStore.FAIL_FAST), the
+        # reader's included.  A reader waits for a piece at most `patience`,
+        # then reads its chunk itself.
+        self._piece_time = min(PIECE_TIME, timeout / 8)
+        self._give_up = timeout / 2
+        self._patience = 2 * self._piece_time
         # read-ahead across shards (see _read_ahead): shards whose index was
         # loaded (by a listing or lookup) and none of whose chunks was read
         # yet, in load order (for expiry), each with its scan_order; and
@@ -307,27 +339,26 @@ class ShardCache:
                 scan = self._scanning(key, chunk_id, offset, nbytes, hit=data is not None)
             if data is not None:
                 return data
-            for ids, event in list(self._prefetching.get((key, index.info.etag), ())):
-                if chunk_id in ids:
-                    await event.wait()
-                    data = self.chunks.get(ckey)
-                    if data is not None:
-                        return data
-                    break
+            coming = self._coming.get((key, index.info.etag), {}).get(chunk_id)
+            if coming is not None:  # read-ahead is fetching it: wait a little, not for its deadline
+                data = await self._wait(coming, ckey)
+                if data is not None:
+                    return data
+                if not self._current(key, index):
+                    continue  # the fetch found the shard changed
             if nbytes == 0:
                 return fmt.decode_chunk(b"")
             if offset + nbytes > index.info.size:
                 raise CorruptData(f"{key}: chunk {chunk_id} at {offset}+{nbytes} lies past the end of the shard "
                                   f"({index.info.size} bytes)", key)
+            if scan and coming is None:
+                data = await self._read_ahead_from(fmt, key, index, chunk_id)
+                if data is not None:
+                    return data
+                if not self._current(key, index):
+                    continue
             try:
-                if scan:
-                    try:
-                        data = await self._prefetch(fmt, key, index, chunk_id)
-                    except CorruptData:
-                        data = None  # read-ahead is best effort: damage elsewhere in the shard is not this chunk's
-                    if data is not None:
-                        return data
-                blob = await self.store.get(key, offset, nbytes, if_match=index.info.etag)
+                blob = await self._timed(key, offset, nbytes, index.info.etag)
             except (PreconditionFailed, NotFound):
                 log.debug("%s changed while reading; reloading its index", key)
                 self.forget(key)
@@ -373,13 +404,17 @@ class ShardCache:
         self._walk = 0
         return False
 
-    async def preload(self, fmt: ShardFormat, shards: list[tuple[str, Any]]) -> None:
+    async def preload(self, fmt: ShardFormat, shards: list[tuple[str, Any]], ahead: bool = False) -> None:
         """Load the indexes of several shards at once, for a listing that
         needs them all: their requests overlap instead of queueing one after
         another.  They are sent in :func:`scan_order`, no more at a time
         than the store has connections, so that the directories a walk lists
         first get theirs first.  Errors are left to the caller's own
-        :meth:`index` call, which reports them."""
+        :meth:`index` call, which reports them.
+
+        ``ahead``: nobody needs them yet (:meth:`preload_soon`); a load with
+        no answer after half the deadline is given up, before the deadline
+        ends it and fail-fast fails the reader's own load of that index."""
         todo = sorted(((k, c) for k, c in shards if self.indexes.peek(k) is None),
                       key=lambda kc: scan_order(kc[0]))[:PRELOAD_MAX]
         if len(todo) < 2:
@@ -388,7 +423,8 @@ class ShardCache:
 
         async def one(key: str, ctx: Any) -> None:
             try:
-                await self.index(fmt, key, ctx)
+                with trio.move_on_after(self._give_up if ahead else math.inf):
+                    await self.index(fmt, key, ctx)
             except Exception as exc:  # noqa: BLE001 - reported by the caller's own load
                 log.debug("preload of %s: %s", key, exc)
             finally:
@@ -409,7 +445,7 @@ class ShardCache:
 
     def preload_soon(self, fmt: ShardFormat, shards: list[tuple[str, Any]]) -> None:
         """:meth:`preload` in the background (see :meth:`soon`)."""
-        self.soon(self.preload, fmt, shards)
+        self.soon(self.preload, fmt, shards, True)
 
     def start(self, nursery: trio.Nursery) -> None:
         """Where background read-ahead runs (the daemon's nursery)."""
@@ -456,7 +492,9 @@ class ShardCache:
 
     async def _fetch_ahead(self, fmt: ShardFormat, key: str, shard_ctx: Any) -> None:
         try:
-            index = await self.index(fmt, key, shard_ctx, expired_ok=True)
+            index = None
+            with trio.move_on_after(self._give_up):  # (loaded by a listing, usually: no request)
+                index = await self.index(fmt, key, shard_ctx, expired_ok=True)
             if index is not None and key in self._ahead:
                 await self._prefetch(fmt, key, index, 0)
         except Exception as exc:  # noqa: BLE001 - best effort; the reader's own read reports errors
@@ -467,53 +505,204 @@ class ShardCache:
             self._ahead_running -= 1
         self._read_ahead()  # the next one, if the reader still walks
 
-    async def _prefetch(self, fmt: ShardFormat, key: str, index: ShardIndex, chunk_id: int):
+    async def _read_ahead_from(self, fmt: ShardFormat, key: str, index: ShardIndex, chunk_id: int) -> bytes | None:
+        """A scan's miss: fetch this chunk and the ones after it
+        (:meth:`_prefetch`) in the background, and wait for this one at most
+        ``patience``.  None: not there in time, or not fetched (the reader
+        then reads it alone; the fetch goes on and caches what it gets).
+
+        The first GET holds this chunk and is sized to take about
+        ``piece_time``, so the reader waits about as long as for a plain
+        read; what follows comes in GETs of the same size, one after
+        another, while the reader reads.  On a fast link that is one GET of
+        up to ``prefetch_max``, as before; on a slow one, where a GET of
+        ``prefetch_max`` would outlast ``-o timeout``, a reader used to wait
+        for the whole deadline, and then fail: that GET's missing answer was
+        its error, and fail-fast then failed its next read of the shard."""
+        if self._nursery is None:  # a cache used on its own: the reader's piece only, in its own request
+            return await self._prefetch(fmt, key, index, chunk_id, pieces=1)
+        event = trio.Event()
+        self._coming.setdefault((key, index.info.etag), {})[chunk_id] = event
+        self._nursery.start_soon(_guarded, self._prefetch, fmt, key, index, chunk_id, event)
+        return await self._wait(event, (key, index.info.etag, chunk_id))
+
+    async def _wait(self, event: trio.Event, ckey: tuple) -> bytes | None:
+        """The chunk read-ahead is fetching, if it comes within ``patience``."""
+        with trio.move_on_after(self._patience):
+            await event.wait()
+        return self.chunks.get(ckey)
+
+    def _current(self, key: str, index: ShardIndex) -> bool:
+        """Is ``index`` still the cached index of ``key`` (not forgotten
+        because a read found the shard changed)?"""
+        cached: _Cached | None = self.indexes.peek(key)
+        return cached is not None and cached.index is index
+
+    async def _timed(self, key: str, start: int, length: int, etag: str):
+        """A pinned GET of chunk data whose throughput feeds the estimate
+        that sizes read-ahead's GETs (:meth:`_observed`)."""
+        t0 = time.monotonic()
+        blob = await self.store.get(key, start, length, if_match=etag)
+        self._observed(len(blob.data), time.monotonic() - t0)
+        return blob
+
+    def _observed(self, nbytes: int, seconds: float) -> None:
+        """A GET of ``nbytes`` took ``seconds``.  The time includes the round
+        trip (and any wait for a connection), so bytes/seconds errs low, on
+        the safe side: a GET k times as large takes at most k times as long.
+        The estimate is the best rate seen, so it grows with the GETs (a
+        4 KiB chunk's says little about bandwidth), except that a GET large
+        enough to be bound by bandwidth that was slower pulls it down (the
+        link got slower, or is shared now)."""
+        if nbytes <= 0:
+            return
+        rate = nbytes / max(seconds, 1e-6)
+        if self._rate is None or rate > self._rate:
+            self._rate = rate
+        elif nbytes >= self._piece_bytes() // 4:
+            self._rate = (self._rate + rate) / 2
+
+    def _piece_bytes(self) -> int:
+        """Bytes one read-ahead GET may ask for: about ``piece_time`` worth."""
+        if self._rate is None:
+            return PIECE_FIRST
+        return max(PIECE_MIN, int(self._rate * self._piece_time))
+
+    def _piece(self, near: list[tuple[int, int, int]], i: int, fetched: list[tuple[int, int]]) -> tuple[int, int]:
+        """The byte range of the next read-ahead GET: chunk ``near[i]`` (the
+        one the reader needs soonest; ``near`` is sorted by offset) and the
+        chunks around it in the shard, after it first, as long as the gaps
+        are at most ``prefetch_gap``, the range at most ``_piece_bytes``,
+        and it takes in no range ``fetched`` before."""
+        budget = self._piece_bytes()
+        start = near[i][1]
+        end = start + near[i][2]
+
+        def fits(lo: int, hi: int) -> bool:
+            return hi - lo <= budget and not any(a < hi and b > lo for a, b in fetched)
+
+        for k in range(i + 1, len(near)):
+            _, off, n = near[k]
+            if off - end > self.prefetch_gap or not fits(start, max(end, off + n)):
+                break
+            end = max(end, off + n)
+        for k in range(i - 1, -1, -1):
+            _, off, n = near[k]
+            if start - (off + n) > self.prefetch_gap or not fits(off, max(end, off + n)):
+                break
+            start, end = off, max(end, off + n)
+        return start, end
+
+    def _release(self, key: str, etag: str, events: dict[int, trio.Event]) -> None:
+        """These chunks are no longer coming (cached, or given up): wake
+        their readers."""
+        coming = self._coming.get((key, etag))
+        for cid, event in events.items():
+            if coming is not None and coming.get(cid) is event:
+                del coming[cid]
+            event.set()
+        if coming is not None and not coming:
+            del self._coming[(key, etag)]
+        events.clear()
+
+    async def _prefetch(self, fmt: ShardFormat, key: str, index: ShardIndex, chunk_id: int,
+                        event: trio.Event | None = None, pieces: int | None = None) -> bytes | None:
         """Fetch stored chunks of the shard that are not cached, in the order
         a scan reads them (ascending chunk id from ``chunk_id``, then the
-        ones before it), at most ``prefetch_max`` bytes; in as few ranged
-        GETs as their offsets allow (chunks closer than ``prefetch_gap`` are
-        read in one range).  Every chunk that lies whole in a fetched range
-        is cached.  Returns the wanted chunk's data (None: not fetched)."""
+        ones before it), at most ``prefetch_max`` bytes; in ranged GETs of
+        about ``piece_time`` each (:meth:`_piece`), one after another, the
+        one holding ``chunk_id`` first (``pieces``: at most that many).
+        Every chunk that lies whole in a fetched range is cached.  Readers of
+        the chunks it will fetch wait for them (``_coming``; ``event`` is
+        ``chunk_id``'s, registered by the caller).
+
+        Best effort, and never what makes a read fail: errors are logged (a
+        changed shard is forgotten, so its readers reload the index), a GET
+        with no answer after half the deadline is given up.  Returns the
+        wanted chunk's data (None: not fetched)."""
         etag, size = index.info.etag, index.info.size
-        busy = set().union(*(ids for ids, _ in self._prefetching.get((key, etag), ())))
-        entries = [(cid, off, n) for cid, off, n in await index.entries() if n and off + n <= size]
-        todo = sorted((e for e in entries if e[0] not in busy and (key, etag, e[0]) not in self.chunks),
-                      key=lambda e: (e[0] < chunk_id, e[0]))
-        chosen, total = [], 0
-        for e in todo:
-            if total + e[2] > self.prefetch_max and chosen:
-                break
-            chosen.append(e)
-            total += e[2]
-        if not chosen:
-            return None
-        chosen.sort(key=lambda e: e[1])
-        ranges, start, end = [], chosen[0][1], chosen[0][1] + chosen[0][2]
-        for _, off, n in chosen[1:]:
-            if off - end > self.prefetch_gap:
-                ranges.append((start, end))
-                start = off
-            end = max(end, off + n)
-        ranges.append((start, end))
-        entry = ({cid for cid, _, _ in chosen}, trio.Event())
-        running = self._prefetching.setdefault((key, etag), [])
-        running.append(entry)
-        self.prefetches += 1
+        mine: dict[int, trio.Event] = {} if event is None else {chunk_id: event}
         try:
-            by_offset = sorted(entries, key=lambda e: e[1])
-            for start, end in ranges:
-                blob = await self.store.get(key, start, end - start, if_match=etag)
-                for cid, off, n in by_offset:
-                    if off < start or off + n > start + len(blob.data) or (key, etag, cid) in self.chunks:
-                        continue
-                    try:
-                        decoded = fmt.decode_chunk(blob.data[off - start: off - start + n])
-                    except (CorruptData, ValueError, OSError):
-                        continue  # reported if and when that chunk itself is read
-                    self.chunks.put((key, etag, cid), decoded, len(decoded) + 64)
+            with trio.move_on_after(self._give_up) as scope:  # precomputed: may read minishard indexes
+                entries = [(cid, off, n) for cid, off, n in await index.entries() if n and off + n <= size]
+            if scope.cancelled_caught:
+                return None
+            coming = self._coming.setdefault((key, etag), {})
+            todo = sorted((e for e in entries if (e[0] not in coming or e[0] in mine)
+                           and (key, etag, e[0]) not in self.chunks),
+                          key=lambda e: (e[0] < chunk_id, e[0]))
+            chosen, total = [], 0
+            for e in todo:
+                if total + e[2] > self.prefetch_max and chosen:
+                    break
+                chosen.append(e)
+                total += e[2]
+            for cid, _, _ in chosen:
+                if cid not in mine:
+                    mine[cid] = coming[cid] = trio.Event()
+            if chosen:
+                self.prefetches += 1
+                await self._fetch(fmt, key, etag, entries, chosen, mine, pieces)
+        except StoreError as exc:  # (CorruptData: damage elsewhere in the shard is not this chunk's)
+            log.debug("read-ahead of %s: %s", key, exc)
+            if isinstance(exc, (PreconditionFailed, NotFound)):
+                self.forget(key)
         finally:
-            running.remove(entry)
-            if not running:
-                self._prefetching.pop((key, etag), None)
-            entry[1].set()
+            self._release(key, etag, mine)
         return self.chunks.peek((key, etag, chunk_id))
+
+    async def _fetch(self, fmt: ShardFormat, key: str, etag: str, entries: list[tuple[int, int, int]],
+                     chosen: list[tuple[int, int, int]], mine: dict[int, trio.Event], pieces: int | None) -> None:
+        """:meth:`_prefetch`'s GETs: ``chosen`` (in the order the reader
+        needs them) in pieces (:meth:`_piece`) one after another."""
+        by_offset = sorted(entries, key=lambda e: e[1])
+        offsets = [off for _, off, _ in by_offset]
+        near = sorted(chosen, key=lambda e: e[1])
+        near_offsets = [off for _, off, _ in near]
+        place = {cid: i for i, (cid, _, _) in enumerate(near)}
+        fetched: list[tuple[int, int]] = []  # byte ranges asked for
+        done: set[int] = set()  # chosen chunks that lay whole in one
+        head = 0
+        while pieces != 0:
+            while head < len(chosen) and chosen[head][0] in done:
+                head += 1
+            if head == len(chosen):
+                return
+            start, end = self._piece(near, place[chosen[head][0]], fetched)
+            fetched.append((start, end))
+            t0 = time.monotonic()
+            with trio.move_on_after(self._give_up) as scope:
+                blob = await self.store.get(key, start, end - start, if_match=etag)
+            took = time.monotonic() - t0
+            if scope.cancelled_caught:
+                # Given up before the deadline ends it: that would fail this
+                # shard's next GET (the reader's) at once, for a moment.
+                rate = (end - start) / took  # more than the link gives now
+                self._rate = min(self._rate or rate, rate) / 2
+                log.debug("read-ahead of %s: no answer for %d bytes in %.1fs; given up", key, end - start, took)
+                return
+            self._observed(len(blob.data), took)
+            got = start + len(blob.data)
+            for i in range(bisect.bisect_left(offsets, start), len(by_offset)):
+                cid, off, n = by_offset[i]
+                if off >= got:
+                    break
+                if off + n > got or (key, etag, cid) in self.chunks:
+                    continue
+                try:
+                    decoded = fmt.decode_chunk(blob.data[off - start: off - start + n])
+                except (CorruptData, ValueError, OSError):
+                    continue  # reported if and when that chunk itself is read
+                self.chunks.put((key, etag, cid), decoded, len(decoded) + 64)
+            arrived = {}
+            for i in range(bisect.bisect_left(near_offsets, start), len(near)):
+                cid, off, n = near[i]
+                if off >= end:
+                    break
+                if off + n <= end:
+                    done.add(cid)
+                    if cid in mine:
+                        arrived[cid] = mine.pop(cid)
+            self._release(key, etag, arrived)  # (not cached: damaged, or the shard was shorter)
+            if pieces is not None:
+                pieces -= 1
