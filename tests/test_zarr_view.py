@@ -665,3 +665,65 @@ def test_conformance_logs_are_quiet(mounted, store):
         assert " WARNING " in line and "shown raw" in line and any(p in line for p in raw), line
     for path in raw:
         assert len([line for line in lines if f"{path}/zarr.json" in line]) == 1, path
+
+
+def _daemon_rss_mb(m) -> float:
+    pid = int(os.getxattr(m.path, "user.zshardfs.pid"))
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_hostile_metadata_is_shown_raw_and_costs_nothing(mount, tmp_path):
+    """A few hundred bytes of metadata must not cost gigabytes, tracebacks
+    or EIO: a regular grid of 10**9 shards is computed, not listed (a
+    sparse array costs what is stored); a shard of 2*10**12 inner chunks,
+    a variable grid of 10**10 edges, a configuration given as a list, and
+    a document nested 100000 deep are shown as stored, each with one
+    warning, and their directories stay readable."""
+    import time
+
+    import zarr  # (this module's other tests run the peers in their own processes)
+
+    src = tmp_path / "store"
+    base = tmp_path / "base"
+    zarr.create_array(str(base), shape=(4, 6), chunks=(1, 3), shards=(1, 6), dtype="uint8", fill_value=0,
+                      compressors=None)[:] = 7
+    doc = json.loads((base / "zarr.json").read_bytes())
+    shard = (base / "c/0/0").read_bytes()
+
+    def array(name, edit):
+        d = json.loads(json.dumps(doc))
+        edit(d)
+        (src / name).mkdir(parents=True)
+        (src / name / "zarr.json").write_text(json.dumps(d))
+        (src / name / "c/0").mkdir(parents=True)
+        (src / name / "c/0/0").write_bytes(shard)
+
+    array("huge", lambda d: d.update(shape=[10**9, 6]))
+    array("absurd", lambda d: d["chunk_grid"]["configuration"].update(chunk_shape=[10**12, 6]))
+    array("runs", lambda d: d.update(chunk_grid={"name": "rectilinear", "configuration": {
+        "kind": "inline", "chunk_shapes": [[[1, 10**10]], [6]]}}))
+    array("listconf", lambda d: d["codecs"][0].update(configuration=[1, 2]))
+    (src / "plain").mkdir()
+    (src / "plain/info").write_text("[" * 100_000 + "]" * 100_000)
+    (src / "plain/readme.txt").write_text("fine")
+
+    m = mount(src, "ro")
+    rss = _daemon_rss_mb(m)
+    t0 = time.monotonic()
+    assert json.loads((m.path / "huge/zarr.json").read_bytes())["shape"] == [10**9, 6]
+    assert os.listdir(m.path / "huge/c") == ["0"]
+    assert sorted(os.listdir(m.path / "huge/c/0")) == ["0", "1"]
+    assert (m.path / "huge/c/0/1").read_bytes() == b"\x07" * 3
+    assert zarr.open_array(str(m.path / "huge"), mode="r")[0, :].tolist() == [7] * 6
+    for name in ("absurd", "runs", "listconf"):
+        assert (m.path / name / "zarr.json").read_bytes() == (src / name / "zarr.json").read_bytes(), name
+        assert (m.path / name / "c/0/0").read_bytes() == shard, name
+    assert (m.path / "plain/readme.txt").read_text() == "fine"
+    assert os.listdir(m.path / "plain") in (["info", "readme.txt"], ["readme.txt", "info"])
+    assert time.monotonic() - t0 < 20
+    assert _daemon_rss_mb(m) - rss < 200
+    log = m.log_text()
+    for name in ("absurd", "runs", "listconf", "plain/info"):
+        assert len([line for line in log.splitlines() if f"{name}" in line and "WARNING" in line]) == 1, (name, log)
+    assert "Traceback" not in log and "ERROR" not in log

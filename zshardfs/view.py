@@ -224,7 +224,7 @@ class View:
                 try:
                     new = layout.rewrite_document(info.key, blob.data)
                 except METADATA_ERRORS as exc:
-                    _not_understood(info.key, exc)
+                    _not_understood(_parent(info.key) or "/", exc)  # the probe's words: one line
                     new = None
                 if new is not None:
                     break
@@ -235,7 +235,10 @@ class View:
         return new
 
     async def _stored_file(self, path: str, info: ObjectInfo) -> Node:
-        doc = await self._document(info)
+        try:
+            doc = await self._document(info)
+        except AccessDenied:  # listed as stored; reading it gives EACCES
+            doc = None
         size = len(doc) if doc is not None else info.size
         return Node(path, False, size, info.mtime, key=info.key, document=doc, version=info.etag)
 
@@ -548,6 +551,10 @@ class View:
     async def write(self, handle: Handle, offset: int, data: bytes) -> int:
         if not handle.writable:
             raise ViewError(errno.EBADF, "not open for writing")
+        if handle.buffer is None:
+            # back-pressure first: a write refused with a flush's error
+            # leaves nothing behind to be stored later
+            await self.writeback.wait_for_room()
         target = handle.buffer.data if handle.buffer is not None else handle.chunk.data
         if target is None:  # the chunk was unlinked while open: keep writing into a fresh buffer
             handle.chunk.data = target = bytearray()
@@ -559,7 +566,6 @@ class View:
             handle.buffer.mtime = time.time()
         else:
             self.writeback.changed(handle.node.target.shard_key, handle.chunk)
-            await self.writeback.wait_for_room()
         return len(data)
 
     async def truncate(self, node: Node, size: int, handle: Handle | None = None) -> Node:

@@ -20,12 +20,13 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import threading
 import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 
-from .base import Blob, Listing, NotFound, ObjectInfo, PreconditionFailed, StoreError, bump
+from .base import AccessDenied, Blob, Listing, NotFound, ObjectInfo, PreconditionFailed, StoreError, bump
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,11 @@ def _remove_if_old(path: str) -> bool:
 class LocalBackend:
     #: open descriptors kept for pinned reads without a thread hop
     FD_CACHE = 64
+    #: seconds a kept descriptor answers for its path without a look at the
+    #: path: a file replaced by rename keeps its old content on an open
+    #: descriptor, so only the path tells that the version is no longer
+    #: current (then the pinned read fails, and the index is read again)
+    NOWAIT_TRUST = 1.0
     #: directories swept of dead writers' temporary files (see _sweep)
     SWEPT_DIRS = 1 << 16
 
@@ -90,7 +96,8 @@ class LocalBackend:
         self.root = os.path.abspath(root)
         self.url = self.root
         self.counters: Counter = Counter()
-        self._fds: OrderedDict[tuple[str, str], int] = OrderedDict()  # (key, etag) -> fd
+        # (key, etag) -> [fd, when the path last showed that version]
+        self._fds: OrderedDict[tuple[str, str], list] = OrderedDict()
         self._fd_lock = threading.Lock()
         self._swept: OrderedDict[str, None] = OrderedDict()
         self._swept_lock = threading.Lock()
@@ -109,6 +116,9 @@ class LocalBackend:
     def _fail(self, key: str, exc: OSError) -> StoreError:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
             return NotFound(f"{key}: not found", key)
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            bump(self.counters, "errors")
+            return AccessDenied(f"{key}: {exc.strerror}", key)
         bump(self.counters, "errors")
         err = StoreError(f"{key}: {exc.strerror}", key)
         err.errno = exc.errno or errno.EIO
@@ -133,13 +143,15 @@ class LocalBackend:
 
     def get(self, key, start=0, length=None, *, suffix=None, if_match=None) -> Blob:
         path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
+        try:  # non-blocking: a FIFO in the store must not hold a worker forever
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as exc:
             raise self._fail(key, exc) from None
         keep = False
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # listings show regular files only
+                raise NotFound(f"{key}: not a regular file", key)
             info = self._info(key, st)
             if if_match is not None and info.etag != if_match:
                 bump(self.counters, "precondition_failed")
@@ -167,11 +179,13 @@ class LocalBackend:
     def _keep_fd(self, key: str, etag: str, fd: int) -> bool:
         """Keep ``fd`` of this version for later nowait reads (LRU-bounded)."""
         with self._fd_lock:
-            if (key, etag) in self._fds:
+            kept = self._fds.get((key, etag))
+            if kept is not None:
+                kept[1] = time.monotonic()  # the path still shows this version
                 return False
-            self._fds[(key, etag)] = fd
+            self._fds[(key, etag)] = [fd, time.monotonic()]
             while len(self._fds) > self.FD_CACHE:
-                _, old = self._fds.popitem(last=False)
+                _, (old, _) = self._fds.popitem(last=False)
                 os.close(old)
         return True
 
@@ -183,8 +197,16 @@ class LocalBackend:
         disk, so this is safe to call on the event loop; it saves the thread
         hop that otherwise dominates reading a small cached chunk."""
         with self._fd_lock:
-            fd = self._fds.get((key, if_match))
-            if fd is None:
+            kept = self._fds.get((key, if_match))
+            if kept is None or time.monotonic() - kept[1] > self.NOWAIT_TRUST:
+                return None
+            fd = kept[0]
+            try:  # rewritten in place (same inode): no longer that version
+                if self._info(key, os.fstat(fd)).etag != if_match:
+                    del self._fds[(key, if_match)]
+                    os.close(fd)
+                    return None
+            except OSError:
                 return None
             self._fds.move_to_end((key, if_match))
             buf = bytearray(length)
@@ -342,7 +364,10 @@ class LocalBackend:
 
     def statfs(self) -> os.statvfs_result:
         """The file system holding the store (``df`` on the mount shows it)."""
-        return os.statvfs(self.root)
+        try:
+            return os.statvfs(self.root)
+        except OSError as exc:  # the source directory was removed
+            raise self._fail("", exc) from None
 
     def make_dir(self, key: str) -> None:
         try:
@@ -361,6 +386,6 @@ class LocalBackend:
 
     def close(self) -> None:
         with self._fd_lock:
-            for fd in self._fds.values():
+            for fd, _ in self._fds.values():
                 os.close(fd)
             self._fds.clear()

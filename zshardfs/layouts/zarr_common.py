@@ -15,8 +15,8 @@ import crc32c
 import numpy as np
 import trio
 
-from ..backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo
-from ..logonce import report_damage
+from ..backends.base import AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo
+from ..logonce import log_once, report_damage
 from ..shards import EMPTY
 from .base import ChunkEntry, ChunkTarget, Dataset, DirEntry, Entry, LayoutContext, parse_index_name
 from .grids import ShardGrid, linear_index
@@ -337,6 +337,9 @@ class GridDataset(Dataset):
             index = await self.ctx.shards.index(self.shard_format, key, extent)
         except CorruptData as exc:
             report_damage(log, exc)
+            return []
+        except AccessDenied as exc:  # left out, like a damaged one: the rest stays listable
+            log_once(log, logging.WARNING, f"{exc}; its chunks are not listed")
             return []
         if index is None:
             return []

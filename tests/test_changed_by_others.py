@@ -1,0 +1,288 @@
+"""Stores that another client changes while they are mounted.
+
+SEMANTICS 2.5: changes by others show within the TTLs, and a read never
+hands out a mix of two versions, nor a new version cut to the old size.
+Each test mounts for real; the other client writes straight into the
+storage (moto over HTTP, or the local directory).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import GzipCodec
+
+PREFIX = "data"
+
+
+class Storage:
+    """The mounted storage, written around zshardfs by "another client"."""
+
+    def __init__(self, kind: str, root: Path | None = None, server=None, bucket: str | None = None):
+        self.kind, self.root, self.server, self.bucket = kind, root, server, bucket
+
+    def mount(self, mount, *opts: str):
+        if self.kind == "local":
+            return mount(self.root, "ro", *opts)
+        return mount(f"s3://{self.bucket}/{PREFIX}", "ro", *opts, extra=["--endpoint-url", self.server.endpoint_url])
+
+    def put(self, key: str, data: bytes) -> None:
+        if self.kind == "local":
+            path = self.root / key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".new")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)  # as tools replace files: a new inode
+        else:
+            self.server.s3.put_object(Bucket=self.bucket, Key=f"{PREFIX}/{key}", Body=data)
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request, tmp_path) -> Storage:
+    if request.param == "local":
+        root = tmp_path / "store"
+        root.mkdir()
+        return Storage("local", root=root)
+    _, bucket = request.getfixturevalue("s3_bucket")
+    return Storage("s3", server=request.getfixturevalue("moto_server"), bucket=bucket)
+
+
+def gzip_array(path: Path, values: np.ndarray) -> None:
+    zarr.create_array(str(path), shape=values.shape, chunks=(32,), shards=(64,), dtype="uint8",
+                      compressors=GzipCodec(), fill_value=0)[:] = values
+
+
+def test_a_chunk_replaced_with_another_size_is_read_whole(storage, mount, tmp_path):
+    """The kernel knows a chunk file's size (stat); another client replaces
+    the shard, and the chunk's size changes (gzip: 23 bytes to 55).  A read
+    within ``attr_timeout`` gets a whole chunk: the new one when the kernel
+    held only the size (the open notices the change, updates the kernel's
+    size and drops its pages; before, the new bytes came cut to the old
+    size, a gzip stream that does not decode), the old one when it held
+    its pages too.  After ``attr_timeout``, the new one."""
+    small = np.zeros(64, "uint8")
+    small[0] = 1
+    big = np.random.default_rng(0).integers(1, 255, 64).astype("uint8")
+    gzip_array(tmp_path / "A", small)
+    gzip_array(tmp_path / "B", big)
+    for name in ("a", "b"):  # one shard each, of chunks c/0 and c/1
+        storage.put(f"{name}/zarr.json", (tmp_path / "A/zarr.json").read_bytes())
+        storage.put(f"{name}/c/0", (tmp_path / "A/c/0").read_bytes())
+    m = storage.mount(mount, "attr_timeout=4")
+    stat_only, read_before = m / "a/c/0", m / "b/c/0"
+
+    def chunk(data: bytes) -> np.ndarray:
+        return np.frombuffer(gzip.decompress(data), "uint8")
+
+    before = os.stat(stat_only).st_size
+    assert np.array_equal(chunk(read_before.read_bytes()), small[:32])
+    for name in ("a", "b"):
+        storage.put(f"{name}/c/0", (tmp_path / "B/c/0").read_bytes())
+    t0 = time.monotonic()
+    time.sleep(1.5)  # past index_ttl (1 s), inside attr_timeout
+    got = stat_only.read_bytes()
+    assert len(got) != before and np.array_equal(chunk(got), big[:32])
+    assert os.stat(stat_only).st_size == len(got)
+    old_or_new = chunk(read_before.read_bytes())
+    assert np.array_equal(old_or_new, small[:32]) or np.array_equal(old_or_new, big[:32])
+    assert time.monotonic() - t0 < 4, "too slow to test inside attr_timeout"
+    time.sleep(4)
+    assert np.array_equal(chunk(read_before.read_bytes()), big[:32])
+    assert np.array_equal(zarr.open_array(str(m / "a"), mode="r")[:], big)
+
+
+def test_a_file_replaced_while_it_is_read_is_never_mixed(storage, mount):
+    """A plain file larger than ``open_fill`` is read through READ requests,
+    each pinned to the version the reader opened.  If another client
+    replaces it mid-read, the reader gets the old version whole (local: the
+    open file, as on POSIX) or EIO for the rest with one log line (S3: the
+    old version is gone), never a mix of the two.  Opened again once the
+    kernel's attributes have expired, it is the new version whole."""
+    old, new = b"O" * (4 << 20), b"N" * (3 << 20)
+    storage.put("big.bin", old)
+    m = storage.mount(mount, "attr_timeout=1")
+    got, failed = b"", None
+    with open(m / "big.bin", "rb", buffering=0) as f:
+        got += f.read(1 << 20)
+        storage.put("big.bin", new)
+        time.sleep(0.2)
+        try:
+            while piece := f.read(1 << 20):
+                got += piece
+        except OSError as exc:
+            failed = exc.errno
+    assert set(got) == {ord("O")}, "a mix of two versions"
+    if storage.kind == "s3":
+        assert failed == 5
+        assert len([line for line in m.log_text().splitlines() if "replaced by another client" in line]) == 1
+    else:
+        assert failed is None and got == old
+    time.sleep(1.5)
+    assert (m / "big.bin").read_bytes() == new
+
+
+def test_an_object_named_like_a_directory_is_shown_once(moto_server, s3_bucket, mount, tmp_path):
+    """S3 can hold an object ``arr`` beside objects ``arr/...`` (some tools
+    leave empty "directory marker" objects).  Each name is shown once: an
+    empty object gives way to the directory, so the array stays reachable;
+    a non-empty object is the file (and its namesake directory is hidden)."""
+    _, bucket = s3_bucket
+    s3 = moto_server.s3
+    src = tmp_path / "arr"
+    zarr.create_array(str(src), shape=(4,), chunks=(2,), shards=(4,), dtype="uint8", fill_value=0)[:] = [1, 2, 3, 4]
+    for p in src.rglob("*"):
+        if p.is_file():
+            s3.put_object(Bucket=bucket, Key=f"{PREFIX}/arr/{p.relative_to(src)}", Body=p.read_bytes())
+    s3.put_object(Bucket=bucket, Key=f"{PREFIX}/arr", Body=b"")
+    s3.put_object(Bucket=bucket, Key=f"{PREFIX}/notes", Body=b"text")
+    s3.put_object(Bucket=bucket, Key=f"{PREFIX}/notes/hidden.txt", Body=b"x")
+    m = mount(f"s3://{bucket}/{PREFIX}", "ro", extra=["--endpoint-url", moto_server.endpoint_url])
+    assert sorted(os.listdir(m.path)) == ["arr", "notes"]
+    assert (m / "arr").is_dir() and (m / "notes").is_file()
+    assert (m / "notes").read_bytes() == b"text"
+    assert list(zarr.open_array(str(m / "arr"), mode="r")[:]) == [1, 2, 3, 4]
+    m2 = mount(f"s3://{bucket}/{PREFIX}", "ro", extra=["--endpoint-url", moto_server.endpoint_url])
+    # looked up before anything was listed: the same answers
+    assert (m2 / "arr").is_dir() and (m2 / "notes").is_file()
+    assert sorted(os.listdir(m2.path)) == ["arr", "notes"]
+    shutil.rmtree(tmp_path / "arr")
+
+
+def test_a_shard_replaced_within_the_same_second_is_seen(moto_server, s3_bucket, mount, tmp_path):
+    """S3 gives Last-Modified in whole seconds, and uncompressed chunks
+    keep their size: a shard replaced within the second it was read would
+    look unchanged to the kernel (size and mtime), which would serve its
+    old pages for good.  The sub-second part of mtime comes from the ETag,
+    so the change shows once the attributes expire."""
+    _, bucket = s3_bucket
+    s3 = moto_server.s3
+    for name, value in (("A", 1), ("B", 2)):
+        zarr.create_array(str(tmp_path / name), shape=(64,), chunks=(32,), shards=(64,), dtype="uint8",
+                          compressors=None, fill_value=0)[:] = value
+    s3.put_object(Bucket=bucket, Key=f"{PREFIX}/arr/zarr.json", Body=(tmp_path / "A/zarr.json").read_bytes())
+    m = mount(f"s3://{bucket}/{PREFIX}", "ro", "attr_timeout=1",
+              extra=["--endpoint-url", moto_server.endpoint_url])
+    chunk = m / "arr/c/0"
+    for attempt in range(5):  # until both writes fall in one second (the case in point)
+        time.sleep(1.2)  # the previous attempt's attributes expire
+        time.sleep(1 - time.time() % 1 + 0.02)
+        s3.put_object(Bucket=bucket, Key=f"{PREFIX}/arr/c/0", Body=(tmp_path / "A/c/0").read_bytes())
+        before = os.stat(chunk)
+        assert chunk.read_bytes() == bytes([1] * 32)
+        s3.put_object(Bucket=bucket, Key=f"{PREFIX}/arr/c/0", Body=(tmp_path / "B/c/0").read_bytes())
+        head = s3.head_object(Bucket=bucket, Key=f"{PREFIX}/arr/c/0")["LastModified"].timestamp()
+        if int(head) == int(before.st_mtime):
+            break
+    else:
+        pytest.fail("could not replace the shard within one second")
+    time.sleep(2.5)  # past attr_timeout and index_ttl
+    after = os.stat(chunk)
+    assert after.st_size == before.st_size and int(after.st_mtime) == int(before.st_mtime)
+    assert after.st_mtime_ns != before.st_mtime_ns
+    assert chunk.read_bytes() == bytes([2] * 32)
+
+
+def test_a_shard_rewritten_in_place_gives_old_or_new_bytes(mount, tmp_path):
+    """Local: a shard rewritten in place (same inode, same size, another
+    layout: ``rsync --inplace``, ``open(..., "r+b")``) by another process.
+    The descriptors kept for reads without a thread hop are checked against
+    the file before use, so a chunk read later is the old or the new chunk,
+    never bytes at the old offsets of the new file."""
+    import crc32c
+
+    src = tmp_path / "store"
+
+    def write(path, base):
+        zarr.create_array(str(path), shape=(4,), chunks=(2,), shards=(4,), dtype="uint8", compressors=None,
+                          fill_value=0)[:] = np.arange(4, dtype="uint8") + base
+
+    write(src / "arr", 10)
+    write(tmp_path / "v2", 100)
+    shard = (tmp_path / "v2/c/0").read_bytes()
+    table = np.frombuffer(shard[-36:-4], "<u8").reshape(2, 2)
+    c0, c1 = (shard[int(o):int(o + n)] for o, n in table)
+    index = np.array([[len(c1), len(c0)], [0, len(c1)]], "<u8").tobytes()  # chunk 1 first now
+    swapped = c1 + c0 + index + crc32c.crc32c(index).to_bytes(4, "little")
+    assert len(swapped) == (src / "arr/c/0").stat().st_size
+    m = mount(src, "ro", "open_fill=0")
+    assert (m / "arr/c/0").read_bytes() == bytes([10, 11])
+    os.stat(m / "arr/c/1")
+    with open(src / "arr/c/0", "r+b") as f:
+        f.write(swapped)
+    time.sleep(1.5)  # past index_ttl
+    assert (m / "arr/c/1").read_bytes() in (bytes([12, 13]), bytes([102, 103]))
+    time.sleep(5)  # past attr_timeout: the new version
+    assert (m / "arr/c/1").read_bytes() == bytes([102, 103])
+
+
+def test_special_files_and_a_vanished_source_are_answered(mount, tmp_path):
+    """Local: named pipes where shards or files belong are not files (a
+    blocking open of one used to hold a worker thread for good, and enough
+    of them took the whole mount down); ``statfs`` of a source that was
+    removed is an error, not a traceback."""
+    src = tmp_path / "store"
+    zarr.create_array(str(src / "arr"), shape=(8,), chunks=(2,), shards=(4,), dtype="uint8", compressors=None,
+                      fill_value=0)[:] = np.arange(8, dtype="uint8")
+    os.unlink(src / "arr/c/1")
+    os.mkfifo(src / "arr/c/1")
+    for i in range(24):
+        os.mkfifo(src / f"pipe{i}")
+    m = mount(src, "ro", "max_connections=4", "timeout=3")
+    for _ in range(3):
+        for i in (4, 5):
+            with pytest.raises(FileNotFoundError):
+                (m / f"arr/c/{i}").read_bytes()
+    for i in range(24):
+        assert not (m / f"pipe{i}").exists()
+    assert (m / "arr/c/1").read_bytes() == bytes([2, 3])
+    assert zarr.open_array(str(m / "arr"), mode="r")[:4].tolist() == [0, 1, 2, 3]
+    shutil.rmtree(src)
+    with pytest.raises(OSError):
+        os.statvfs(m.path)
+    assert "Traceback" not in m.log_text()
+
+
+def test_unreadable_files_leave_the_rest_readable(tmp_path):
+    """Local, the daemon unable to read some files (here: root without the
+    capabilities that override file modes, as any other user): an
+    unreadable shard is left out of listings with one warning, as a damaged
+    one is, and an unreadable ``info`` (a layout's probe document) leaves its
+    directory a plain one: no EACCES for everything around them."""
+    import subprocess
+
+    from tests.conftest import ZSHARDFS
+
+    src, mnt, log = tmp_path / "store", tmp_path / "mnt", tmp_path / "log"
+    zarr.create_array(str(src / "arr"), shape=(4, 12), chunks=(2, 3), shards=(4, 6), dtype="uint8",
+                      compressors=None, fill_value=0)[:] = 1
+    os.chmod(src / "arr/c/0/0", 0)  # shard (0, 0): chunks c/0/0, c/0/1, c/1/0, c/1/1
+    (src / "plain/sub").mkdir(parents=True)
+    (src / "plain/ok.txt").write_text("ok")
+    (src / "plain/sub/f.txt").write_text("f")
+    (src / "plain/info").write_text("notes")
+    os.chmod(src / "plain/info", 0)
+    mnt.mkdir()
+    drop = "-dac_override,-dac_read_search"
+    subprocess.run(["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *ZSHARDFS, "mount", str(src),
+                    str(mnt), "-o", f"ro,log_file={log}"], check=True, timeout=60)
+    try:
+        assert sorted(os.listdir(mnt / "arr/c/0")) == ["2", "3"]
+        assert (mnt / "arr/c/0/2").read_bytes() == b"\x01" * 6
+        with pytest.raises(PermissionError):
+            (mnt / "arr/c/0/0").read_bytes()
+        assert sorted(os.listdir(mnt / "plain")) == ["info", "ok.txt", "sub"]
+        assert (mnt / "plain/ok.txt").read_text() == "ok" and (mnt / "plain/sub/f.txt").read_text() == "f"
+        with pytest.raises(PermissionError):
+            (mnt / "plain/info").read_bytes()
+    finally:
+        subprocess.run([*ZSHARDFS, "umount", str(mnt)], timeout=60)
+    text = log.read_text()
+    assert "Traceback" not in text
+    assert len([line for line in text.splitlines() if "arr/c/0/0" in line and "not listed" in line]) == 1
