@@ -486,6 +486,25 @@ def test_shard_deleted_behind_the_mount(mount, moto_server, bucket, array):
 # the server stops
 
 
+def test_a_slow_server_within_the_deadline_is_waited_for(mount, moto_server, bucket, array):
+    """``-o timeout`` is the deadline of an operation: a server that takes
+    2.5 s to answer each request, well within ``timeout=8``, is waited for
+    (each attempt used to be cut at a fifth of the deadline, 2 s here, and
+    the retries ran into EIO)."""
+    proxy = DelayProxy(moto_server.port, delay=0.0)
+    try:
+        m = s3_mount(mount, moto_server, bucket, "timeout=8", "open_fill=0", endpoint=proxy.endpoint_url)
+        rel = "c/3/4/5"
+        os.stat(m.path / "arr" / rel)  # walked while the server is quick
+        proxy.delay = 2.5
+        t0 = time.monotonic()
+        assert read_file(m.path / "arr" / rel) == array.chunks[rel]
+        assert time.monotonic() - t0 >= 2.5
+        assert m.stats()["errors"] == 0
+    finally:
+        proxy.close()
+
+
 def test_server_stopped_mid_read(mount, moto_server, bucket, array):
     """The endpoint hangs (SIGSTOP) while a file is open: reads fail with
     EIO within ``-o timeout``, the daemon keeps serving what it holds, and

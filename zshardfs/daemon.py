@@ -44,10 +44,14 @@ def open_backend(cfg: MountConfig):
         from .backends.s3 import S3Backend, parse_s3_url
 
         bucket, prefix = parse_s3_url(cfg.source)
-        # per-attempt timeouts sized so that all attempts end before the
-        # operation deadline (-o timeout): no abandoned call outlives it
+        # Per attempt: a connection must be made within a tenth of the
+        # deadline (a dead host is retried on another connection), and an
+        # answer may take half of it: a server that answers slowly but within
+        # -o timeout is waited for, not cut short and retried into EIO.  The
+        # deadline itself is kept by the store (AsyncStore), whatever the
+        # attempts still have left.
         backend = S3Backend(bucket, prefix, endpoint_url=cfg.endpoint_url, region=cfg.region, profile=cfg.profile,
-                            connect_timeout=max(1.0, cfg.timeout / 10), read_timeout=max(2.0, cfg.timeout / 5),
+                            connect_timeout=max(1.0, cfg.timeout / 10), read_timeout=max(2.0, cfg.timeout / 2),
                             max_attempts=3, max_pool_connections=max(10, cfg.max_connections))
         backend.check()
         return backend
