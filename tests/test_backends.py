@@ -424,6 +424,34 @@ def test_async_store_fails_fast_after_no_answer(store, monkeypatch):
     trio.run(main)
 
 
+def test_speculative_calls_leave_no_fail_fast_mark(store, monkeypatch):
+    """Read-ahead's GETs are speculative: one that gets no answer neither
+    makes the reader's GET of the same shard fail at once, nor is refused
+    itself because of an earlier failure."""
+    b = store.backend
+    calls = []
+
+    def unreachable(key, *args, **kwargs):
+        calls.append(key)
+        raise Unavailable("503 after retries")
+
+    monkeypatch.setattr(b, "get", unreachable)
+    astore = AsyncStore(b, timeout=5)
+
+    async def main():
+        with pytest.raises(Unavailable):
+            await astore.get("s", 0, 10, speculative=True)
+        with pytest.raises(Unavailable):
+            await astore.get("s", 0, 10)  # asked: the speculative failure left no mark
+        with pytest.raises(Unavailable):
+            await astore.get("s", 0, 10, speculative=True)  # asked despite the reader's mark
+        with pytest.raises(Unavailable):
+            await astore.get("s", 0, 10)  # the reader's own mark: answered from memory
+        assert calls == ["s", "s", "s"]
+
+    trio.run(main)
+
+
 # ---------------------------------------------------------------------------
 # S3 only: layout, requests on the wire
 

@@ -672,7 +672,7 @@ class ShardCache:
             fetched.append((start, end))
             t0 = time.monotonic()
             with trio.move_on_after(self._give_up) as scope:
-                blob = await self.store.get(key, start, end - start, if_match=etag)
+                blob = await self.store.get(key, start, end - start, if_match=etag, speculative=True)
             took = time.monotonic() - t0
             if scope.cancelled_caught:
                 # Given up before the deadline ends it: that would fail this

@@ -245,12 +245,15 @@ class AsyncStore:
     def counters(self) -> Counter:
         return self.backend.counters
 
-    async def _run(self, fn: Callable[..., T], *args, **kwargs) -> T:
+    async def _run(self, fn: Callable[..., T], *args, _speculative: bool = False, **kwargs) -> T:
+        """``fn(*args, **kwargs)`` in a worker thread, within the deadline.
+        ``_speculative``: work nobody waits for (read-ahead) neither fails
+        fast nor leaves a fail-fast mark on its key for the reader's call."""
         def call():
             return fn(*args, **kwargs)
 
         what = (getattr(fn, "__name__", ""), args[0] if args else None)
-        failed = self._unanswered.get(what)
+        failed = None if _speculative else self._unanswered.get(what)
         if failed is not None:
             if time.monotonic() - failed < min(self.FAIL_FAST, self.timeout):
                 bump(self.backend.counters, "errors")
@@ -274,9 +277,10 @@ class AsyncStore:
                 raise Unavailable(f"{self.url}: no answer within {self.timeout:g}s")
             raise AssertionError("unreachable")  # pragma: no cover
         except Unavailable:
-            self._unanswered[what] = time.monotonic()
-            while len(self._unanswered) > 1024:
-                self._unanswered.popitem(last=False)
+            if not _speculative:
+                self._unanswered[what] = time.monotonic()
+                while len(self._unanswered) > 1024:
+                    self._unanswered.popitem(last=False)
             raise
 
     @staticmethod
@@ -335,12 +339,13 @@ class AsyncStore:
         return exists
 
     async def get(self, key: str, start: int = 0, length: int | None = None, *,
-                  suffix: int | None = None, if_match: str | None = None) -> Blob:
+                  suffix: int | None = None, if_match: str | None = None, speculative: bool = False) -> Blob:
         if if_match is not None and length and length <= NOWAIT_MAX and suffix is None and self._nowait is not None:
             blob = self._nowait(key, start, length, if_match)  # page-cache hit: no thread hop
             if blob is not None:
                 return blob  # an open file of that version, not news of the current one
-        blob = await self._run(self.backend.get, key, start, length, suffix=suffix, if_match=if_match)
+        blob = await self._run(self.backend.get, key, start, length, suffix=suffix, if_match=if_match,
+                               _speculative=speculative)
         self._seen(blob.info)
         return blob
 
