@@ -405,3 +405,32 @@ def test_a_second_sigterm_exits_without_the_unstored_data_and_says_so(tmp_path, 
     log = m.log_text()
     assert "exiting without storing 1 chunks in 1 shards: lost (shards arr/c/0/0)" in log
     np.testing.assert_array_equal(zarr.open_array(str(store / "arr"), mode="r")[...], data)  # as it was
+
+
+def test_a_foreground_daemon_that_gave_up_exits_with_status_3(tmp_path):
+    """Under systemd (``--foreground``) the exit status tells that written
+    data was given up at a stop (3), so the unit is marked failed; a stop
+    that stored everything exits 0."""
+    store, data = _seeded(tmp_path)
+    mnt = tmp_path / "fg"
+    mnt.mkdir()
+    for give_up in (False, True):
+        proc = subprocess.Popen([*ZSHARDFS, "mount", str(store), str(mnt), "--foreground", "-o",
+                                 f"flush_delay=60,log_file={tmp_path / 'fg.log'}"])
+        try:
+            must(lambda: os.path.ismount(mnt), 30, "the mount")
+            (mnt / "arr/c/0/0").write_bytes(b"\x09" * 16)
+            repair = _break_shards(store) if give_up else (lambda: None)
+            try:
+                proc.send_signal(signal.SIGTERM)
+                if give_up:
+                    must(lambda: "not stored yet" in (tmp_path / "fg.log").read_text(), 30, "a failed round")
+                    proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=60) == (3 if give_up else 0)
+            finally:
+                repair()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)

@@ -27,6 +27,8 @@ from .config import ConfigError, MountConfig, describe_options, parse_options
 log = logging.getLogger("zshardfs")
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+#: the daemon stopped without storing everything written (told to give up)
+EXIT_LOST = 3
 
 #: what the kernel answers on a FUSE mount whose daemon died (ECONNABORTED
 #: while the connection is being torn down, ENOTCONN after)
@@ -223,7 +225,7 @@ def _serve(cfg: MountConfig, ready_fd: int | None) -> int:
         tell("ok")
 
     try:
-        run(cfg, ready=ready)
+        stored_all = run(cfg, ready=ready)
     except (ConfigError, StoreError) as exc:
         tell(f"error: {exc}")
         return _fail(str(exc))
@@ -237,7 +239,7 @@ def _serve(cfg: MountConfig, ready_fd: int | None) -> int:
         message = f"internal error: {type(exc).__name__}: {exc} (see the log)"
         tell(f"error: {message}")
         return _fail(message)
-    return EXIT_OK
+    return EXIT_OK if stored_all else EXIT_LOST
 
 
 def _spawn(args, cfg: MountConfig) -> int:

@@ -113,6 +113,7 @@ class Mount:
         if cfg.debug:
             self.ops.trace_requests()
         self._give_up = False  # a second SIGTERM/SIGINT: exit without storing the rest
+        self.lost = False  # exited without storing everything (the exit status says so)
 
     def _prefetch_ahead(self, cfg: MountConfig) -> int:
         """Read-ahead across shards hides request latency; a local source has
@@ -255,16 +256,19 @@ class Mount:
                         nursery.cancel_scope.cancel()
             lost = self._unstored()
             if lost:
+                self.lost = True
                 keys = list(self.writeback.dirty)
                 log.error("exiting without storing %s: lost (shards %s%s)", lost, ", ".join(keys[:10]),
                           ", ..." if len(keys) > 10 else "")
 
 
-def run(cfg: MountConfig, ready=None) -> None:
-    """Open the source, mount and serve (blocks until unmounted)."""
+def run(cfg: MountConfig, ready=None) -> bool:
+    """Open the source, mount and serve (blocks until unmounted).  False if
+    it exited without storing everything written (given up at a stop)."""
     backend = open_backend(cfg)
     mount = Mount(cfg, backend)
     trio.run(mount.serve, ready)
+    return not mount.lost
 
 
 __all__ = ["ConfigError", "Mount", "StoreError", "XATTR_PID", "XATTR_STATS", "open_backend", "run"]
