@@ -554,8 +554,8 @@ class ShardCache:
         4 KiB chunk's says little about bandwidth), except that a GET large
         enough to be bound by bandwidth that was slower pulls it down (the
         link got slower, or is shared now)."""
-        if nbytes <= 0:
-            return
+        if nbytes < PIECE_MIN:
+            return  # a round trip's worth: says nothing of bandwidth (and would size the first pieces tiny)
         rate = nbytes / max(seconds, 1e-6)
         if self._rate is None or rate > self._rate:
             self._rate = rate
