@@ -1086,3 +1086,45 @@ def test_index_load_overlapping_a_flush_is_not_cached(tmp_path):
         assert await cache.read_chunk(fmt, "s", 0, (2,)) == b"new"
 
     trio.run(main)
+
+
+def test_transformer_documents_written_through_the_view_keep_their_sharding(store, mount, tmp_path):
+    """The v3-draft storage transformer: an array document rewritten through
+    the view (zarr-python 2.18 rewrites it whole to set attributes) is
+    stored with its sharding transformer put back, so the stored shards
+    still read as written; changing what the shards are laid out by
+    (chunk grid, data type, compressor) is refused with EPERM."""
+    ext = "https://purl.org/zarr/spec/storage_transformers/sharding/1.0"
+    store.put("zarr.json", json.dumps({
+        "zarr_format": "https://purl.org/zarr/spec/protocol/core/3.0",
+        "metadata_encoding": "https://purl.org/zarr/spec/protocol/core/3.0",
+        "metadata_key_suffix": ".json", "extensions": []}).encode())
+    store.put("meta/root/arr.array.json", json.dumps({
+        "shape": [4, 6], "data_type": "|u1",
+        "chunk_grid": {"type": "regular", "chunk_shape": [2, 3], "separator": "/"},
+        "chunk_memory_layout": "C", "fill_value": 0, "extensions": [], "attributes": {}, "compressor": None,
+        "storage_transformers": [{"extension": ext, "type": "indexed",
+                                  "configuration": {"chunks_per_shard": [2, 2]}}]}).encode())
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    chunks = {(i, j): bytes([10 * i + j + 1]) * 6 for i in range(2) for j in range(2)}
+    for (i, j), data in chunks.items():
+        os.makedirs(m / f"data/root/arr/c{i}", exist_ok=True)
+        (m / f"data/root/arr/c{i}/{j}").write_bytes(data)
+    doc_path = m / "meta/root/arr.array.json"
+    doc = json.loads(doc_path.read_bytes())
+    assert "storage_transformers" not in doc
+    doc["attributes"] = {"note": "hello"}
+    doc_path.write_bytes(json.dumps(doc).encode())
+    bad = dict(doc, chunk_grid={"type": "regular", "chunk_shape": [4, 3], "separator": "/"})
+    with pytest.raises(PermissionError):
+        with open(doc_path, "wb") as f:
+            f.write(json.dumps(bad).encode())
+    m.umount()
+    stored = json.loads(store.get("meta/root/arr.array.json"))
+    assert stored["attributes"] == {"note": "hello"}
+    assert stored["storage_transformers"][0]["configuration"]["chunks_per_shard"] == [2, 2]
+    assert stored["chunk_grid"]["chunk_shape"] == [2, 3]
+    m = mount(store.source, "ro", extra=store.extra)
+    for (i, j), data in chunks.items():
+        assert (m / f"data/root/arr/c{i}/{j}").read_bytes() == data
+    assert json.loads((m / "meta/root/arr.array.json").read_bytes())["attributes"] == {"note": "hello"}

@@ -58,6 +58,35 @@ def rewrite_document(key: str, data: bytes) -> bytes | None:
     return dump_json(out)
 
 
+#: fields the stored shards are laid out by: a document written through the
+#: view may not change them (the shards would no longer read as written)
+_FIXED = ("chunk_grid", "data_type", "compressor", "chunk_memory_layout")
+
+
+def accept_document(key: str, new: bytes, stored: bytes | None, shard_option=None) -> bytes | None:
+    """What to store when a tool writes an array document through the view:
+    over a transformer-sharded array, the view's document with the sharding
+    transformer put back (attributes, fill value, shape may change; a change
+    of the fields in ``_FIXED`` raises ValueError, refused with EPERM).
+    Anything else: None (as written)."""
+    if not is_document(key) or stored is None:
+        return None
+    old = load_json(stored, key)
+    if old is None or _transformer(old) is None or _dataset_params(old, key) is None:
+        return None
+    doc = load_json(new, key)
+    if doc is None:
+        raise ValueError("not a JSON object: the stored shards need their sharded document")
+    if _transformer(doc) is not None:
+        return None  # the stored form itself, written back
+    changed = [f for f in _FIXED if doc.get(f) != old.get(f)]
+    if changed:
+        raise ValueError(f"changing {', '.join(changed)} would make the stored shards unreadable")
+    out = dict(doc)
+    out["storage_transformers"] = [_transformer(old), *(doc.get("storage_transformers") or [])]
+    return dump_json(out)
+
+
 def _dataset_params(doc: dict, what: str):
     """(ShardGrid, ChunkKeys) of a transformer-sharded array, or None (logged)."""
     transformer = _transformer(doc)
