@@ -1128,3 +1128,31 @@ def test_transformer_documents_written_through_the_view_keep_their_sharding(stor
     for (i, j), data in chunks.items():
         assert (m / f"data/root/arr/c{i}/{j}").read_bytes() == data
     assert json.loads((m / "meta/root/arr.array.json").read_bytes())["attributes"] == {"note": "hello"}
+
+
+@pytest.mark.parametrize("flags", [os.O_WRONLY, os.O_RDWR])
+def test_a_document_edited_in_place_reads_back_as_written(store, mount, tmp_path, flags):
+    """zarr.json of a sharded array edited in place (no O_TRUNC: write at 0,
+    then ftruncate) is stored mapped back to its sharded form, and the view
+    goes on showing exactly what was written: the size the kernel holds
+    (before, the view re-rendered the stored document: longer than that
+    size, so readers got JSON cut short)."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    path = m / "arr/zarr.json"
+    doc = json.loads(path.read_bytes())
+    doc["attributes"] = {"k": 1}
+    new = json.dumps(doc).encode()  # compact: shorter than the view's document
+    fd = os.open(path, flags)
+    try:
+        os.pwrite(fd, new, 0)
+        os.ftruncate(fd, len(new))
+    finally:
+        os.close(fd)
+    assert os.stat(path).st_size == len(new)
+    assert path.read_bytes() == new
+    np.testing.assert_array_equal(zarr.open_array(str(m / "arr"), mode="r")[...], data)
+    m.umount()
+    stored = json.loads(store.get("arr/zarr.json"))
+    assert stored["attributes"] == {"k": 1} and stored["codecs"][0]["name"] == "sharding_indexed"

@@ -634,7 +634,12 @@ class View:
             listing = await self.store.list(root)
             if not listing.dirs and all(any(layout.is_document(f.key) for layout in LAYOUTS) for f in listing.files):
                 self.born_here.add(root)
-        await self.store.put(buf.key, data)
+        info = await self.store.put(buf.key, data)
+        written = bytes(buf.data)
+        if data != written:
+            # mapped back to its stored form: the view goes on showing what
+            # was written (the kernel holds that size), not a re-rendering
+            self.documents.put((buf.key, info.etag), written)
         buf.dirty = False
         buf.in_store = True
         self.datasets.pop(_parent(buf.key))
