@@ -1156,3 +1156,58 @@ def test_a_document_edited_in_place_reads_back_as_written(store, mount, tmp_path
     m.umount()
     stored = json.loads(store.get("arr/zarr.json"))
     assert stored["attributes"] == {"k": 1} and stored["codecs"][0]["name"] == "sharding_indexed"
+
+
+def test_open_files_unlinked_or_replaced_behave_as_on_posix(store, mount, tmp_path):
+    """A handle still open for writing on a file that is unlinked, or
+    replaced by a rename, writes to that old file: it never brings the name
+    back nor overwrites the rename's result.  A reader of a file the mount
+    itself rewrites reads on in the new version (pinned reads fail only for
+    other clients' changes).  A chunk directory of an array made through the
+    mount is gone once removed."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    # unlinked while open for writing
+    fd = os.open(m / "gone.txt", os.O_WRONLY | os.O_CREAT)
+    os.write(fd, b"first")
+    os.fsync(fd)
+    os.unlink(m / "gone.txt")
+    os.write(fd, b" more")
+    os.close(fd)
+    assert not (m / "gone.txt").exists()
+    # replaced by a rename while open for writing: plain file, then chunk
+    (m / "src.txt").write_bytes(b"AAAA")
+    fd = os.open(m / "dst.txt", os.O_WRONLY | os.O_CREAT)
+    os.write(fd, b"old")
+    os.rename(m / "src.txt", m / "dst.txt")
+    os.write(fd, b"-late")
+    os.close(fd)
+    assert (m / "dst.txt").read_bytes() == b"AAAA"
+    fd = os.open(m / "arr/c/1/1", os.O_WRONLY)
+    os.rename(m / "arr/c/0/0", m / "arr/c/1/1")
+    os.pwrite(fd, b"\x99" * 4, 0)
+    os.close(fd)
+    assert (m / "arr/c/1/1").read_bytes() == data[0:2, 0:2].tobytes()
+    # a reader of a file this mount rewrites
+    big = b"1" * (2 << 20)
+    (m / "big.bin").write_bytes(big)
+    with open(m / "big.bin", "rb", buffering=0) as reader:
+        assert reader.read(4096) == big[:4096]
+        (m / "big.bin").write_bytes(b"2" * (2 << 20))
+        rest = reader.read()
+    assert set(rest) == {ord("2")}
+    m.umount()
+    assert store.get("gone.txt") is None and store.get("dst.txt") == b"AAAA"
+    got = stored_chunks(store, "arr", (2, 2))
+    assert got[1, 1] == data[0:2, 0:2].tobytes() and (0, 0) not in got
+
+    # an array made here: a chunk directory emptied and removed is gone
+    m = mount(store.source, "shard=2", "flush_delay=60", extra=store.extra)
+    zarr.create_array(store=str(m / "new"), shape=(4, 4), chunks=(2, 2), dtype="<i4", fill_value=0,
+                      compressors=None)[0:2, 2:4] = 5
+    zs("sync", m.path)
+    os.unlink(m / "new/c/0/1")
+    os.rmdir(m / "new/c/0")
+    assert not (m / "new/c/0").exists()
+    os.mkdir(m / "new/c/0")

@@ -434,3 +434,25 @@ def test_a_foreground_daemon_that_gave_up_exits_with_status_3(tmp_path):
                 proc.kill()
                 proc.wait()
             subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
+
+
+def test_a_rename_refused_for_want_of_room_changes_nothing(small_fs, mount):
+    """A rename onto an existing chunk while flushes fail and dirty memory is
+    over ``max_dirty``: the rename fails with the flush's error and the
+    target keeps its content (it used to be emptied first)."""
+    a = grid_array(small_fs)
+    a[0:16, 0:16] = 1  # chunk c/0/0
+    a[0:16, 16:32] = 2  # chunk c/0/1
+    fill(small_fs, 0)
+    m = mount(small_fs, "max_dirty=1k,flush_delay=0.2")
+    (m / "arr/c/1/0").write_bytes(chunk_bytes(7) * 4)  # over the cap; its flush fails (ENOSPC)
+    must(lambda: "No space left" in m.log_text(), 30, "a failed flush")
+    with pytest.raises(OSError) as exc:
+        os.rename(m / "arr/c/0/0", m / "arr/c/0/1")
+    assert exc.value.errno == errno.ENOSPC
+    one, two = np.full((16, 16), 1, "<i4").tobytes(), np.full((16, 16), 2, "<i4").tobytes()
+    assert (m / "arr/c/0/0").read_bytes() == one and (m / "arr/c/0/1").read_bytes() == two
+    (small_fs / "filler").unlink()
+    zs("sync", m.path)
+    m.umount()
+    assert stored_chunk(small_fs, 0, 0) == one and stored_chunk(small_fs, 0, 1) == two

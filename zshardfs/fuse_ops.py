@@ -428,7 +428,28 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def read(self, fh, off, size):
         self.reads += 1
-        return await self.view.read(self._handle(fh), off, size)
+        entry = self._handles.get(fh)
+        if entry is None or not isinstance(entry, tuple):
+            raise pyfuse3.FUSEError(errno.EBADF)
+        inode, handle = entry
+        ino = self.inodes.get(inode)
+        # the size the kernel holds for a chunk it reads: another client may
+        # have replaced the shard since (writes of our own change the table)
+        expect = (ino.node.size if ino is not None and handle.node.is_chunk and not handle.writable
+                  and ino.node.created != _STALE else None)
+        try:
+            return await self.view.read(handle, off, size, expect)
+        except Changed:
+            # Better EIO than the new bytes cut to the old size.  The kernel
+            # forgets the attributes (no page lock involved: safe while this
+            # READ is in flight) and the next getattr asks the view again.
+            if ino is not None:
+                ino.node = dataclasses.replace(ino.node, created=_STALE)
+            try:
+                pyfuse3.invalidate_inode(inode, attr_only=True)
+            except OSError as exc:
+                log.debug("invalidate_inode(%d): %s", inode, exc)
+            raise
 
     async def release(self, fh):
         entry = self._handles.pop(fh, None)

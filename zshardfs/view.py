@@ -36,7 +36,7 @@ from .layouts.base import ChunkEntry, ChunkTarget, Dataset, DirEntry, LayoutCont
 from .shards import ShardCache
 from .logonce import log_once
 from .together import outcomes
-from .writeback import WriteBack
+from .writeback import DirtyChunk, WriteBack
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,12 @@ def _not_understood(where: str, exc: Exception) -> None:
                                    "shown as stored")
 
 
+def _could_be_chunk(name: str) -> bool:
+    """A stored file name a Zarr chunk key could have (``c``, ``c.1.2``,
+    ``1.2``): a tool's temporary metadata file next to a new array is not."""
+    return name == "c" or name.startswith("c.") or all(p.isdigit() for p in name.split("."))
+
+
 def _parent(path: str) -> str:
     return path.rpartition("/")[0]
 
@@ -179,6 +185,11 @@ class View:
         # lookup found).  All of its content came through this mount.
         self.born_here: set[str] = set()
         self.written_dirs: set[str] = set()
+        # key -> etag of the version this mount stored last: a reader pinned
+        # to an older version reads on in this one (the mount's own writes
+        # are visible at once, 2.5), not EIO as for another client's
+        self.own_versions: OrderedDict[str, str] = OrderedDict()
+        self._moving = False  # a rename's unlink of its source: its writers move, not detach
 
     # -- datasets -----------------------------------------------------------
 
@@ -434,8 +445,11 @@ class View:
             return bytes(dirty.data)
         return await node.dataset.read(t)
 
-    async def read(self, handle: Handle | Node, offset: int, size: int) -> bytes:
-        """Bytes of a file (whole chunks are cached by the shard layer)."""
+    async def read(self, handle: Handle | Node, offset: int, size: int, expect_size: int | None = None) -> bytes:
+        """Bytes of a file (whole chunks are cached by the shard layer).
+        ``expect_size``: the size the reader was given; a stored chunk of
+        another size now is another version (raises Changed: its bytes cut
+        to the old size would be neither)."""
         node = handle.node if isinstance(handle, Handle) else handle
         buf = handle.buffer if isinstance(handle, Handle) else None
         buf = buf or self.buffers.get(node.path)
@@ -447,11 +461,17 @@ class View:
             return bytes(chunk.data[offset: offset + size])
         if node.is_chunk:
             data = await self.content(node)
+            if expect_size is not None and len(data) != expect_size and self.in_memory(node) is None:
+                raise Changed(f"{node.path}: replaced by another client (now {len(data)} bytes, not "
+                              f"{expect_size}); read it again", node.path)
             return data[offset: offset + size]
         if node.document is not None:
             return node.document[offset: offset + size]
         if size <= 0 or offset >= node.size:
             return b""
+        own = self.own_versions.get(node.key)
+        if own is not None and own != node.version:
+            node.version = own  # rewritten through this mount: visible at once (2.5)
         try:  # pinned: the version whose size the reader was given, never a mix
             blob = await self.store.get(node.key, offset, size, if_match=node.version)
         except PreconditionFailed:
@@ -632,9 +652,13 @@ class View:
             # a new dataset, if nothing is stored below it yet (see __init__)
             root = _parent(buf.key)
             listing = await self.store.list(root)
-            if not listing.dirs and all(any(layout.is_document(f.key) for layout in LAYOUTS) for f in listing.files):
+            if not listing.dirs and not any(_could_be_chunk(f.key.rsplit("/", 1)[-1]) for f in listing.files):
                 self.born_here.add(root)
         info = await self.store.put(buf.key, data)
+        self.own_versions[buf.key] = info.etag
+        self.own_versions.move_to_end(buf.key)
+        if len(self.own_versions) > 4096:
+            self.own_versions.popitem(last=False)
         written = bytes(buf.data)
         if data != written:
             # mapped back to its stored form: the view goes on showing what
@@ -680,6 +704,9 @@ class View:
 
     async def unlink(self, parent: Node, name: str) -> None:
         node = await self._file_to_change(parent, name, errno.EISDIR)
+        moving = self._moving  # (a rename moves these handles on; see rename)
+        if not moving:
+            self._detach_writers(node.path)
         buf = self.buffers.pop(node.path, None)
         if node.is_chunk:
             t = node.target
@@ -722,6 +749,7 @@ class View:
         async for _ in self.listdir(node):
             raise ViewError(errno.ENOTEMPTY, f"{name}: directory not empty")
         self.new_dirs.get(parent.path, set()).discard(name)
+        self.written_dirs.discard(node.path)
         if node.key is not None:
             await self.store.remove_dir(node.key)
 
@@ -734,6 +762,10 @@ class View:
         existing = await self.lookup(new_parent, new_name)
         if existing is not None and existing.is_dir:
             raise ViewError(errno.EISDIR, f"{new_name}: is a directory")
+        # room first: a rename refused for it must leave the target as it was
+        await self.writeback.wait_for_room()
+        if existing is not None:
+            self._detach_writers(existing.path)
         handle = await self.create(new_parent, new_name)
         try:
             await self.write(handle, 0, data)
@@ -743,8 +775,27 @@ class View:
         if buf is not None and buf.key is None:
             self.buffers.pop(node.path, None)  # scratch: nothing stored to remove
         else:
-            await self.unlink(parent, name)
+            self._moving = True
+            try:
+                await self.unlink(parent, name)
+            finally:
+                self._moving = False
         await self._move_writers(node.path, new_parent, new_name)
+
+    def _detach_writers(self, path: str) -> None:
+        """Handles still open for writing on a file that is being unlinked or
+        replaced by a rename write to that old file from now on, as on POSIX:
+        what they write afterwards is lost with it, and never overwrites or
+        brings back the name."""
+        for h in self.writers.pop(path, ()):
+            if h.buffer is not None:
+                shared = h.buffer
+                shared.handles -= 1
+                h.buffer = FileBuffer(shared.path, None, bytearray(shared.data), handles=1)
+            elif h.chunk is not None:
+                t = h.node.target
+                self.writeback.close_chunk(t.shard_key, t.chunk_id, h.chunk)
+                h.chunk = DirtyChunk(bytearray(h.chunk.data or b""), 0)
 
     async def _move_writers(self, path: str, new_parent: Node, new_name: str) -> None:
         """Handles still open for writing on a renamed file write to its new
