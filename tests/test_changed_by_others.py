@@ -325,3 +325,57 @@ def test_a_chunk_read_while_another_handle_is_open_is_whole_or_eio(storage, moun
         if new is not None:
             break
     assert new is not None and np.array_equal(np.frombuffer(gzip.decompress(new), "uint8"), big[:32])
+
+
+def test_precomputed_names_outside_the_grid_and_unreadable_shards(mount, tmp_path):
+    """Precomputed, local: a file spelled as a chunk of the directory but none
+    of its chunks (a box off the volume or misaligned, an id past 2**64-1)
+    is refused at create and as a rename target, never stored as a stray
+    file; an unreadable shard (the daemon without the capabilities that
+    override file modes) is left out of the listing, the rest listed."""
+    import json
+    import subprocess
+
+    from tests.conftest import ZSHARDFS
+    from zshardfs.layouts.precomputed_format import ShardingSpec, encode_shard
+
+    src = tmp_path / "store"
+    (src / "pc/s0").mkdir(parents=True)
+    sharding = {"@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity",
+                "minishard_bits": 1, "shard_bits": 1}
+    (src / "pc/info").write_text(json.dumps({
+        "@type": "neuroglancer_multiscale_volume", "data_type": "uint8", "num_channels": 1, "type": "image",
+        "scales": [{"key": "s0", "size": [8, 8, 8], "chunk_sizes": [[4, 4, 4]], "encoding": "raw",
+                    "resolution": [1, 1, 1], "voxel_offset": [0, 0, 0], "sharding": sharding}]}))
+    m = mount(src, "flush_delay=60")
+    (m / "pc/s0/0-4_0-4_0-4").write_bytes(b"\x05" * 64)
+    for name in ("8-12_0-4_0-4", "0-4_0-4_0-3", "4-9_4-8_4-8"):
+        with pytest.raises(FileNotFoundError):
+            (m / "pc/s0" / name).write_bytes(b"\x06" * 64)
+    with pytest.raises(FileNotFoundError):
+        os.rename(m / "pc/s0/0-4_0-4_0-4", m / "pc/s0/12-16_0-4_0-4")
+    assert os.listdir(m / "pc/s0") == ["0-4_0-4_0-4"]
+    m.umount()
+    assert all(name.endswith(".shard") for name in os.listdir(src / "pc/s0"))
+
+    (src / "skel").mkdir()
+    kv = {"@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity", "minishard_bits": 0,
+          "shard_bits": 1}
+    (src / "skel/info").write_text(json.dumps({"@type": "neuroglancer_skeletons", "sharding": kv}))
+    spec = ShardingSpec.from_json(kv)
+    (src / "skel" / spec.shard_key(0)).write_bytes(encode_shard({2: b"x" * 10}, spec))
+    (src / "skel" / spec.shard_key(1)).write_bytes(encode_shard({1: b"y" * 10}, spec))
+    os.chmod(src / "skel" / spec.shard_key(1), 0)
+    mnt, log = tmp_path / "mnt", tmp_path / "log"
+    mnt.mkdir()
+    drop = "-dac_override,-dac_read_search"
+    subprocess.run(["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *ZSHARDFS, "mount", str(src),
+                    str(mnt), "-o", f"ro,log_file={log}"], check=True, timeout=60)
+    try:
+        assert sorted(os.listdir(mnt / "skel")) == ["2", "info"]
+        assert (mnt / "skel/2").read_bytes() == b"x" * 10
+        with pytest.raises(PermissionError):
+            (mnt / "skel/1").read_bytes()
+    finally:
+        subprocess.run([*ZSHARDFS, "umount", str(mnt)], timeout=60)
+    assert "Traceback" not in log.read_text()

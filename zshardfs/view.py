@@ -554,6 +554,8 @@ class View:
             root_dataset = await self.dataset_at(parent.key)
             if root_dataset is not None and root_dataset.claims((name,)):
                 dataset, rel = root_dataset, (name,)
+            elif root_dataset is not None and root_dataset.outside((name,)):
+                raise ViewError(errno.ENOENT, f"{path}: outside the dataset's chunk grid")
         if dataset is not None:
             target = dataset.target(rel)
             if target is not None:

@@ -70,11 +70,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, join_key
+from ..backends.base import AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, join_key
 from ..shards import ByteLRU
 from ..singleflight import SingleFlight
 from ..together import first_error, outcomes
@@ -406,6 +407,11 @@ class PrecomputedShardFormat:
 # file names
 
 
+#: names a chunk file of some precomputed directory could have: decimal ids
+#: (``.index`` for mesh manifests), volume boxes, annotation cells
+_CHUNK_LIKE = re.compile(r"-?\d+(\.index)?|-?\d+--?\d+(_-?\d+--?\d+)+|\d+(_\d+)+")
+
+
 def _parse_u64(name: str) -> int | None:
     v = parse_index_name(name)
     return v if v is not None and v <= U64_MAX else None
@@ -519,6 +525,12 @@ class PrecomputedDataset(Dataset):
             return None
         return ChunkTarget(self._shard_key(cid), cid, None, None, writable=self.writable)
 
+    def outside(self, rel) -> bool:
+        """Spelled like this directory's chunk names but none of them (a box
+        off the grid or misaligned, an id past 2**64-1): never stored, so
+        refused rather than kept as a stray file."""
+        return len(rel) == 1 and self.naming.parse(rel[0]) is None and _CHUNK_LIKE.fullmatch(rel[0]) is not None
+
     async def _pinned(self, key: str, fn):
         """``fn(index)`` on the current index of shard ``key`` (None if there
         is no shard); if the shard is replaced under a pinned read, again."""
@@ -584,6 +596,9 @@ class PrecomputedDataset(Dataset):
                 entries = await self._pinned(key, self._shard_listing)
             except CorruptData as exc:
                 warn_once(log, str(exc))
+                continue
+            except AccessDenied as exc:  # left out like a damaged shard: the rest stays listable
+                warn_once(log, f"{exc}; its chunks are not listed")
                 continue
             for name, entry in entries or ():
                 yield name, entry
