@@ -957,6 +957,16 @@ def test_open_for_writing_shows_what_the_view_shows(store, mount, tmp_path):
     finally:
         os.close(fd)
     assert not chunk.exists()
+    m.umount()
+
+    # read-only descriptors too (nothing in the page cache to hide behind)
+    m = mount(store.source, "flush_delay=60", "open_fill=0", extra=store.extra)
+    fd = os.open(m / "arr/c/3/3", os.O_RDONLY)
+    try:
+        os.unlink(m / "arr/c/3/3")
+        assert os.pread(fd, 100, 0) == data[6:8, 6:8].tobytes()
+    finally:
+        os.close(fd)
 
 
 def test_cp_r_copies_an_array_into_a_shard_mount(store, mount, tmp_path):

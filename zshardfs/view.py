@@ -190,6 +190,7 @@ class View:
         # are visible at once, 2.5), not EIO as for another client's
         self.own_versions: OrderedDict[str, str] = OrderedDict()
         self._moving = False  # a rename's unlink of its source: its writers move, not detach
+        self.readers: dict[str, set[Handle]] = {}  # path -> read-only handles of chunk files
 
     # -- datasets -----------------------------------------------------------
 
@@ -499,7 +500,10 @@ class View:
 
     async def open(self, node: Node, *, write: bool, truncate: bool) -> Handle:
         if not write:
-            return Handle(node)
+            handle = Handle(node)
+            if node.is_chunk and not self.read_only:  # (only writes of this mount can remove it under them)
+                self.readers.setdefault(node.path, set()).add(handle)
+            return handle
         self._check_writable()
         if node.is_chunk:
             t = node.target
@@ -531,11 +535,25 @@ class View:
         return handle
 
     def _not_writer(self, handle: Handle) -> None:
-        handles = self.writers.get(handle.node.path)
-        if handles is not None:
-            handles.discard(handle)
-            if not handles:
-                del self.writers[handle.node.path]
+        for registry in (self.writers, self.readers):
+            handles = registry.get(handle.node.path)
+            if handles is not None:
+                handles.discard(handle)
+                if not handles:
+                    del registry[handle.node.path]
+
+    async def _keep_for_readers(self, node: Node) -> None:
+        """Readers that have chunk ``node`` open go on reading what it holds
+        now, as on POSIX, once it is unlinked or replaced."""
+        handles = self.readers.pop(node.path, ())
+        if not handles:
+            return
+        try:
+            data = await self.content(node)
+        except StoreError:
+            return  # nothing readable to keep; their reads fail as the file's would
+        for h in handles:
+            h.chunk = DirtyChunk(bytearray(data), 0)
 
     async def _stored_bytes(self, node: Node) -> bytes:
         if node.key is None:
@@ -711,6 +729,7 @@ class View:
             self._detach_writers(node.path)
         buf = self.buffers.pop(node.path, None)
         if node.is_chunk:
+            await self._keep_for_readers(node)
             t = node.target
             self.writeback.delete(t.shard_key, node.dataset.shard_format, t.shard_ctx, t.chunk_id)
             return
@@ -768,6 +787,8 @@ class View:
         await self.writeback.wait_for_room()
         if existing is not None:
             self._detach_writers(existing.path)
+            if existing.is_chunk:
+                await self._keep_for_readers(existing)
         handle = await self.create(new_parent, new_name)
         try:
             await self.write(handle, 0, data)
