@@ -8,9 +8,11 @@ storage (moto over HTTP, or the local directory).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -52,6 +54,23 @@ def storage(request, tmp_path) -> Storage:
         return Storage("local", root=root)
     _, bucket = request.getfixturevalue("s3_bucket")
     return Storage("s3", server=request.getfixturevalue("moto_server"), bucket=bucket)
+
+
+@contextlib.contextmanager
+def mounted_without_file_mode_override(src: Path, mnt: Path, log: Path):
+    """A read-only mount by a daemon that file modes bind (root without
+    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH, as any other user is)."""
+    from tests.conftest import ZSHARDFS
+
+    mnt.mkdir()
+    drop = "-dac_override,-dac_read_search"
+    subprocess.run(["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *ZSHARDFS, "mount", str(src),
+                    str(mnt), "-o", f"ro,log_file={log}"], check=True, timeout=60)
+    try:
+        yield mnt
+    finally:
+        subprocess.run([*ZSHARDFS, "umount", str(mnt)], timeout=60)
+    assert "Traceback" not in log.read_text()
 
 
 def gzip_array(path: Path, values: np.ndarray) -> None:
@@ -255,10 +274,6 @@ def test_unreadable_files_leave_the_rest_readable(tmp_path):
     unreadable shard is left out of listings with one warning, as a damaged
     one is, and an unreadable ``info`` (a layout's probe document) leaves its
     directory a plain one: no EACCES for everything around them."""
-    import subprocess
-
-    from tests.conftest import ZSHARDFS
-
     src, mnt, log = tmp_path / "store", tmp_path / "mnt", tmp_path / "log"
     zarr.create_array(str(src / "arr"), shape=(4, 12), chunks=(2, 3), shards=(4, 6), dtype="uint8",
                       compressors=None, fill_value=0)[:] = 1
@@ -268,11 +283,7 @@ def test_unreadable_files_leave_the_rest_readable(tmp_path):
     (src / "plain/sub/f.txt").write_text("f")
     (src / "plain/info").write_text("notes")
     os.chmod(src / "plain/info", 0)
-    mnt.mkdir()
-    drop = "-dac_override,-dac_read_search"
-    subprocess.run(["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *ZSHARDFS, "mount", str(src),
-                    str(mnt), "-o", f"ro,log_file={log}"], check=True, timeout=60)
-    try:
+    with mounted_without_file_mode_override(src, mnt, log):
         assert sorted(os.listdir(mnt / "arr/c/0")) == ["2", "3"]
         assert (mnt / "arr/c/0/2").read_bytes() == b"\x01" * 6
         with pytest.raises(PermissionError):
@@ -281,10 +292,7 @@ def test_unreadable_files_leave_the_rest_readable(tmp_path):
         assert (mnt / "plain/ok.txt").read_text() == "ok" and (mnt / "plain/sub/f.txt").read_text() == "f"
         with pytest.raises(PermissionError):
             (mnt / "plain/info").read_bytes()
-    finally:
-        subprocess.run([*ZSHARDFS, "umount", str(mnt)], timeout=60)
     text = log.read_text()
-    assert "Traceback" not in text
     assert len([line for line in text.splitlines() if "arr/c/0/0" in line and "not listed" in line]) == 1
 
 
@@ -334,9 +342,7 @@ def test_precomputed_names_outside_the_grid_and_unreadable_shards(mount, tmp_pat
     file; an unreadable shard (the daemon without the capabilities that
     override file modes) is left out of the listing, the rest listed."""
     import json
-    import subprocess
 
-    from tests.conftest import ZSHARDFS
     from zshardfs.layouts.precomputed_format import ShardingSpec, encode_shard
 
     src = tmp_path / "store"
@@ -366,16 +372,8 @@ def test_precomputed_names_outside_the_grid_and_unreadable_shards(mount, tmp_pat
     (src / "skel" / spec.shard_key(0)).write_bytes(encode_shard({2: b"x" * 10}, spec))
     (src / "skel" / spec.shard_key(1)).write_bytes(encode_shard({1: b"y" * 10}, spec))
     os.chmod(src / "skel" / spec.shard_key(1), 0)
-    mnt, log = tmp_path / "mnt", tmp_path / "log"
-    mnt.mkdir()
-    drop = "-dac_override,-dac_read_search"
-    subprocess.run(["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *ZSHARDFS, "mount", str(src),
-                    str(mnt), "-o", f"ro,log_file={log}"], check=True, timeout=60)
-    try:
+    with mounted_without_file_mode_override(src, tmp_path / "mnt", tmp_path / "log") as mnt:
         assert sorted(os.listdir(mnt / "skel")) == ["2", "info"]
         assert (mnt / "skel/2").read_bytes() == b"x" * 10
         with pytest.raises(PermissionError):
             (mnt / "skel/1").read_bytes()
-    finally:
-        subprocess.run([*ZSHARDFS, "umount", str(mnt)], timeout=60)
-    assert "Traceback" not in log.read_text()
