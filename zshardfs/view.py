@@ -188,7 +188,7 @@ class View:
         # key -> etag of the version this mount stored last: a reader pinned
         # to an older version reads on in this one (the mount's own writes
         # are visible at once, 2.5), not EIO as for another client's
-        self.own_versions: OrderedDict[str, str] = OrderedDict()
+        self.own_versions: OrderedDict[str, tuple[str, float]] = OrderedDict()  # key -> (etag, when stored)
         self._moving = False  # a rename's unlink of its source: its writers move, not detach
         self.readers: dict[str, set[Handle]] = {}  # path -> read-only handles of chunk files
 
@@ -471,8 +471,10 @@ class View:
         if size <= 0 or offset >= node.size:
             return b""
         own = self.own_versions.get(node.key)
-        if own is not None and own != node.version:
-            node.version = own  # rewritten through this mount: visible at once (2.5)
+        if own is not None and own[0] != node.version and node.created < own[1]:
+            # rewritten through this mount since the reader learned of it:
+            # visible at once (2.5); a node learned later is of a later version
+            node.version = own[0]
         try:  # pinned: the version whose size the reader was given, never a mix
             blob = await self.store.get(node.key, offset, size, if_match=node.version)
         except PreconditionFailed:
@@ -675,7 +677,7 @@ class View:
             if not listing.dirs and not any(_could_be_chunk(f.key.rsplit("/", 1)[-1]) for f in listing.files):
                 self.born_here.add(root)
         info = await self.store.put(buf.key, data)
-        self.own_versions[buf.key] = info.etag
+        self.own_versions[buf.key] = (info.etag, time.monotonic())
         self.own_versions.move_to_end(buf.key)
         if len(self.own_versions) > 4096:
             self.own_versions.popitem(last=False)
