@@ -578,6 +578,34 @@ def test_a_shard_changed_by_another_writer_is_seen_after_the_timeouts(small, mou
     assert all((m / n).read_bytes() == d for n, d in siblings.items() if n != name)
 
 
+def test_listings_follow_shards_and_metadata_changed_by_another_writer(small, mount):
+    """A chunk directory is listed from what the mount learnt of an
+    unchanged shard index and an unchanged ``zarr.json``; once another
+    writer changes either, the next listing after the TTLs shows the new
+    state, both ways."""
+    m = mount(small.root, "ro", "attr_timeout=0.2", "index_ttl=0.2", "metadata_ttl=0.2")
+    d = m / "arr/c/0"
+    assert sorted(os.listdir(d)) == ["0", "1"]
+    time.sleep(0.3)  # past every TTL, nothing changed
+    assert sorted(os.listdir(d)) == ["0", "1"]
+    per = [s // c for s, c in zip(small.SHARD, small.INNER)]
+    stored = {}
+    for name, data in small.chunks.items():
+        if small.shard_files[name] == small.shard_files["arr/c/0/0"]:
+            coords = [int(c) for c in name.split("/")[2:]]
+            stored[linear([c % p for c, p in zip(coords, per)], per)] = data
+    without = {cid: data for cid, data in stored.items() if cid != linear((0, 1), per)}
+    write_shard(small.root / "arr", (0, 0), per, without)
+    assert wait_for(lambda: sorted(os.listdir(d)) == ["0"], timeout=10)
+    write_shard(small.root / "arr", (0, 0), per, stored)
+    assert wait_for(lambda: sorted(os.listdir(d)) == ["0", "1"], timeout=10)
+    assert (d / "1").read_bytes() == small.chunks["arr/c/0/1"]
+    # the array shrinks to one column of inner chunks: c/0/1 leaves the grid
+    write_array_doc(small.root / "arr", array_doc((9, 2), small.SHARD, small.INNER, inner_codecs=[
+        {"name": "bytes"}, {"name": "gzip", "configuration": {"level": 1}}]))
+    assert wait_for(lambda: sorted(os.listdir(d)) == ["0"], timeout=10)
+
+
 def test_reads_of_chunks_in_one_shard_share_one_index_read(small, mount):
     m = mount(small.root, "ro", "index_ttl=60")
     first = sorted(small.chunks)[0]

@@ -129,6 +129,11 @@ class _Inode:
     #: (size, mtime) of the bytes last put in the kernel's page cache at open:
     #: the kernel keeps them (keep_cache) until it sees either change
     filled: tuple | None = None
+    #: the attributes last given for this inode, and the (is_dir, size,
+    #: mtime) they were made of: a listing gives them again (never changed
+    #: after they are made, so sharing them is safe)
+    attrs: pyfuse3.EntryAttributes | None = None
+    attrs_of: tuple | None = None
 
 
 @dataclass
@@ -218,8 +223,13 @@ class Operations(pyfuse3.Operations):
         return entry.node
 
     def _attrs(self, ino: int, node: Node) -> pyfuse3.EntryAttributes:
-        # asked for every lookup and every readdir entry: constants are
-        # precomputed, and fields left at their zero default are not set
+        # asked for every lookup and every readdir entry: made once per
+        # inode and state; constants are precomputed, and fields left at
+        # their zero default are not set
+        entry = self.inodes.get(ino)
+        made_of = (node.is_dir, node.size, node.mtime)
+        if entry is not None and entry.attrs_of == made_of:
+            return entry.attrs
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
         a.entry_timeout = self.entry_timeout
@@ -237,6 +247,8 @@ class Operations(pyfuse3.Operations):
         a.st_uid = self.uid
         a.st_gid = self.gid
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = int(node.mtime * 1e9)
+        if entry is not None:
+            entry.attrs, entry.attrs_of = a, made_of
         return a
 
     # -- lookups ------------------------------------------------------------

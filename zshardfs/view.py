@@ -55,7 +55,7 @@ class Changed(StoreError):
     size.  The opener re-reads the node; a reader that had it open gets EIO."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Node:
     """One entry of the view.  ``path`` is its virtual path ('' = root)."""
 
@@ -128,6 +128,11 @@ class _TTLCache:
     def pop(self, key):
         self._d.pop(key, None)
 
+    def expired(self, key):
+        """The value kept for ``key`` even if it expired (None if none)."""
+        item = self._d.get(key)
+        return None if item is None else item[0]
+
 
 #: what parsing a malformed metadata document can raise, beyond the layouts'
 #: own checks (a list where an object belongs, a document nested 100000
@@ -199,6 +204,7 @@ class View:
         cached = self.datasets.get(dir_key)
         if cached is not None:
             return cached[0]
+        previous = self.datasets.expired(dir_key)
         # Every layout asks at once: a directory that is no dataset costs one
         # round trip, not one per layout.  The answer is the one asking in
         # LAYOUTS order would give: the first dataset found, unless an
@@ -214,6 +220,9 @@ class View:
             elif answer is not None:
                 dataset = answer
                 break
+        if (dataset is not None and previous is not None and type(previous) is type(dataset)
+                and dataset.version and previous.version == dataset.version):
+            dataset = previous  # made of the same documents: keep what it has learnt
         self.datasets.put(dir_key, dataset)
         return dataset
 
@@ -262,7 +271,7 @@ class View:
         """A chunk file, with unflushed writes taking precedence over storage."""
         if target is None and entry is not None:
             # capacity is only needed for writes; open() asks the dataset then
-            target = ChunkTarget(entry.shard_key, entry.chunk_id, entry.shard_ctx, None)
+            target = entry.target
         if target is not None and self.writeback.dirty:
             dirty = self.writeback.pending(target.shard_key, target.chunk_id)
             if dirty is not None:

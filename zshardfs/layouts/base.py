@@ -21,6 +21,7 @@ import json
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from typing import AsyncIterator
 
 from ..backends.base import AsyncStore
@@ -38,6 +39,12 @@ class ChunkEntry:
     size: int  # bytes the view shows
     mtime: float  # the shard's mtime
     shard_ctx: object = None  # what the shard format needs to know (index shape...)
+
+    @cached_property
+    def target(self) -> ChunkTarget:
+        """Where it is stored, as reads need it (a write asks the dataset
+        for the capacity).  Kept: a listed entry may be listed again."""
+        return ChunkTarget(self.shard_key, self.chunk_id, self.shard_ctx, None)
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,11 @@ class Dataset(ABC):
 
     #: short name of the layout for logs and ``stats``
     layout: str = "?"
+    #: ((key, etag), ...) of the documents the dataset was made from; the
+    #: view keeps using a dataset whose documents are unchanged when it asks
+    #: again (after metadata_ttl), with what it has learnt (listings...).
+    #: Empty: made anew each time.
+    version: tuple = ()
 
     def __init__(self, ctx: LayoutContext, root: str):
         self.ctx = ctx

@@ -766,13 +766,14 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option) ->
     return dump_json(doc) if changed else None
 
 
-async def _info(ctx: LayoutContext, key: str) -> dict | None:
+async def _info(ctx: LayoutContext, key: str) -> tuple[dict, str] | None:
+    """An ``info`` document and its etag (None: none, or not JSON)."""
     try:
         blob = await ctx.store.get_document(key)
     except NotFound:
         return None
     doc = load_json(blob.data, key)
-    return doc
+    return None if doc is None else (doc, blob.info.etag)
 
 
 async def probe(ctx: LayoutContext, dir_key: str) -> PrecomputedDataset | None:
@@ -783,21 +784,26 @@ async def probe(ctx: LayoutContext, dir_key: str) -> PrecomputedDataset | None:
     own, parents = join_key(dir_key, "info"), join_key(parent, "info")
     docs = await outcomes(*(functools.partial(_info, ctx, key) for key in ((own, parents) if dir_key else (own,))))
 
-    def answer(i: int) -> dict | None:
+    def answer(i: int) -> tuple[dict, str] | None:
         if isinstance(docs[i], Exception):
             raise docs[i]
         return docs[i]
 
-    doc = answer(0)
-    if doc is not None:
-        for part in parse_info(doc, own):
+    def made(part, key: str, etag: str) -> PrecomputedDataset:
+        dataset = PrecomputedDataset(ctx, dir_key, part.spec, part.naming, part.writable)
+        dataset.version = ((key, etag),)
+        return dataset
+
+    found = answer(0)
+    if found is not None:
+        for part in parse_info(found[0], own):
             if part.key is None:
-                return PrecomputedDataset(ctx, dir_key, part.spec, part.naming, part.writable)
+                return made(part, own, found[1])
     if not dir_key:
         return None
-    doc = answer(1)
-    if doc is not None:
-        for part in parse_info(doc, parents):
+    found = answer(1)
+    if found is not None:
+        for part in parse_info(found[0], parents):
             if part.key == name:
-                return PrecomputedDataset(ctx, dir_key, part.spec, part.naming, part.writable)
+                return made(part, parents, found[1])
     return None

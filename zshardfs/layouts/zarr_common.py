@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -242,6 +243,9 @@ class ChunkKeys:
 
 #: listings of at most this many chunks of one shard are computed without numpy
 SMALL_LISTING = 256
+#: chunk entries of such small listings kept computed, per array (see
+#: GridDataset._shard_chunks; about 200 bytes each)
+LISTED_ENTRIES = 1 << 15
 
 
 def _report_shard_damage(key: str, index: ZarrShardIndex) -> None:
@@ -271,9 +275,26 @@ class GridDataset(Dataset):
         self.grid = grid
         self.keys = keys
         self.shard_format = fmt
+        # (shard, fixed) -> (index, chunks): one shard's slice of a chunk
+        # directory is a pure function of one immutable index version, so
+        # listing the directory again (a warm walk, ls after find) costs a
+        # cache look-up per shard instead of a walk over its index entries
+        self._slices: OrderedDict[tuple, tuple[ZarrShardIndex, list]] = OrderedDict()
+        self._sliced_entries = 0
+        self._where: dict[tuple, tuple[str, Any]] = {}  # shard -> (key, extent), see _shard_where
 
     def _key(self, rel_key: str) -> str:
         return f"{self.data_root}/{rel_key}" if self.data_root else rel_key
+
+    def _shard_where(self, shard: tuple[int, ...]) -> tuple[str, Any]:
+        """(storage key, extent) of a shard: asked for every shard of every
+        listed chunk directory, computed once (bounded: cleared when large)."""
+        where = self._where.get(shard)
+        if where is None:
+            if len(self._where) >= LISTED_ENTRIES:
+                self._where.clear()
+            where = self._where[shard] = (self._key(self.keys.format(shard)), self.grid.shard_extent(shard))
+        return where
 
     def claims(self, rel):
         return self.keys.claims(rel)
@@ -328,11 +349,12 @@ class GridDataset(Dataset):
     async def _shard_chunks(self, shard, fixed) -> list[tuple[tuple[int, ...], ChunkEntry]]:
         """Stored chunks of one shard whose leading coordinates are ``fixed``
         (a list: one shard's slice is bounded, and a listing entry then
-        costs no async generator step of its own)."""
+        costs no async generator step of its own).  The caller must not
+        change it: a small one is kept for the next listing of the same
+        index version."""
         if not self.grid.shard_contains(shard):
             return []
-        extent = self.grid.shard_extent(shard)
-        key = self._key(self.keys.format(shard))
+        key, extent = self._shard_where(shard)
         try:
             index = await self.ctx.shards.index(self.shard_format, key, extent)
         except CorruptData as exc:
@@ -343,23 +365,39 @@ class GridDataset(Dataset):
             return []
         if index is None:
             return []
+        slice_key = (shard, fixed)
+        kept = self._slices.get(slice_key)
+        if kept is not None and kept[0] is index:
+            self._slices.move_to_end(slice_key)
+            return kept[1]
         mtime = index.info.mtime
         small = self.grid.chunks_in_shard_list(shard, fixed, SMALL_LISTING)
-        if small is not None:
-            # a chunk directory's slice of a shard (a few chunks): plain
-            # Python beats the vectorised path's fixed cost many times over
-            out, damaged = [], False
-            for c, cid in small:
-                try:
-                    where = index.locate_now(cid)
-                except CorruptData:  # not listed; a lookup gives EIO
-                    damaged = True
-                    continue
-                if where is not None:
-                    out.append((c, ChunkEntry(key, cid, where[1], mtime, extent)))
-            if damaged:
-                _report_shard_damage(key, index)
-            return out
+        if small is None:
+            return self._large_slice(key, extent, index, shard, fixed)
+        # a chunk directory's slice of a shard (a few chunks): plain Python
+        # beats the vectorised path's fixed cost many times over
+        out, damaged = [], False
+        for c, cid in small:
+            try:
+                where = index.locate_now(cid)
+            except CorruptData:  # not listed; a lookup gives EIO
+                damaged = True
+                continue
+            if where is not None:
+                out.append((c, ChunkEntry(key, cid, where[1], mtime, extent)))
+        if damaged:
+            _report_shard_damage(key, index)
+        if kept is not None:
+            self._sliced_entries -= len(kept[1])
+        self._slices[slice_key] = (index, out)
+        self._slices.move_to_end(slice_key)
+        self._sliced_entries += len(out)
+        while self._sliced_entries > LISTED_ENTRIES and len(self._slices) > 1:
+            self._sliced_entries -= len(self._slices.popitem(last=False)[1][1])
+        return out
+
+    def _large_slice(self, key: str, extent, index: ZarrShardIndex, shard, fixed) -> list:
+        """:meth:`_shard_chunks` of a slice too large to keep: vectorised."""
         coords, linear = self.grid.chunks_in_shard(shard, fixed)
         keep = index.present_mask()[linear]
         damaged = keep & index.damaged_mask()[linear]
@@ -367,6 +405,7 @@ class GridDataset(Dataset):
             _report_shard_damage(key, index)
         keep &= ~damaged
         sizes = index.table[linear[keep], 1].tolist()
+        mtime = index.info.mtime
         return [(tuple(c), ChunkEntry(key, cid, size, mtime, extent))
                 for c, cid, size in zip(coords[keep].tolist(), linear[keep].tolist(), sizes)]
 
@@ -374,8 +413,7 @@ class GridDataset(Dataset):
         """The indexes a listing is about to need, loaded at once."""
         shards = [s for s in shards if self.grid.shard_contains(s)]
         if len(shards) > 1:
-            await self.ctx.shards.preload(
-                self.shard_format, [(self._key(self.keys.format(s)), self.grid.shard_extent(s)) for s in shards])
+            await self.ctx.shards.preload(self.shard_format, [self._shard_where(s) for s in shards])
 
     def _leaf_shards(self, prefix: tuple[int, ...], coords) -> list[tuple[str, Any]]:
         """(key, extent) of every shard below ``prefix + (c,)`` for c in

@@ -178,6 +178,7 @@ async def probe(ctx: LayoutContext, dir_key: str) -> GridDataset | None:
         return None
     dataset = GridDataset(ctx, dir_key, dir_key, meta.grid, meta.keys, meta.fmt)
     dataset.layout = NAME
+    dataset.version = ((blob.info.key, blob.info.etag),)
     return dataset
 
 

@@ -132,4 +132,5 @@ async def probe(ctx: LayoutContext, dir_key: str) -> GridDataset | None:
     grid, keys = params
     dataset = GridDataset(ctx, dir_key, dir_key, grid, keys, ZarrShardFormat("end", "little", checksum=False))
     dataset.layout = NAME
+    dataset.version = ((blob.info.key, blob.info.etag),)
     return dataset
