@@ -872,3 +872,28 @@ def test_read_ahead_on_a_slow_link_never_slows_a_read(mount, moto_server, s3_buc
     assert stats["prefetches"] >= 1, "no read-ahead at all: the test proves nothing"
     # one GET for the first chunk, then pieces of several chunks
     assert len(gets) - 1 <= 2 * reads // 3, f"read-ahead no longer coalesces: {len(gets)} GETs (index included)"
+
+
+def test_a_huge_metadata_document_is_not_downloaded(mount, moto_server, bucket):
+    """An ``info`` over 64 MiB is never downloaded by the probes of its
+    directory: found too large in a listing (no request), or, with no
+    listing at hand (``metadata_ttl=0``), from the answer's Content-Length
+    (the body is left unread).  It is shown as stored, and ranged reads of
+    it work; one warning names it."""
+    size = (64 << 20) + 1
+    moto_server.put_many(bucket, {f"{PREFIX}/stray/info": b"{" + b" " * (size - 1),
+                                  f"{PREFIX}/stray/notes.txt": b"fine"})
+    for opts in ((), ("metadata_ttl=0",)):
+        m = s3_mount(mount, moto_server, bucket, *opts)
+        before = m.stats()["bytes"]["read"]
+        assert sorted(os.listdir(m.path / "stray")) == ["info", "notes.txt"]
+        assert (m.path / "stray/notes.txt").read_bytes() == b"fine"
+        assert os.path.isdir(m.path / "stray") and os.stat(m.path / "stray/info").st_size == size
+        with open(m.path / "stray/info", "rb") as f:
+            f.seek(size - 4)
+            assert f.read() == b"    "
+        assert m.stats()["bytes"]["read"] - before < 1 << 20, opts
+        lines = [line for line in m.log_text().splitlines() if "stray/info" in line and "WARNING" in line]
+        assert len(lines) == 1 and "64 MiB" in lines[0], (opts, m.log_text())
+        assert "Traceback" not in m.log_text()
+        m.umount()

@@ -667,10 +667,11 @@ def test_conformance_logs_are_quiet(mounted, store):
         assert len([line for line in lines if f"{path}/zarr.json" in line]) == 1, path
 
 
-def _daemon_rss_mb(m) -> float:
+def _daemon_rss_mb(m, field: str = "VmRSS") -> float:
+    """The daemon's resident memory now (VmHWM: at its peak), in MiB."""
     pid = int(os.getxattr(m.path, "user.zshardfs.pid"))
     with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
 
 
 def test_hostile_metadata_is_shown_raw_and_costs_nothing(mount, tmp_path):
@@ -726,4 +727,50 @@ def test_hostile_metadata_is_shown_raw_and_costs_nothing(mount, tmp_path):
     log = m.log_text()
     for name in ("absurd", "runs", "listconf", "plain/info"):
         assert len([line for line in log.splitlines() if f"{name}" in line and "WARNING" in line]) == 1, (name, log)
+    assert "Traceback" not in log and "ERROR" not in log
+
+
+def test_huge_metadata_documents_are_not_read(mount, tmp_path):
+    """A metadata document over 64 MiB (a stray 1 GiB ``info``, a 100 MiB
+    ``zarr.json``) is never read by the probes of its directory: listing
+    stays quick and the daemon small, the file is shown as stored (its
+    bytes readable), its directory is not a dataset, one warning names it,
+    and an ordinary array beside it is served as usual."""
+    import time
+
+    import zarr
+
+    src = tmp_path / "store"
+    (src / "stray").mkdir(parents=True)
+    with open(src / "stray/info", "wb") as f:  # sparse: costs no disk
+        f.truncate(1 << 30)
+    (src / "stray/notes.txt").write_text("fine")
+    (src / "bloated/c/0").mkdir(parents=True)
+    with open(src / "bloated/zarr.json", "wb") as f:
+        f.write(b'{"zarr_format": 3, "node_type": "array"}')
+        f.truncate(100 << 20)
+    (src / "bloated/c/0/0").write_bytes(b"stored as is")
+    zarr.create_array(str(src / "ok"), shape=(4, 6), chunks=(1, 3), shards=(1, 6), dtype="uint8", fill_value=0,
+                      compressors=None)[:] = 7
+
+    m = mount(src, "ro")
+    peak = _daemon_rss_mb(m, "VmHWM")
+    t0 = time.monotonic()
+    assert sorted(os.listdir(m.path)) == ["bloated", "ok", "stray"]
+    assert sorted(os.listdir(m.path / "stray")) == ["info", "notes.txt"]
+    assert sorted(os.listdir(m.path / "bloated")) == ["c", "zarr.json"]
+    assert os.stat(m.path / "stray/info").st_size == 1 << 30
+    assert os.stat(m.path / "bloated/zarr.json").st_size == 100 << 20
+    with open(m.path / "bloated/zarr.json", "rb") as f:
+        assert f.read(16) == b'{"zarr_format": '
+    assert (m.path / "bloated/c/0/0").read_bytes() == b"stored as is"  # a plain file: no dataset here
+    assert (m.path / "stray/notes.txt").read_text() == "fine"
+    assert sorted(os.listdir(m.path / "ok/c/0")) == ["0", "1"]
+    assert zarr.open_array(str(m.path / "ok"), mode="r")[:].tolist() == [[7] * 6] * 4
+    assert time.monotonic() - t0 < 10
+    assert _daemon_rss_mb(m, "VmHWM") - peak < 100  # the most it ever held: nothing was read whole
+    log = m.log_text()
+    for name in ("stray/info", "bloated/zarr.json"):
+        lines = [line for line in log.splitlines() if name in line and "WARNING" in line]
+        assert len(lines) == 1 and "64 MiB" in lines[0], (name, log)
     assert "Traceback" not in log and "ERROR" not in log

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from .backends.base import (AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed,
-                            StoreError, join_key)
+                            StoreError, TooLarge, join_key)
 from .layouts import LAYOUTS
 from .layouts.base import ChunkEntry, ChunkTarget, Dataset, DirEntry, LayoutContext
 from .shards import ShardCache
@@ -211,7 +211,9 @@ class View:
         # earlier layout's probe failed (that error is raised).
         dataset = None
         for answer in await outcomes(*(functools.partial(layout.probe, self.ctx, dir_key) for layout in LAYOUTS)):
-            if isinstance(answer, (CorruptData, NotFound, AccessDenied)):
+            if isinstance(answer, TooLarge):
+                log_once(log, logging.WARNING, str(answer))
+            elif isinstance(answer, (CorruptData, NotFound, AccessDenied)):
                 log.warning("%s: %s", dir_key or "/", answer)
             elif isinstance(answer, METADATA_ERRORS):
                 _not_understood(dir_key or "/", answer)
@@ -238,7 +240,14 @@ class View:
         cached = self.documents.get((info.key, info.etag))
         if cached is not None:
             return cached[0]
-        blob = await self.store.get_document(info.key, info.etag)
+        if info.size > self.store.DOCUMENT_LIMIT:
+            log_once(log, logging.WARNING, str(self.store.too_large(info.key, info.size)))
+            return None
+        try:
+            blob = await self.store.get_document(info.key, info.etag)
+        except TooLarge as exc:  # grew since it was listed
+            log_once(log, logging.WARNING, str(exc))
+            return None
         new = None
         for layout in LAYOUTS:
             if layout.is_document(info.key):

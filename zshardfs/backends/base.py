@@ -72,6 +72,17 @@ class Unavailable(StoreError):
     errno = errno.EIO
 
 
+class TooLarge(StoreError):
+    """A whole-object read (a metadata document) of an object larger than
+    the caller allows: refused before its bytes are read."""
+
+    errno = errno.EFBIG
+
+    def __init__(self, message: str, key: str | None = None, size: int = 0):
+        super().__init__(message, key)
+        self.size = size
+
+
 class CorruptData(StoreError):
     """Stored bytes that cannot be what they claim (bad index, checksum...)."""
 
@@ -136,10 +147,12 @@ class Backend(Protocol):
         *,
         suffix: int | None = None,
         if_match: str | None = None,
+        max_size: int | None = None,
     ) -> Blob:
         """Read ``length`` bytes at ``start`` (None: to the end), or the last
         ``suffix`` bytes.  Short reads happen only at the end of the object.
-        Raises NotFound, PreconditionFailed (etag differs from ``if_match``)."""
+        Raises NotFound, PreconditionFailed (etag differs from ``if_match``),
+        TooLarge (the object is larger than ``max_size``: nothing is read)."""
 
     def list(self, prefix: str) -> Listing:
         """Immediate children of directory ``prefix`` ('' is the root)."""
@@ -222,6 +235,10 @@ class AsyncStore:
     LIST_CACHE_ENTRIES = 10_000
     #: documents larger than this are not kept (get_document)
     DOCUMENT_MAX = 1 << 20
+    #: documents larger than this are not read at all (get_document raises
+    #: TooLarge): a stray multi-gigabyte ``info`` must not be read whole, and
+    #: parsed, by every probe of its directory
+    DOCUMENT_LIMIT = 64 << 20
 
     def __init__(self, backend: Backend, *, max_connections: int = 16, timeout: float = 60.0,
                  list_ttl: float = 0.0):
@@ -339,13 +356,15 @@ class AsyncStore:
         return exists
 
     async def get(self, key: str, start: int = 0, length: int | None = None, *,
-                  suffix: int | None = None, if_match: str | None = None, speculative: bool = False) -> Blob:
+                  suffix: int | None = None, if_match: str | None = None, speculative: bool = False,
+                  max_size: int | None = None) -> Blob:
         if if_match is not None and length and length <= NOWAIT_MAX and suffix is None and self._nowait is not None:
             blob = self._nowait(key, start, length, if_match)  # page-cache hit: no thread hop
             if blob is not None:
                 return blob  # an open file of that version, not news of the current one
+        extra = {} if max_size is None else {"max_size": max_size}
         blob = await self._run(self.backend.get, key, start, length, suffix=suffix, if_match=if_match,
-                               _speculative=speculative)
+                               _speculative=speculative, **extra)
         self._seen(blob.info)
         return blob
 
@@ -356,7 +375,8 @@ class AsyncStore:
         NotFound without a request when, within ``list_ttl``, a read found it
         missing or a listing of its directory did not show it (most
         directories are not datasets, and a probe asks for several documents
-        in each)."""
+        in each).  TooLarge for one over DOCUMENT_LIMIT bytes, before
+        reading it."""
         cached = self._documents.get(key) if self.list_ttl > 0 else None
         if cached is not None and time.monotonic() - cached[1] < self.list_ttl:
             if cached[0] is None:
@@ -367,17 +387,27 @@ class AsyncStore:
                 return cached[0]
         if etag is None:
             listing = self._fresh_listing(key.rpartition("/")[0])
-            if listing is not None and listing.file(key) is None:
+            listed = listing.file(key) if listing is not None else None
+            if listing is not None and listed is None:
                 raise NotFound(f"{key}: not in the listing of its directory", key)
+            if listed is not None and listed.size > self.DOCUMENT_LIMIT:
+                raise self.too_large(key, listed.size)
         generation = self._list_generation
         try:
-            blob = await self.get(key)
+            blob = await self.get(key, max_size=self.DOCUMENT_LIMIT)
         except NotFound:
             self._keep_document(key, None, generation)
             raise
+        except TooLarge as exc:
+            raise self.too_large(key, exc.size) from None
         if len(blob.data) <= self.DOCUMENT_MAX:
             self._keep_document(key, blob, generation)
         return blob
+
+    def too_large(self, key: str, size: int) -> TooLarge:
+        """The error (and log line) for a document of ``size`` bytes."""
+        return TooLarge(f"{key}: {size} bytes, more than the {self.DOCUMENT_LIMIT >> 20} MiB a metadata document "
+                        "may have; shown as stored, not read as metadata", key, size)
 
     def _keep_document(self, key: str, blob: Blob | None, generation: int) -> None:
         """Remember a document read (None: found missing) for ``list_ttl``,

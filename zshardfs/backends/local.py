@@ -26,7 +26,7 @@ import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 
-from .base import AccessDenied, Blob, Listing, NotFound, ObjectInfo, PreconditionFailed, StoreError, bump
+from .base import AccessDenied, Blob, Listing, NotFound, ObjectInfo, PreconditionFailed, StoreError, TooLarge, bump
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class LocalBackend:
     def is_dir(self, key: str) -> bool:
         return os.path.isdir(self._path(key))
 
-    def get(self, key, start=0, length=None, *, suffix=None, if_match=None) -> Blob:
+    def get(self, key, start=0, length=None, *, suffix=None, if_match=None, max_size=None) -> Blob:
         path = self._path(key)
         try:  # non-blocking: a FIFO in the store must not hold a worker forever
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -153,6 +153,8 @@ class LocalBackend:
             if not stat.S_ISREG(st.st_mode):  # listings show regular files only
                 raise NotFound(f"{key}: not a regular file", key)
             info = self._info(key, st)
+            if max_size is not None and st.st_size > max_size:
+                raise TooLarge(f"{key}: {st.st_size} bytes", key, st.st_size)
             if if_match is not None and info.etag != if_match:
                 bump(self.counters, "precondition_failed")
                 raise PreconditionFailed(f"{key}: changed since it was read", key)

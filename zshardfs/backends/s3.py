@@ -47,6 +47,7 @@ from .base import (
     ObjectInfo,
     PreconditionFailed,
     StoreError,
+    TooLarge,
     Unavailable,
     bump,
 )
@@ -399,7 +400,7 @@ class S3Backend:
             raise NotFound(f"{self.url}: {key}: not found", key)
         return Blob(b"", info)
 
-    def get(self, key, start=0, length=None, *, suffix=None, if_match=None) -> Blob:
+    def get(self, key, start=0, length=None, *, suffix=None, if_match=None, max_size=None) -> Blob:
         if length == 0 or suffix == 0:
             return self._empty(key, if_match)
         if suffix is not None:
@@ -420,6 +421,9 @@ class S3Backend:
             if resp is None:  # range starts at or past the end (or object empty)
                 return self._empty(key, if_match)
             body = resp["Body"]
+            if max_size is not None and resp.get("ContentLength", 0) > max_size:
+                body.close()  # (its bytes are never read)
+                raise TooLarge(f"{key}: {resp['ContentLength']} bytes", key, resp["ContentLength"])
             try:
                 data = body.read()
                 break

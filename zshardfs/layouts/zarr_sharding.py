@@ -20,7 +20,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..backends.base import NotFound, join_key
+from ..backends.base import NotFound, TooLarge, join_key
 from ..together import outcomes
 from .base import LayoutContext, dump_json, load_json, warn_once
 from .grids import GridError, ShardGrid, parse_chunk_grid
@@ -344,7 +344,7 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
 async def _stored_document(ctx: LayoutContext, key: str) -> dict | None:
     try:
         blob = await ctx.store.get_document(key)
-    except NotFound:
+    except (NotFound, TooLarge):  # (too large: not read as metadata anywhere)
         return None
     return load_json(blob.data, key)
 
