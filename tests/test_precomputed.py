@@ -791,20 +791,26 @@ def _damage(tree: Path, volumes) -> dict:
     data[: spec.shard_index_size] = table.astype("<u8").tobytes()
     (d0 / shards[1]).write_bytes(bytes(data))
     damaged["minishard"] = (s0["key"], spec.parse_shard_key(shards[1]), mini)
-    # 3. bad deflate data in one chunk, a wrong gzip trailer (ISIZE) in another
+    # 3. bad deflate data in one chunk, a wrong gzip trailer (ISIZE) in
+    # another, a trailer saying 0 (an empty file, if believed) in a third
 
     def flip(key: str, at: str) -> tuple[str, int]:
         spec = ShardingSpec.from_json(next(s for s in info["scales"] if s["key"] == key)["sharding"])
         path = vol / key / shards[2]
         raw = bytearray(path.read_bytes())
         ids, offs, sizes, _ = parse_shard(bytes(raw), spec)
-        i = int(np.argmax(sizes))
-        raw[int(offs[i] + sizes[i] // 2) if at == "middle" else int(offs[i] + sizes[i] - 2)] ^= 0xFF
+        i = int(np.argsort(sizes)[-2 if at == "isize0" else -1])
+        end = int(offs[i] + sizes[i])
+        if at == "isize0":
+            raw[end - 4:end] = bytes(4)
+        else:
+            raw[int(offs[i] + sizes[i] // 2) if at == "middle" else end - 2] ^= 0xFF
         path.write_bytes(bytes(raw))
         return key, int(ids[i])
 
     damaged["middle"] = flip(s0["key"], "middle")
     damaged["isize"] = flip(s1["key"], "isize")
+    damaged["isize0"] = flip(s0["key"], "isize0")
     # 4. impossible sharding parameters: one scale of a volume, a key-value dir
     bad_vol = tree / "bad_scale"
     shutil.copytree(tree / "img_u8_identity_raw", bad_vol)
@@ -854,13 +860,14 @@ def test_damaged_input(source, mount, peers_tree, tmp_path, gap):
         for cid in eio.get(key, ()):
             shard, mini = spec.shard_and_minishard(cid)
             assert ((key, shard) == damaged["truncated"] or (key, shard, mini) == damaged["minishard"]
-                    or (key, cid) in (damaged["middle"], damaged["isize"])), (key, cid)
+                    or (key, cid) in (damaged["middle"], damaged["isize"], damaged["isize0"])), (key, cid)
     key0 = info["scales"][0]["key"]
     spec0 = ShardingSpec.from_json(info["scales"][0]["sharding"])
     assert any(spec0.shard_and_minishard(c)[0] == damaged["truncated"][1] for c in eio[key0])
     assert any(spec0.shard_and_minishard(c)[:2] == damaged["minishard"][1:] for c in eio[key0])
     assert damaged["middle"][1] in eio[damaged["middle"][0]]
     assert damaged["isize"][1] in eio[damaged["isize"][0]]
+    assert damaged["isize0"][1] in eio[damaged["isize0"][0]]
 
     # impossible parameters: that part shown as stored (one warning), the rest unsharded
     doc = json.loads((m.path / "bad_scale" / "info").read_bytes())

@@ -298,6 +298,7 @@ class PrecomputedShardIndex:
         todo = [(ms, k) for ms in mss if ms.shown is not None for k in np.flatnonzero(ms.shown == -1).tolist()]
         ends = [int(ms.starts[k] + ms.sizes[k]) for ms, k in todo]
         starts = [e - 4 for e in ends]
+        said_empty = []
         for group in _coalesce(starts, ends, range(len(todo)), TRAILER_GAP, TRAILER_SPAN):
             if only is not None and not any(todo[j][0] is only[0] and todo[j][1] == only[1] for j in group):
                 continue
@@ -310,6 +311,24 @@ class PrecomputedShardIndex:
                     ms.shown[k] = decoded_size(int(ms.sizes[k]), tail, "gzip") if len(tail) == 4 else -2
                 except FormatError:
                     ms.shown[k] = -2
+                if ms.shown[k] == 0 and ms.sizes[k] > EMPTY_GZIP_BYTES:
+                    said_empty.append((ms, k))
+        for ms, k in said_empty:
+            # A file of size 0 is never read (the kernel knows there is
+            # nothing), so a damaged trailer saying 0 would show a silently
+            # empty file: such a member is decoded once, here, to be sure.
+            start, n = int(ms.starts[k]), int(ms.sizes[k])
+            blob = await self.store.get(self.info.key, start, n, if_match=self.info.etag)
+            try:
+                ms.shown[k] = -2 if len(blob.data) != n or decode_data(blob.data, "gzip", 0) else 0
+            except (FormatError, ValueError, OSError, EOFError):
+                ms.shown[k] = -2
+
+
+#: a gzip member of an empty chunk as encoders write it (10-byte header,
+#: empty deflate block of 2 or 5 bytes, 8-byte trailer); one longer whose
+#: trailer says 0 is decoded before it is shown empty (fetch_sizes)
+EMPTY_GZIP_BYTES = 23
 
 
 class PrecomputedShardFormat:
