@@ -1,15 +1,17 @@
 """Read benchmark: the mount against the native file system and zarr-python.
 
-    .venv/bin/python scripts/bench_read.py [--chunks 4096] [--repeat 5] [--workdir DIR]
+    .venv/bin/python scripts/bench_read.py [--chunks 4096] [--repeat 5] [--warm 3] [--workdir DIR]
 
 Builds (once, in --workdir) a Zarr v3 array of 32 KiB uncompressed inner
 chunks, sharded (512 chunks per shard), and its unsharded twin written by
 zarr-python.  Then, repeated --repeat times, it measures:
 
 1. ``cat`` of every chunk file (find | xargs cat):
-   - native: the unsharded twin on the local file system, page cache warm;
+   - native: the unsharded twin on the local file system, page cache warm
+     (the median of --warm passes);
    - cold: through a fresh zshardfs mount of the sharded store (``-o ro``);
-   - warm: the same again on that mount (kernel caches warm);
+   - warm: the same again on that mount (kernel caches warm; the median of
+     --warm passes right after the cold one);
    - the same cold and warm on scripts/minimal_fs.py serving the unsharded
      twin from memory: the ceiling pyfuse3 + trio allow on this machine;
    and prints files/s and the ratio to native.
@@ -78,7 +80,13 @@ def umount(mnt: Path) -> None:
     subprocess.run([*ZSHARDFS, "umount", str(mnt)], check=True)
 
 
-def minimal_fs(twin: Path, mnt: Path) -> tuple[float, float]:
+def warm_passes(root: Path, n: int) -> float:
+    """The median seconds of ``n`` passes of cat_all (each one a few tenths
+    of a second: one pass is at the mercy of a noisy machine)."""
+    return statistics.median(cat_all(root)[0] for _ in range(n))
+
+
+def minimal_fs(twin: Path, mnt: Path, passes: int) -> tuple[float, float]:
     """(cold, warm) seconds of cat_all on the minimal in-memory pyfuse3 fs."""
     mnt.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([sys.executable, str(HERE / "minimal_fs.py"), str(twin), str(mnt)],
@@ -86,7 +94,7 @@ def minimal_fs(twin: Path, mnt: Path) -> tuple[float, float]:
     try:
         assert proc.stdout.readline().strip() == "ready"
         cold = cat_all(mnt)[0]
-        warm = cat_all(mnt)[0]
+        warm = warm_passes(mnt, passes)
     finally:
         subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
         proc.wait(timeout=30)
@@ -107,6 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--warm", type=int, default=3, help="warm passes per mount (and native), median taken")
     ap.add_argument("--random-reads", type=int, default=300)
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "zshardfs-bench-read"))
     args = ap.parse_args()
@@ -121,15 +130,15 @@ def main() -> None:
     cat_all(sharded)
     mnt = workdir / "mnt"
     for _ in range(args.repeat):
-        native.append(cat_all(twin)[0])
+        native.append(warm_passes(twin, args.warm))
         mount(sharded, mnt)
         try:
             t, nbytes = cat_all(mnt)
             cold.append(t)
-            warm.append(cat_all(mnt)[0])
+            warm.append(warm_passes(mnt, args.warm))
         finally:
             umount(mnt)
-        c, w = minimal_fs(twin, workdir / "mnt-minimal")
+        c, w = minimal_fs(twin, workdir / "mnt-minimal", args.warm)
         base_cold.append(c)
         base_warm.append(w)
     med = statistics.median
