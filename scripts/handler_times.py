@@ -1,0 +1,64 @@
+"""Time every FUSE handler of a zshardfs mount, for finding where a workload's
+time goes inside the daemon.
+
+    .venv/bin/python scripts/handler_times.py SOURCE MOUNTPOINT [-o OPTS] [--endpoint-url URL]
+
+Serves the mount in the foreground (as ``zshardfs mount -f``) with each
+handler wrapped: its calls and the wall time spent inside it (waits for
+storage included) are summed.  ``kill -USR1 PID`` prints the sums so far to
+stderr and starts new ones; so does unmounting.  Used for docs/PERFORMANCE.md
+("where the time goes"); not a benchmark: the wrapping itself costs about
+0.5 us per request.
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from zshardfs import fuse_ops  # noqa: E402
+from zshardfs.cli import main  # noqa: E402
+
+HANDLERS = ("lookup", "getattr", "open", "read", "release", "opendir", "readdir", "releasedir", "write", "flush",
+            "fsync", "create", "unlink", "rename")
+sums: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+
+
+def timed(name: str):
+    handler = getattr(fuse_ops.Operations, name)
+
+    async def wrapper(self, *args):
+        t0 = time.perf_counter()
+        try:
+            return await handler(self, *args)
+        finally:
+            entry = sums[name]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - t0
+
+    wrapper.__name__ = name
+    return wrapper
+
+
+def report(*_) -> None:
+    lines = [f"{'handler':12s} {'calls':>7s} {'total ms':>10s} {'per call us':>12s}"]
+    for name, (calls, seconds) in sorted(sums.items()):
+        lines.append(f"{name:12s} {calls:7d} {seconds * 1e3:10.1f} {seconds / calls * 1e6:12.1f}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    sums.clear()
+
+
+if __name__ == "__main__":
+    for name in HANDLERS:
+        setattr(fuse_ops.Operations, name, timed(name))
+    signal.signal(signal.SIGUSR1, report)
+    sys.argv = ["zshardfs", "mount", *sys.argv[1:], "--foreground"]
+    try:
+        main()
+    finally:
+        report()
