@@ -758,7 +758,8 @@ def test_stat_of_a_chunk_reads_only_its_shard_index(big_store, mount):
 
 def test_index_cache_is_bounded_by_bytes(big_store, mount):
     """With ``index_cache=1M`` one 512 KiB index fits, not two: cycling
-    through four shards evicts, re-reads, and never exceeds the budget."""
+    through four shards evicts, re-reads, and never exceeds the budget; nor
+    do listings, whose kept entries share it."""
     m = mount(big_store, "ro", "index_cache=1M", "attr_timeout=0")
     shards = list(BIG_SHARDS)
     for round_ in range(2):
@@ -772,3 +773,18 @@ def test_index_cache_is_bounded_by_bytes(big_store, mount):
     stats = m.stats()
     assert stats["requests"]["get_range"] >= 2 * len(shards), stats["requests"]  # evicted, read again
     assert stats["requests"]["list"] == 0
+    # listings (each chunk directory here spans three shards: more than the
+    # budget holds) are right, also listed again from what was kept of them,
+    # and what is kept stays within the budget
+    expected: dict[str, set] = {}
+    for shard, chunks in BIG_SHARDS.items():
+        for pos in chunks:
+            coords = [s * k + p for s, k, p in zip(shard, PER, pos)]
+            if all(c < g for c, g in zip(coords, BIG_GRID)):
+                d, leaf = big_chunk(shard, pos).rsplit("/", 1)
+                expected.setdefault(d, set()).add(leaf)
+    for _ in range(2):
+        for d, names in expected.items():
+            assert set(os.listdir(m / d)) == names, d
+            cache = m.stats()["index_cache"]
+            assert 0 < cache["bytes"] <= 1 << 20, cache

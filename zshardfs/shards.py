@@ -110,6 +110,12 @@ class ByteLRU:
             self._d.move_to_end(key)
             self.hits += 1
 
+    def mark_used(self, key) -> None:
+        """Mark ``key`` recently used without counting a hit (for entries
+        other than what the counters count)."""
+        if key in self._d:
+            self._d.move_to_end(key)
+
     def peek(self, key):
         """The value without touching the LRU order or the hit counters."""
         item = self._d.get(key)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -243,9 +242,9 @@ class ChunkKeys:
 
 #: listings of at most this many chunks of one shard are computed without numpy
 SMALL_LISTING = 256
-#: chunk entries of such small listings kept computed, per array (see
-#: GridDataset._shard_chunks; about 200 bytes each)
-LISTED_ENTRIES = 1 << 15
+#: what one kept listing entry is counted as in the index cache (see
+#: GridDataset._shard_chunks)
+LISTED_ENTRY_BYTES = 200
 
 
 def _report_shard_damage(key: str, index: ZarrShardIndex) -> None:
@@ -275,26 +274,13 @@ class GridDataset(Dataset):
         self.grid = grid
         self.keys = keys
         self.shard_format = fmt
-        # (shard, fixed) -> (index, chunks): one shard's slice of a chunk
-        # directory is a pure function of one immutable index version, so
-        # listing the directory again (a warm walk, ls after find) costs a
-        # cache look-up per shard instead of a walk over its index entries
-        self._slices: OrderedDict[tuple, tuple[ZarrShardIndex, list]] = OrderedDict()
-        self._sliced_entries = 0
-        self._where: dict[tuple, tuple[str, Any]] = {}  # shard -> (key, extent), see _shard_where
 
     def _key(self, rel_key: str) -> str:
         return f"{self.data_root}/{rel_key}" if self.data_root else rel_key
 
     def _shard_where(self, shard: tuple[int, ...]) -> tuple[str, Any]:
-        """(storage key, extent) of a shard: asked for every shard of every
-        listed chunk directory, computed once (bounded: cleared when large)."""
-        where = self._where.get(shard)
-        if where is None:
-            if len(self._where) >= LISTED_ENTRIES:
-                self._where.clear()
-            where = self._where[shard] = (self._key(self.keys.format(shard)), self.grid.shard_extent(shard))
-        return where
+        """(storage key, extent) of a shard."""
+        return self._key(self.keys.format(shard)), self.grid.shard_extent(shard)
 
     def claims(self, rel):
         return self.keys.claims(rel)
@@ -351,7 +337,14 @@ class GridDataset(Dataset):
         (a list: one shard's slice is bounded, and a listing entry then
         costs no async generator step of its own).  The caller must not
         change it: a small one is kept for the next listing of the same
-        index version."""
+        index version.
+
+        Kept where: in the index cache, whose byte budget it shares, keyed
+        by the shard's storage key; a slice is a pure function of one
+        immutable index version (and of the grid, which the key's dataset
+        version fixes), so listing the directory again (a warm walk, ``ls``
+        after ``find``) costs a look-up per shard instead of a walk over its
+        index entries."""
         if not self.grid.shard_contains(shard):
             return []
         key, extent = self._shard_where(shard)
@@ -365,10 +358,11 @@ class GridDataset(Dataset):
             return []
         if index is None:
             return []
-        slice_key = (shard, fixed)
-        kept = self._slices.get(slice_key)
-        if kept is not None and kept[0] is index:
-            self._slices.move_to_end(slice_key)
+        cache = self.ctx.shards.indexes
+        slice_key = ("listed", key, fixed)
+        kept = cache.peek(slice_key)
+        if kept is not None and kept[0] is index and kept[2] is self.grid:
+            cache.mark_used(slice_key)
             return kept[1]
         mtime = index.info.mtime
         small = self.grid.chunks_in_shard_list(shard, fixed, SMALL_LISTING)
@@ -387,13 +381,7 @@ class GridDataset(Dataset):
                 out.append((c, ChunkEntry(key, cid, where[1], mtime, extent)))
         if damaged:
             _report_shard_damage(key, index)
-        if kept is not None:
-            self._sliced_entries -= len(kept[1])
-        self._slices[slice_key] = (index, out)
-        self._slices.move_to_end(slice_key)
-        self._sliced_entries += len(out)
-        while self._sliced_entries > LISTED_ENTRIES and len(self._slices) > 1:
-            self._sliced_entries -= len(self._slices.popitem(last=False)[1][1])
+        cache.put(slice_key, (index, out, self.grid), LISTED_ENTRY_BYTES * (1 + len(out)))
         return out
 
     def _large_slice(self, key: str, extent, index: ZarrShardIndex, shard, fixed) -> list:
