@@ -897,3 +897,29 @@ def test_a_huge_metadata_document_is_not_downloaded(mount, moto_server, bucket):
         assert len(lines) == 1 and "64 MiB" in lines[0], (opts, m.log_text())
         assert "Traceback" not in m.log_text()
         m.umount()
+
+
+def test_a_second_scan_of_a_store_the_size_of_the_chunk_cache(mount, moto_server, bucket, array):
+    """A chunk handed whole to the kernel (an open that fills its page
+    cache) is the first the chunk cache evicts.  So a second scan of a
+    store about the cache's size, after the kernel dropped its pages, costs
+    about a GET per shard.  Evicting the least recently used instead evicts,
+    with every chunk fetched, the next one the scan reads: one GET per chunk."""
+    total = sum(map(len, array.chunks.values()))
+    m = s3_mount(mount, moto_server, bucket, f"chunk_cache={total}", "index_ttl=60", "metadata_ttl=60",
+                 "attr_timeout=60")
+    root = m.path / "arr"
+    names = subprocess.run(["find", str(root / "c"), "-type", "f", "-print0"], capture_output=True,
+                           check=True).stdout
+
+    def scan() -> bytes:
+        return subprocess.run(["xargs", "-0", "cat"], input=names, capture_output=True, check=True).stdout
+
+    first = scan()
+    assert len(first) == total
+    with open("/proc/sys/vm/drop_caches", "w") as f:  # the kernel drops the pages it holds of the view
+        f.write("1\n")
+    mark = moto_server.mark()
+    assert scan() == first
+    data_gets = sum(shard_gets(server_requests(moto_server, bucket, mark)).values())
+    assert data_gets <= 1.5 * len(array.shards), f"{data_gets} GETs for {len(array.shards)} shards"

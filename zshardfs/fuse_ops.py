@@ -412,6 +412,7 @@ class Operations(pyfuse3.Operations):
             return
         entry.filled = (node.size, node.mtime)
         self.open_fills += 1
+        self.view.handed_to_kernel(node)
 
     async def _renew(self, inode: int, entry: _Inode, handle: Handle) -> bytes | None:
         """The current version of an opened file whose stored content changed

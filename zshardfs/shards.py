@@ -110,6 +110,12 @@ class ByteLRU:
             self._d.move_to_end(key)
             self.hits += 1
 
+    def demote(self, key) -> None:
+        """Make ``key`` the first to be evicted (it is kept while there is
+        room: a read of it is still a hit)."""
+        if key in self._d:
+            self._d.move_to_end(key, last=False)
+
     def mark_used(self, key) -> None:
         """Mark ``key`` recently used without counting a hit (for entries
         other than what the counters count)."""
@@ -318,6 +324,16 @@ class ShardCache:
         if where is None:
             return None
         return index, where[0], where[1]
+
+    def handed_over(self, key: str, chunk_id: int) -> None:
+        """The reader holds all of this chunk now (the kernel's page cache
+        has it): evict it before anything not yet read.  A scan of a store
+        about the chunk cache's size would otherwise evict, with every chunk
+        it fetches, the oldest cached one, which is the next one a second
+        scan reads: one GET per chunk instead of per shard."""
+        cached: _Cached | None = self.indexes.peek(key)
+        if cached is not None and cached.index is not None:
+            self.chunks.demote((key, cached.index.info.etag, chunk_id))
 
     async def read_chunk(self, fmt: ShardFormat, key: str, chunk_id: int, shard_ctx: Any = None) -> bytes | None:
         """The whole stored chunk as the view shows it, or None if absent."""

@@ -464,6 +464,11 @@ class View:
             return bytes(dirty.data)
         return await node.dataset.read(t)
 
+    def handed_to_kernel(self, node: Node) -> None:
+        """All of ``node``'s bytes are in the kernel's page cache now."""
+        if node.is_chunk:
+            self.shards.handed_over(node.target.shard_key, node.target.chunk_id)
+
     async def read(self, handle: Handle | Node, offset: int, size: int, expect_size: int | None = None) -> bytes:
         """Bytes of a file (whole chunks are cached by the shard layer).
         ``expect_size``: the size the reader was given; a stored chunk of
