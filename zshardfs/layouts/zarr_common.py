@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -361,7 +362,7 @@ class GridDataset(Dataset):
         cache = self.ctx.shards.indexes
         slice_key = ("listed", key, fixed)
         kept = cache.peek(slice_key)
-        if kept is not None and kept[0] is index and kept[2] is self.grid:
+        if kept is not None and kept[0]() is index and kept[2]() is self.grid:
             cache.mark_used(slice_key)
             return kept[1]
         mtime = index.info.mtime
@@ -381,7 +382,9 @@ class GridDataset(Dataset):
                 out.append((c, ChunkEntry(key, cid, where[1], mtime, extent)))
         if damaged:
             _report_shard_damage(key, index)
-        cache.put(slice_key, (index, out, self.grid), LISTED_ENTRY_BYTES * (1 + len(out)))
+        # (weak references: an index the cache evicts must not live on here,
+        # outside its budget)
+        cache.put(slice_key, (weakref.ref(index), out, weakref.ref(self.grid)), LISTED_ENTRY_BYTES * (1 + len(out)))
         return out
 
     def _large_slice(self, key: str, extent, index: ZarrShardIndex, shard, fixed) -> list:
