@@ -102,7 +102,8 @@ OPTIONS = {
     "rw": ("read_only", None, "read-write mount (the default)"),
     "allow_other": ("allow_other", None, "let other users access the mount (needs user_allow_other for non-root)"),
     "debug": ("debug", None, "log every request (implies log_level=DEBUG)"),
-    "index_cache": ("index_cache", parse_size, "bytes of parsed shard indexes kept in memory (default 64M)"),
+    "index_cache": ("index_cache", parse_size,
+                    "bytes of parsed shard indexes (and listings made of them) kept in memory (default 64M)"),
     "chunk_cache": ("chunk_cache", parse_size, "bytes of chunk data kept in memory (default 64M)"),
     "metadata_ttl": ("metadata_ttl", parse_seconds, "seconds a metadata document/probe/listing is trusted, 0 to inf "
                      "(default 1)"),
