@@ -519,6 +519,34 @@ def test_open_fills_the_page_cache_so_reads_cost_no_request(small, mount):
     assert k["open_fills"] == 0 and k["reads"] >= len(small.chunks)
 
 
+def test_pages_the_kernel_dropped_are_filled_again_at_the_next_open(small, mount):
+    """The kernel may drop a filled file's pages (memory pressure; here
+    ``drop_caches``) while keeping its inode.  The first open after that
+    cannot know: its reads come as READ requests.  Those READs show it, so
+    the open after fills the page cache again, and its reads cost nothing."""
+    m = mount(small.root, "ro", "attr_timeout=60")
+    names = sorted(small.chunks)
+
+    def read_all() -> dict:
+        for name in names:
+            assert (m / name).read_bytes() == small.chunks[name]
+        return m.stats()["kernel"]
+
+    def drop_pages() -> None:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")  # pages only: the inodes (and their marks) stay
+
+    first = read_all()
+    assert first == {"reads": 0, "open_fills": len(names)}, first
+    drop_pages()
+    second = read_all()  # the marks still said "filled": reads asked the daemon
+    assert second["open_fills"] == first["open_fills"] and second["reads"] >= len(names), second
+    drop_pages()
+    third = read_all()
+    assert third["reads"] == second["reads"], f"pages dropped again were not filled again: {third}"
+    assert third["open_fills"] == second["open_fills"] + len(names), third
+
+
 def test_open_fill_under_concurrent_opens_and_forgets(small, mount):
     """Many threads opening and reading the same files while the kernel
     drops its caches: every read is right and nothing deadlocks (a fill is

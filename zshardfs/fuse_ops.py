@@ -127,7 +127,8 @@ class _Inode:
     lookups: int = 0
     handles: int = 0
     #: (size, mtime) of the bytes last put in the kernel's page cache at open:
-    #: the kernel keeps them (keep_cache) until it sees either change
+    #: the kernel keeps them (keep_cache) until it sees either change, or
+    #: drops them under memory pressure, which a READ then shows (see read)
     filled: tuple | None = None
     #: the attributes last given for this inode, and the (is_dir, size,
     #: mtime) they were made of: a listing gives them again (never changed
@@ -446,6 +447,12 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EBADF)
         inode, handle = entry
         ino = self.inodes.get(inode)
+        if ino is not None:
+            # A filled file's reads are answered by the page cache: a READ
+            # means the kernel dropped (some of) those pages, so the next
+            # open fills them again instead of leaving every read of that
+            # open to a request.
+            ino.filled = None
         # the size the kernel holds for a chunk it reads: another client may
         # have replaced the shard since (writes of our own change the table)
         expect = (ino.node.size if ino is not None and handle.node.is_chunk and not handle.writable
