@@ -32,7 +32,7 @@ import tensorstore as ts
 
 from tests import peers_precomputed as peers
 from tests.sources import BACKENDS, Source
-from tests.conftest import Mounted, run_mount
+from tests.conftest import ZSHARDFS, Mounted, run_mount
 from zshardfs.layouts.precomputed_format import (
     ScaleGeometry,
     ShardingSpec,
@@ -885,3 +885,46 @@ def test_damaged_input(source, mount, peers_tree, tmp_path, gap):
     lines = m.log_text().splitlines()
     for name in ("bad_scale", "bad_kv", "malformed"):
         assert sum(f"{name}/info" in line for line in lines) == 1, lines
+
+
+def _fsck(src: str, *args: str, extra: list[str] = ()) -> dict:
+    result = subprocess.run([*ZSHARDFS, "fsck", src, "--json", *args, *extra], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, (result.returncode, result.stderr)
+    return json.loads(result.stdout)
+
+
+def test_fsck_reads_what_the_indexes_cannot_tell(source, peers_tree, tmp_path):
+    """``zshardfs fsck`` finds damaged shard and minishard indexes and unusable
+    ``info`` files by listing; a chunk whose gzip data is damaged (its index
+    is fine) only with ``--data``, which reads every file and names it."""
+    root, volumes, _ = peers_tree
+    case = "img_u8_jpeg_murmur_gzip"
+    tree = tmp_path / "damaged"
+    tree.mkdir()
+    for name in (case, "img_u8_identity_raw", "kv_identity_raw_shard0", "kv_murmur_gzip"):
+        shutil.copytree(root / name / "sharded", tree / name)
+    damaged = _damage(tree, volumes)
+    src, extra, _ = source.publish(tree)
+    listed, read = _fsck(src, extra=extra), _fsck(src, "--data", extra=extra)
+    info = volumes[case].info()
+    names = {(s["key"], cid): n for s in info["scales"]
+             for n, cid in chunk_ids(volumes[case].unsharded / s["key"], s).items()}
+    for what in ("middle", "isize"):  # the index and trailer are fine: only reading finds these
+        key, cid = damaged[what]
+        path = f"{case}/{key}/{names[(key, cid)]}"
+        assert [p for p in read["problems"] if p.startswith(f"{path}: cannot be read")], (what, read["problems"])
+        assert not [p for p in listed["problems"] if path in p], (what, listed["problems"])
+    spec0 = ShardingSpec.from_json(info["scales"][0]["sharding"])
+    key, shard = damaged["truncated"]
+    truncated = f"{case}/{key}/{spec0.shard_key(shard)}: minishard"
+    key, shard, mini = damaged["minishard"]
+    minishard = f"{case}/{key}/{spec0.shard_key(shard)}: minishard {mini} index"
+    key, cid = damaged["isize0"]  # its trailer says 0: decoded when it is sized, so a listing finds it
+    isize0 = f"{case}/{key}/{spec0.shard_key(spec0.shard_and_minishard(cid)[0])}: chunk {cid}: damaged gzip trailer"
+    for problems in (listed["problems"], read["problems"]):
+        for needle in ("bad_scale/info", "bad_kv/info", "malformed/info", minishard, isize0):
+            assert sum(needle in p for p in problems) == 1, (needle, problems)
+        assert any(truncated in p and "past the end" in p for p in problems), problems
+    assert not [p for p in read["problems"] if p.startswith(("img_u8_identity_raw/", "kv_"))], read["problems"]
+    assert read["bytes_read"] > 0 and read["files"] == listed["files"]

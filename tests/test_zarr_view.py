@@ -34,7 +34,7 @@ import pytest
 
 from tests import peers_zarr as P
 from tests.sources import BACKENDS, Source
-from tests.conftest import Mounted, run_mount
+from tests.conftest import ZSHARDFS, Mounted, run_mount
 
 #: the conformance stores never change while mounted: long TTLs keep S3 round trips down
 #: (the damage store is mounted with the defaults)
@@ -643,6 +643,61 @@ def test_shard_vanishing_mid_listing(mounted, source):
     assert (d / "c.1600").read_bytes() == (troot / "gone/arr/c.1600").read_bytes()
     _still_fine(m, troot, "gone", "c.1499")
     assert len(_log_lines(m, "gone/arr")) <= 1
+
+
+def _fsck(src: str, *args: str, extra: list[str] = ()) -> tuple[int, dict]:
+    result = subprocess.run([*ZSHARDFS, "fsck", src, "--json", *args, *extra], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode in (0, 1), (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.returncode, json.loads(result.stdout)
+
+
+DAMAGED_KINDS = ["crc", "trunc", "trunc_start", "past", "half", "trunc_tail", *RAW_DOCS]
+
+
+def test_fsck_reports_what_a_mount_logs(stores, source, mount):
+    """``zshardfs fsck`` walks the view unmounted and reports, in the mount's
+    own words, what a mount of the same store logs when it is listed: every
+    damaged index and every document it could not use, and nothing about
+    the intact arrays.  Its counts are those of a walk of the mount."""
+    sroot, _, _ = stores("damage")
+    src, extra, _ = source.publish(sroot)
+    code, report = _fsck(src, extra=extra)
+    assert code == 1, report
+    problems = report["problems"]
+    for kind in DAMAGED_KINDS:
+        assert any(f"{kind}/arr" in p for p in problems), (kind, problems)
+    assert not [p for p in problems if re.search(r"\b(ok|other|slot)/", p)], problems
+
+    m = mount(src, "ro", "log_level=INFO", extra=extra)
+    dirs = files = 0
+    for _, ds, fs in os.walk(m.path):
+        dirs, files = dirs + len(ds), files + len(fs)
+    logged = [g.group(2) for line in m.log_text().splitlines()
+              if (g := re.search(r" (WARNING|ERROR|CRITICAL) zshardfs[\w.]*: (.*)$", line))]
+    assert sorted(problems) == sorted(set(logged)), (problems, logged)
+    assert (report["directories"], report["files"]) == (dirs + 1, files)
+    assert report["chunk_files"] > 0 and report["bytes_read"] == 0
+
+    # an intact part alone: nothing to report, exit 0; --data reads every byte
+    code, clean = _fsck(f"{src}/other", "--data", extra=extra)
+    assert (code, clean["problems"]) == (0, [])
+    assert clean["bytes_read"] == sum(p.stat().st_size for p in (m.path / "other").rglob("*") if p.is_file())
+
+
+def test_fsck_command_line_errors(tmp_path):
+    """A missing source, a bad option, an unreachable S3 endpoint: one line, no
+    traceback, exit 1 or 2."""
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    for args, code in (([str(tmp_path / "missing")], 1), ([str(tmp_path), "-o", "bogus=1"], 2),
+                       ([str(tmp_path), "-o", "timeout=0"], 2), (["s3://"], 1),
+                       (["s3://bucket/p", "--endpoint-url", "http://127.0.0.1:1", "-o", "timeout=5"], 1)):
+        result = subprocess.run([*ZSHARDFS, "fsck", *args], capture_output=True, text=True, timeout=60, env=env)
+        assert result.returncode == code, (args, result)
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+    result = subprocess.run([*ZSHARDFS, "fsck", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "0 problems" in result.stdout, result
 
 
 def test_damage_left_no_traceback(mounted):

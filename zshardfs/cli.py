@@ -1,4 +1,4 @@
-"""Command line: ``zshardfs mount | umount | stats``, and ``mount.zshardfs``.
+"""Command line: ``zshardfs mount | umount | sync | stats | fsck``, and ``mount.zshardfs``.
 
 Every user error ends in one line on stderr and a non-zero exit status,
 never a traceback.  Without ``--foreground``, ``mount`` starts the daemon in
@@ -402,6 +402,42 @@ def cmd_stats(args) -> int:
     return EXIT_OK
 
 
+def cmd_fsck(args) -> int:
+    """Walk SOURCE's view without mounting it; exit 0 if nothing is wrong,
+    1 if something is (each problem one line), 2 for a bad command line."""
+    import trio
+
+    from .backends.base import StoreError
+    from .daemon import build_view, open_backend
+    from .fsck import check
+
+    cfg = MountConfig(source=args.source, mountpoint="")
+    cfg.endpoint_url, cfg.region, cfg.profile = args.endpoint_url, args.region, args.profile
+    try:
+        parse_options(cfg, args.o or [])
+        if not cfg.source.startswith("s3://") and "://" not in cfg.source:
+            cfg.source = os.path.abspath(cfg.source)
+        cfg.read_only = True  # it reports, never repairs
+        backend = open_backend(cfg)
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_USAGE if "option" in str(exc) else EXIT_FAIL)
+    except StoreError as exc:
+        return _fail(str(exc))
+    try:
+        report = trio.run(lambda: check(build_view(cfg, backend), data=args.data))
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback
+        return _fail(f"fsck of {cfg.source} stopped: {type(exc).__name__}: {exc}")
+    if args.json:
+        print(json.dumps({"source": cfg.source, **report.as_dict()}, indent=2))
+    else:
+        for problem in report.problems:
+            print(f"problem: {problem}")
+        read = f", {report.bytes_read} bytes read" if args.data else ""
+        print(f"{cfg.source}: {report.directories} directories, {report.files} files "
+              f"({report.chunk_files} chunk files){read}; {len(report.problems)} problems")
+    return EXIT_FAIL if report.problems else EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zshardfs", description="Mount a sharded array store as its unsharded view.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -428,10 +464,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_stats)
+    f = sub.add_parser("fsck", help="walk SOURCE's view unmounted and report what a mount could not serve",
+                       description="Walk the view of SOURCE as a mount shows it (without mounting it) and report, "
+                                   "one line each, what a mount would answer with EIO or show as stored: damaged "
+                                   "shard indexes, metadata that cannot be parsed, and with --data chunks that "
+                                   "cannot be read. Read-only: it never repairs. Exit 0: no problem; 1: problems "
+                                   "(or the source cannot be opened); 2: a bad command line.")
+    f.add_argument("source", help="local directory or s3://bucket[/prefix]")
+    f.add_argument("-o", action="append", metavar="OPT[,OPT...]",
+                   help="the mount options that apply (timeout, caches, prefetch, ...)")
+    f.add_argument("--data", action="store_true", help="read every file too (the data, not only the indexes)")
+    f.add_argument("--json", action="store_true")
+    f.add_argument("--endpoint-url", help="S3-compatible endpoint (MinIO, Ceph, ...)")
+    f.add_argument("--region", help="S3 region")
+    f.add_argument("--profile", help="AWS credentials profile")
+    f.set_defaults(func=cmd_fsck)
     return p
 
 
-COMMANDS = ("mount", "umount", "sync", "stats")
+COMMANDS = ("mount", "umount", "sync", "stats", "fsck")
 
 
 def main(argv: list[str] | None = None) -> int:

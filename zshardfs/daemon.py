@@ -88,39 +88,46 @@ def fuse_options(cfg: MountConfig) -> set[str]:
     return opts
 
 
+def prefetch_ahead(cfg: MountConfig) -> int:
+    """Read-ahead across shards hides request latency; a local source has
+    little to hide, and the work would compete with the reader's."""
+    if cfg.prefetch_ahead is not None:
+        return cfg.prefetch_ahead
+    return cfg.chunk_cache // 2 if cfg.source.startswith("s3://") else 0
+
+
+def build_view(cfg: MountConfig, backend) -> View:
+    """The layers below the kernel's, wired bottom-up as ``cfg`` says:
+    store, shard cache, write-back, view (``view.store``, ``view.shards``,
+    ``view.writeback``).  A mount serves it; ``zshardfs fsck`` walks it."""
+    # listings are kept for metadata_ttl: a scan lists each shard
+    # directory once per chunk directory below it (S3: a LIST each; local:
+    # a thread hop each, which dominates a warm walk)
+    store = AsyncStore(backend, max_connections=cfg.max_connections, timeout=cfg.timeout, list_ttl=cfg.metadata_ttl)
+    shards = ShardCache(store, index_cache_bytes=cfg.index_cache, index_ttl=cfg.index_ttl,
+                        chunk_cache_bytes=cfg.chunk_cache, prefetch=cfg.prefetch == "on",
+                        prefetch_max=cfg.prefetch_max, prefetch_gap=cfg.prefetch_gap,
+                        prefetch_ahead=prefetch_ahead(cfg))
+    writeback = WriteBack(store, shards, max_dirty_bytes=cfg.max_dirty, idle_delay=cfg.flush_delay,
+                          room_timeout=cfg.timeout)
+    return View(store, shards, writeback, metadata_ttl=cfg.metadata_ttl, read_only=cfg.read_only,
+                shard_option=cfg.shard)
+
+
 class Mount:
     """Everything one mount owns, wired bottom-up."""
 
     def __init__(self, cfg: MountConfig, backend):
         self.cfg = cfg
         self.started = time.time()
-        # listings are kept for metadata_ttl: a scan lists each shard
-        # directory once per chunk directory below it (S3: a LIST each; local:
-        # a thread hop each, which dominates a warm walk)
-        list_ttl = cfg.metadata_ttl
-        self.store = AsyncStore(backend, max_connections=cfg.max_connections, timeout=cfg.timeout, list_ttl=list_ttl)
-        prefetch = cfg.prefetch == "on"
-        self.shards = ShardCache(self.store, index_cache_bytes=cfg.index_cache, index_ttl=cfg.index_ttl,
-                                 chunk_cache_bytes=cfg.chunk_cache, prefetch=prefetch,
-                                 prefetch_max=cfg.prefetch_max, prefetch_gap=cfg.prefetch_gap,
-                                 prefetch_ahead=self._prefetch_ahead(cfg))
-        self.writeback = WriteBack(self.store, self.shards, max_dirty_bytes=cfg.max_dirty,
-                                   idle_delay=cfg.flush_delay, room_timeout=cfg.timeout)
-        self.view = View(self.store, self.shards, self.writeback, metadata_ttl=cfg.metadata_ttl,
-                         read_only=cfg.read_only, shard_option=cfg.shard)
+        self.view = build_view(cfg, backend)
+        self.store, self.shards, self.writeback = self.view.store, self.view.shards, self.view.writeback
         self.ops = Operations(self.view, read_only=cfg.read_only, entry_timeout=cfg.attr_timeout,
                               attr_timeout=cfg.attr_timeout, open_fill=cfg.open_fill, control=self)
         if cfg.debug:
             self.ops.trace_requests()
         self._give_up = False  # a second SIGTERM/SIGINT: exit without storing the rest
         self.lost = False  # exited without storing everything (the exit status says so)
-
-    def _prefetch_ahead(self, cfg: MountConfig) -> int:
-        """Read-ahead across shards hides request latency; a local source has
-        little to hide, and the work would compete with the reader's."""
-        if cfg.prefetch_ahead is not None:
-            return cfg.prefetch_ahead
-        return cfg.chunk_cache // 2 if cfg.source.startswith("s3://") else 0
 
     def stats(self) -> dict:
         c = self.store.counters

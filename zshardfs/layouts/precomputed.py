@@ -78,6 +78,7 @@ import numpy as np
 from ..backends.base import AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, join_key
 from ..shards import ByteLRU
 from ..singleflight import SingleFlight
+from ..logonce import report_damage
 from ..together import first_error, outcomes
 from .base import ChunkEntry, ChunkTarget, Dataset, LayoutContext, dump_json, load_json, parse_index_name, warn_once
 from .precomputed_format import (
@@ -642,8 +643,11 @@ class PrecomputedDataset(Dataset):
                 except CorruptData as exc:
                     warn_once(log, str(exc))
                     continue
-                if size >= 0:  # -2: a damaged gzip stream, EIO on lookup
+                if size >= 0:
                     out.append((name, ChunkEntry(index.info.key, cid, size, index.info.mtime)))
+                else:  # -2: a damaged gzip stream: not listed, EIO on lookup; one line for both
+                    report_damage(log, CorruptData(f"{index.info.key}: chunk {cid}: damaged gzip trailer",
+                                                   index.info.key))
         return out
 
     # -- content --------------------------------------------------------------
