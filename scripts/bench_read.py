@@ -11,7 +11,8 @@ zarr-python.  Then, repeated --repeat times, it measures:
      (the median of --warm passes);
    - cold: through a fresh zshardfs mount of the sharded store (``-o ro``);
    - warm: the same again on that mount (kernel caches warm; the median of
-     --warm passes right after the cold one);
+     --warm passes right after the cold one), with the READ requests each
+     warm pass still cost (pages the kernel dropped meanwhile);
    - the same cold and warm on scripts/minimal_fs.py serving the unsharded
      twin from memory: the ceiling pyfuse3 + trio allow on this machine;
    and prints files/s and the ratio to native.
@@ -24,6 +25,7 @@ Medians over the repeats are printed; these machines are noisy.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -65,6 +67,13 @@ def cat_all(root: Path) -> tuple[float, int]:
     out = subprocess.run(["xargs", "-0", "cat"], stdin=find.stdout, stdout=subprocess.PIPE, check=True)
     find.wait()
     return time.perf_counter() - t0, len(out.stdout)
+
+
+def kernel_reads(mnt: Path) -> int:
+    """READ requests the mount has served: in a warm pass, each is a page
+    the kernel dropped (this machine's proactive reclaim pages out page
+    cache that looks idle, see docs/PERFORMANCE.md)."""
+    return json.loads(os.getxattr(mnt, "user.zshardfs.stats"))["kernel"]["reads"]
 
 
 def count_files(root: Path) -> int:
@@ -125,7 +134,7 @@ def main() -> None:
     files = count_files(twin / "a") - 0
     print(f"store: shape {shape}, 32 KiB chunks, {files} files incl. zarr.json, shards of 512 chunks")
 
-    native, cold, warm, base_cold, base_warm = [], [], [], [], []
+    native, cold, warm, base_cold, base_warm, warm_reads = [], [], [], [], [], []
     cat_all(twin)  # warm the page cache of the twin and of the shards
     cat_all(sharded)
     mnt = workdir / "mnt"
@@ -135,7 +144,9 @@ def main() -> None:
         try:
             t, nbytes = cat_all(mnt)
             cold.append(t)
+            before = kernel_reads(mnt)
             warm.append(warm_passes(mnt, args.warm))
+            warm_reads.append((kernel_reads(mnt) - before) / args.warm)
         finally:
             umount(mnt)
         c, w = minimal_fs(twin, workdir / "mnt-minimal", args.warm)
@@ -146,6 +157,8 @@ def main() -> None:
     print(f"  native twin (warm page cache) {files / med(native):10.0f} files/s")
     print(f"  zshardfs cold                 {files / med(cold):10.0f} files/s   ratio {med(native) / med(cold):.2f}x native")
     print(f"  zshardfs warm                 {files / med(warm):10.0f} files/s   ratio {med(native) / med(warm):.2f}x native")
+    print(f"    READ requests per warm pass: {', '.join(f'{r:.0f}' for r in warm_reads)} (pages the kernel "
+          "dropped since the cold pass)")
     print(f"  minimal pyfuse3 fs, cold      {files / med(base_cold):10.0f} files/s   ratio "
           f"{med(native) / med(base_cold):.2f}x native (zshardfs: {med(base_cold) / med(cold):.2f}x of it)")
     print(f"  minimal pyfuse3 fs, warm      {files / med(base_warm):10.0f} files/s   ratio "
