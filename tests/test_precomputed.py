@@ -828,17 +828,23 @@ def _damage(tree: Path, volumes) -> dict:
     return damaged
 
 
-@pytest.mark.parametrize("gap", ["1M", "0"], ids=["coalesced", "one_read_per_minishard_index"])
-def test_damaged_input(source, mount, peers_tree, tmp_path, gap):
-    """(``prefetch_gap=0``: every minishard index of a shard is its own read,
-    all of them at once, one of them damaged.)"""
+def _damaged_tree(peers_tree, tmp_path: Path) -> tuple[Path, dict, dict, str]:
+    """(tree, what was damaged where, volumes, the damaged gzip case): a copy of a
+    few peers' sharded trees, damaged by :func:`_damage`."""
     root, volumes, _ = peers_tree
     case = "img_u8_jpeg_murmur_gzip"
     tree = tmp_path / "damaged"
     tree.mkdir()
     for name in (case, "img_u8_identity_raw", "kv_identity_raw_shard0", "kv_murmur_gzip"):
         shutil.copytree(root / name / "sharded", tree / name)
-    damaged = _damage(tree, volumes)
+    return tree, _damage(tree, volumes), volumes, case
+
+
+@pytest.mark.parametrize("gap", ["1M", "0"], ids=["coalesced", "one_read_per_minishard_index"])
+def test_damaged_input(source, mount, peers_tree, tmp_path, gap):
+    """(``prefetch_gap=0``: every minishard index of a shard is its own read,
+    all of them at once, one of them damaged.)"""
+    tree, damaged, volumes, case = _damaged_tree(peers_tree, tmp_path)
     m, _ = publish_and_mount(source, mount, tree, "ro", f"prefetch_gap={gap}")
     info = volumes[case].info()
     eio: dict[str, set[int]] = {}
@@ -898,13 +904,7 @@ def test_fsck_reads_what_the_indexes_cannot_tell(source, peers_tree, tmp_path):
     """``zshardfs fsck`` finds damaged shard and minishard indexes and unusable
     ``info`` files by listing; a chunk whose gzip data is damaged (its index
     is fine) only with ``--data``, which reads every file and names it."""
-    root, volumes, _ = peers_tree
-    case = "img_u8_jpeg_murmur_gzip"
-    tree = tmp_path / "damaged"
-    tree.mkdir()
-    for name in (case, "img_u8_identity_raw", "kv_identity_raw_shard0", "kv_murmur_gzip"):
-        shutil.copytree(root / name / "sharded", tree / name)
-    damaged = _damage(tree, volumes)
+    tree, damaged, volumes, case = _damaged_tree(peers_tree, tmp_path)
     src, extra, _ = source.publish(tree)
     listed, read = _fsck(src, extra=extra), _fsck(src, "--data", extra=extra)
     info = volumes[case].info()
