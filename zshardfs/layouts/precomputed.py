@@ -76,9 +76,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..backends.base import AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, join_key
+from ..logonce import report_damage
 from ..shards import ByteLRU
 from ..singleflight import SingleFlight
-from ..logonce import report_damage
 from ..together import first_error, outcomes
 from .base import ChunkEntry, ChunkTarget, Dataset, LayoutContext, dump_json, load_json, parse_index_name, warn_once
 from .precomputed_format import (
