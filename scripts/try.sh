@@ -17,5 +17,6 @@ Mounted sample/store (sharded) at sample/mnt (its unsharded view). Try:
   ls sample/store/image/c/0/0               # ...while the store holds shards
   .venv/bin/python -c "import zarr; print(zarr.open_array('sample/mnt/labels')[95:105, 595:605])"
   .venv/bin/zshardfs stats sample/mnt       # request and cache counters
+  .venv/bin/zshardfs fsck sample/store      # check a store (indexes, metadata) without mounting it
   .venv/bin/zshardfs umount sample/mnt
 MSG
