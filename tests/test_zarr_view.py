@@ -700,6 +700,32 @@ def test_fsck_command_line_errors(tmp_path):
     assert result.returncode == 0 and "0 problems" in result.stdout, result
 
 
+def test_fsck_ends_on_loops_and_deep_trees(tmp_path, monkeypatch):
+    """A symlink loop in a local store ends in one problem line (the system's
+    ELOOP), and a tree deeper than fsck.MAX_DEPTH is reported, not entered:
+    the walk always ends, and never by a Python stack overflow."""
+    import trio
+
+    from zshardfs import fsck
+    from zshardfs.config import MountConfig
+    from zshardfs.daemon import build_view, open_backend
+
+    (tmp_path / "loop/a").mkdir(parents=True)
+    (tmp_path / "loop/a/up").symlink_to("..")
+    (tmp_path / "loop/a/f.txt").write_text("x")
+    code, report = _fsck(str(tmp_path / "loop"))
+    assert code == 1 and len(report["problems"]) == 1, report
+    assert "Too many levels of symbolic links" in report["problems"][0], report
+
+    deep = tmp_path / "deep"
+    (deep / "/".join("d" * 6)).mkdir(parents=True)
+    monkeypatch.setattr(fsck, "MAX_DEPTH", 3)
+    cfg = MountConfig(source=str(deep), mountpoint="")
+    found = trio.run(lambda: fsck.check(build_view(cfg, open_backend(cfg))))
+    assert found.directories == 4 and found.problems == ["d/d/d: more than 3 levels deep (a symlink loop?); "
+                                                         "not checked below"], found
+
+
 def test_damage_left_no_traceback(mounted):
     m, _, _, _ = mounted("damage")
     assert "Traceback" not in m.log_text()

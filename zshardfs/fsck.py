@@ -28,6 +28,10 @@ import trio
 from .backends.base import StoreError
 from .view import Node, View
 
+#: directories deeper than this are not entered (a real hierarchy, chunk
+#: directories included, is a few dozen levels at most)
+MAX_DEPTH = 256
+
 #: bytes read at a time from a file that is not a chunk (a passthrough file
 #: may be large; a chunk is read whole, as the shard layer caches it)
 PIECE = 8 << 20
@@ -84,22 +88,31 @@ async def check(view: View, *, data: bool = False) -> Report:
     return report
 
 
-async def _walk(view: View, directory: Node, report: Report, data: bool) -> None:
-    report.directories += 1
-    subdirs = []
-    try:
-        async for child in view.listdir(directory):
-            if child.is_dir:
-                subdirs.append(child)
-                continue
-            report.files += 1
-            report.chunk_files += child.is_chunk
-            if data:
-                await _read(view, child, report)
-    except StoreError as exc:
-        report.problems.append(f"{directory.path or '/'}: cannot be listed: {exc}")
-    for sub in subdirs:  # after the listing: one directory's listing open at a time per level
-        await _walk(view, sub, report, data)
+async def _walk(view: View, root: Node, report: Report, data: bool) -> None:
+    """Depth-first, with a stack of its own (no recursion: a deep tree is not
+    a Python stack overflow); directories deeper than MAX_DEPTH (a symlink
+    loop in a local store, most likely) are reported, not entered."""
+    stack = [(root, 0)]
+    while stack:
+        directory, depth = stack.pop()
+        report.directories += 1
+        subdirs = []
+        try:
+            async for child in view.listdir(directory):
+                if child.is_dir:
+                    subdirs.append(child)
+                    continue
+                report.files += 1
+                report.chunk_files += child.is_chunk
+                if data:
+                    await _read(view, child, report)
+        except StoreError as exc:
+            report.problems.append(f"{directory.path or '/'}: cannot be listed: {exc}")
+        if subdirs and depth == MAX_DEPTH:
+            report.problems.append(f"{directory.path}: more than {MAX_DEPTH} levels deep (a symlink loop?); "
+                                   "not checked below")
+            continue
+        stack.extend((sub, depth + 1) for sub in reversed(subdirs))  # in listing order
 
 
 async def _read(view: View, node: Node, report: Report) -> None:
