@@ -409,6 +409,22 @@ def test_dead_mount_is_reported_and_removable(store, mnt):
     assert zs("umount", mnt).returncode == 0
 
 
+def test_fsck_of_a_view_names_its_store(store, mnt, tmp_path):
+    """``zshardfs fsck`` of a mount point, a path below one or a symlink to
+    one (the view, which is never damaged) is refused in one line naming
+    the store to check instead; exit 2."""
+    run_mount(store.root, mnt, "ro")
+    try:
+        (tmp_path / "link").symlink_to(mnt)
+        for path in (mnt, mnt / first_chunk(store)[0], tmp_path / "link"):
+            result = zs("fsck", path)
+            assert result.returncode == 2, result
+            assert_one_line_error(result, "zshardfs mount", f"'zshardfs fsck {store.root}'")
+        assert zs("fsck", store.root).returncode == 0
+    finally:
+        assert zs("umount", mnt).returncode == 0
+
+
 @pytest.mark.parametrize("command", ["umount", "stats"])
 @pytest.mark.parametrize("where", ["plain_dir", "missing", "inside_a_mount", "other_fs_root"])
 def test_umount_stats_of_non_zshardfs_paths(store, mount, tmp_path, command, where):

@@ -319,18 +319,31 @@ def _unescape_mount_field(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
-def _is_zshardfs_mount(mnt: str) -> bool:
-    """True if /proc/mounts lists a zshardfs mount at ``mnt`` (works when
-    the daemon is dead and every access to ``mnt`` fails with ENOTCONN)."""
+def _zshardfs_mounts() -> list[str]:
+    """Mount points /proc/mounts lists as zshardfs mounts (it lists them
+    also when the daemon is dead and every access fails with ENOTCONN)."""
+    found = []
     try:
         with open("/proc/mounts", encoding="utf-8", errors="surrogateescape") as f:
             for line in f:
                 fields = line.split()
-                if len(fields) >= 3 and fields[2] == "fuse.zshardfs" and _unescape_mount_field(fields[1]) == mnt:
-                    return True
+                if len(fields) >= 3 and fields[2] == "fuse.zshardfs":
+                    found.append(_unescape_mount_field(fields[1]))
     except OSError:
         pass
-    return False
+    return found
+
+
+def _is_zshardfs_mount(mnt: str) -> bool:
+    return mnt in _zshardfs_mounts()
+
+
+def _inside_zshardfs_mount(path: str) -> str | None:
+    """The zshardfs mount point ``path`` is (or lies below), if any."""
+    for mnt in sorted(_zshardfs_mounts(), key=len, reverse=True):
+        if path == mnt or path.startswith(mnt.rstrip("/") + "/"):
+            return mnt
+    return None
 
 
 def process_running(pid: int) -> bool:
@@ -418,6 +431,14 @@ def cmd_fsck(args) -> int:
         if not cfg.source.startswith("s3://") and "://" not in cfg.source:
             cfg.source = os.path.abspath(cfg.source)
         cfg.read_only = True  # it reports, never repairs
+        view_of = _inside_zshardfs_mount(os.path.realpath(cfg.source)) if not cfg.source.startswith("s3://") else None
+        if view_of is not None:  # what a mount shows is never damaged: its store may be
+            try:
+                store = json.loads(_control(view_of, "user.zshardfs.stats"))["source"]
+            except (ConfigError, ValueError, KeyError):
+                store = "its source"
+            return _fail(f"{cfg.source!r} is in the view of a zshardfs mount; fsck checks a store: "
+                         f"'zshardfs fsck {store}'", EXIT_USAGE)
         backend = open_backend(cfg)
     except ConfigError as exc:
         return _fail(str(exc), EXIT_USAGE if "option" in str(exc) else EXIT_FAIL)
