@@ -927,4 +927,7 @@ def test_fsck_reads_what_the_indexes_cannot_tell(source, peers_tree, tmp_path):
             assert sum(needle in p for p in problems) == 1, (needle, problems)
         assert any(truncated in p and "past the end" in p for p in problems), problems
     assert not [p for p in read["problems"] if p.startswith(("img_u8_identity_raw/", "kv_"))], read["problems"]
+    # what reading adds are errors; the unusable info files are not (shown as stored)
+    assert read["errors"] - listed["errors"] == len(read["problems"]) - len(listed["problems"]) >= 2, read
+    assert listed["errors"] <= len(listed["problems"]) - 3, listed
     assert read["bytes_read"] > 0 and read["files"] == listed["files"]

@@ -455,7 +455,8 @@ def cmd_fsck(args) -> int:
             print(f"problem: {problem}")
         read = f", {report.bytes_read} bytes read" if args.data else ""
         print(f"{cfg.source}: {report.directories} directories, {report.files} files "
-              f"({report.chunk_files} chunk files){read}; {len(report.problems)} problems")
+              f"({report.chunk_files} chunk files){read}; {len(report.problems)} problems, "
+              f"{report.errors} of them errors (damaged or unreadable)")
     return EXIT_FAIL if report.problems else EXIT_OK
 
 

@@ -44,32 +44,44 @@ class Report:
     chunk_files: int = 0
     bytes_read: int = 0
     problems: list[str] = field(default_factory=list)
+    #: how many problems are errors (damaged data, files that cannot be read
+    #: or listed); the others are warnings: parts shown as stored (metadata
+    #: not understood, or valid but not shown unsharded) or left unlisted
+    errors: int = 0
 
     def as_dict(self) -> dict:
         return {"directories": self.directories, "files": self.files, "chunk_files": self.chunk_files,
-                "bytes_read": self.bytes_read, "problems": list(self.problems)}
+                "bytes_read": self.bytes_read, "problems": list(self.problems), "errors": self.errors}
+
+    def error(self, message: str) -> None:
+        self.problems.append(message)
+        self.errors += 1
 
 
 class _Collect(logging.Handler):
-    """The walk's log lines at WARNING and above, in order, once each."""
+    """The walk's log lines at WARNING and above, in order, once each (those
+    at ERROR and above are errors)."""
 
-    def __init__(self, problems: list[str]):
+    def __init__(self, report: Report):
         super().__init__(logging.WARNING)
-        self.problems = problems
+        self.report = report
         self._seen: set[str] = set()
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if message not in self._seen:
             self._seen.add(message)
-            self.problems.append(message)
+            if record.levelno >= logging.ERROR:
+                self.report.error(message)
+            else:
+                self.report.problems.append(message)
 
 
 async def check(view: View, *, data: bool = False) -> Report:
     """Walk the whole view of ``view``'s store; see the module's docstring."""
     report = Report()
     logger = logging.getLogger("zshardfs")
-    collect = _Collect(report.problems)
+    collect = _Collect(report)
     propagate, level = logger.propagate, logger.level
     # the lines are the findings: reported once, by the caller, not also on stderr
     logger.addHandler(collect)
@@ -107,7 +119,7 @@ async def _walk(view: View, root: Node, report: Report, data: bool) -> None:
                 if data:
                     await _read(view, child, report)
         except StoreError as exc:
-            report.problems.append(f"{directory.path or '/'}: cannot be listed: {exc}")
+            report.error(f"{directory.path or '/'}: cannot be listed: {exc}")
         if subdirs and depth == MAX_DEPTH:
             report.problems.append(f"{directory.path}: more than {MAX_DEPTH} levels deep (a symlink loop?); "
                                    "not checked below")
@@ -128,9 +140,9 @@ async def _read(view: View, node: Node, report: Report) -> None:
                 if len(piece) < PIECE:
                     break
     except StoreError as exc:
-        report.problems.append(f"{node.path}: cannot be read: {exc}")
+        report.error(f"{node.path}: cannot be read: {exc}")
         return
     finally:
         report.bytes_read += got
     if got != node.size:
-        report.problems.append(f"{node.path}: {got} bytes read, {node.size} listed")
+        report.error(f"{node.path}: {got} bytes read, {node.size} listed")
