@@ -179,6 +179,39 @@ def test_temporary_files_of_dead_writers_are_removed_where_shards_are_written(tm
     assert stored[0:2, 0:2].tobytes() == b"\x01" * 16 and stored[0:2, 2:4].tobytes() == b"\x02" * 16
 
 
+def test_read_only_mounts_and_fsck_leave_dead_writers_files_and_tell_of_them(tmp_path, mount):
+    """A read-only mount and ``zshardfs fsck`` write nothing to the store, not
+    even the removal of a dead writer's temporary file: they log one warning
+    naming it (fsck: one problem, not an error).  A writable mount's listing
+    removes it."""
+    store = tmp_path / "store"
+    zarr.create_array(str(store / "arr"), shape=(4, 4), chunks=(2, 2), shards=(4, 4), dtype="u1",
+                      fill_value=0)[...] = 1
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = store / "arr" / f"{TMP}{gone.pid}-1-0"
+    left.write_bytes(b"partial shard")
+    hour_ago = time.time() - 3600
+    os.utime(left, (hour_ago, hour_ago))
+
+    m = mount(store, "ro")
+    assert sorted(os.listdir(m / "arr")) == ["c", "zarr.json"]
+    m.umount()
+    assert left.exists()
+    assert sum(left.name in line and "WARNING" in line for line in m.log_text().splitlines()) == 1, m.log_text()
+
+    result = subprocess.run([*ZSHARDFS, "fsck", str(store), "--json"], capture_output=True, text=True, timeout=60)
+    report = json.loads(result.stdout)
+    assert result.returncode == 1 and report["errors"] == 0, (result, report)
+    assert len(report["problems"]) == 1 and left.name in report["problems"][0], report
+    assert left.exists()
+
+    m = mount(store)
+    assert sorted(os.listdir(m / "arr")) == ["c", "zarr.json"]
+    assert not left.exists()
+    m.umount()
+
+
 # ---------------------------------------------------------------------------
 # B. back-pressure while every flush fails
 

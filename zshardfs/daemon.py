@@ -65,7 +65,7 @@ def open_backend(cfg: MountConfig):
         raise ConfigError(f"source {cfg.source!r} is not a directory")
     if not os.access(cfg.source, os.R_OK | os.X_OK):
         raise ConfigError(f"source {cfg.source!r} is not readable")
-    return LocalBackend(cfg.source)
+    return LocalBackend(cfg.source, tidy=not cfg.read_only)  # a read-only mount writes nothing
 
 
 def fuse_option_value(text: str) -> str:

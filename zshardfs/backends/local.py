@@ -6,7 +6,9 @@ crash) therefore sees the old or the new object, never a mix.  A put that
 fails removes its temporary file; one left by a writer that died (kill -9)
 is removed by the first put into its directory (or a listing of it) once
 no live process can be writing it (:func:`_writer_gone`) and it is
-STALE_AGE seconds old.
+STALE_AGE seconds old.  A backend opened with ``tidy=False`` (a read-only
+mount, ``zshardfs fsck``) removes nothing: it logs one warning per such file
+its listings meet instead.
 
 The etag is ``<inode>-<mtime_ns>-<size>``: a rename-replace always changes
 the inode, so a pinned read notices a replaced shard.  Conditional writes are
@@ -26,6 +28,7 @@ import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 
+from ..logonce import log_once
 from .base import AccessDenied, Blob, Listing, NotFound, ObjectInfo, PreconditionFailed, StoreError, TooLarge, bump
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,18 @@ def _writer_gone(path: str, name: str) -> bool:
     return False
 
 
+def _tell_if_old(path: str) -> None:
+    """What a backend that must not write does with a dead writer's old
+    temporary file: one warning (a writable mount would remove it)."""
+    try:
+        if time.time() - os.stat(path).st_mtime < STALE_AGE:
+            return
+    except OSError:
+        return
+    log_once(log, logging.WARNING, f"{path}: a temporary file left by a writer that died; a writable mount "
+                                   "removes it when it lists or writes into its directory")
+
+
 def _remove_if_old(path: str) -> bool:
     """Remove a dead writer's temporary file once it is STALE_AGE old; True
     if it is gone."""
@@ -92,8 +107,9 @@ class LocalBackend:
     #: directories swept of dead writers' temporary files (see _sweep)
     SWEPT_DIRS = 1 << 16
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, *, tidy: bool = True):
         self.root = os.path.abspath(root)
+        self.tidy = tidy  # remove dead writers' temporary files (False: only tell of them)
         self.url = self.root
         self.counters: Counter = Counter()
         # (key, etag) -> [fd, when the path last showed that version]
@@ -230,7 +246,10 @@ class LocalBackend:
                 for entry in it:
                     if _is_internal(entry.name):
                         if _writer_gone(entry.path, entry.name):
-                            _remove_if_old(entry.path)
+                            if self.tidy:
+                                _remove_if_old(entry.path)
+                            else:
+                                _tell_if_old(entry.path)
                         continue
                     try:
                         if entry.is_dir():
