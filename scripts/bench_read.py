@@ -1,6 +1,6 @@
 """Read benchmark: the mount against the native file system and zarr-python.
 
-    .venv/bin/python scripts/bench_read.py [--chunks 4096] [--repeat 5] [--warm 3] [--workdir DIR]
+    .venv/bin/python scripts/bench_read.py [--chunks 4096] [--repeat 5] [--warm 3] [--pin] [--workdir DIR]
 
 Builds (once, in --workdir) a Zarr v3 array of 32 KiB uncompressed inner
 chunks, sharded (512 chunks per shard), and its unsharded twin written by
@@ -19,7 +19,9 @@ zarr-python.  Then, repeated --repeat times, it measures:
 2. zarr-python reading random single chunks: through the mount (as an
    unsharded array) against zarr-python reading the sharded store directly.
 
-Medians over the repeats are printed; these machines are noisy.
+Medians over the repeats are printed; these machines are noisy.  --pin locks
+both stores' files in memory for the run (the machine's proactive reclaim
+otherwise pages out some of them between passes).
 """
 
 from __future__ import annotations
@@ -67,6 +69,27 @@ def cat_all(root: Path) -> tuple[float, int]:
     out = subprocess.run(["xargs", "-0", "cat"], stdin=find.stdout, stdout=subprocess.PIPE, check=True)
     find.wait()
     return time.perf_counter() - t0, len(out.stdout)
+
+
+def pin(*roots: Path) -> list:
+    """Lock every file below ``roots`` in memory (mmap + mlock) for as long
+    as the returned maps live: this machine's proactive reclaim then cannot
+    page the stores out between passes (``--pin``; see docs/PERFORMANCE.md)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    maps = []
+    for root in roots:
+        for path in root.rglob("*"):
+            if path.is_file() and path.stat().st_size:
+                with open(path, "rb") as f:
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                if libc.mlock(ctypes.addressof(ctypes.c_char.from_buffer(m)), len(m)) != 0:
+                    raise OSError(ctypes.get_errno(), f"mlock of {path}")
+                maps.append(m)
+    return maps
 
 
 def kernel_reads(mnt: Path) -> int:
@@ -126,6 +149,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--warm", type=int, default=3, help="warm passes per mount (and native), median taken")
     ap.add_argument("--random-reads", type=int, default=300)
+    ap.add_argument("--pin", action="store_true", help="lock the stores' files in memory during the run")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "zshardfs-bench-read"))
     args = ap.parse_args()
     workdir = Path(args.workdir)
@@ -134,6 +158,9 @@ def main() -> None:
     files = count_files(twin / "a") - 0
     print(f"store: shape {shape}, 32 KiB chunks, {files} files incl. zarr.json, shards of 512 chunks")
 
+    pinned = pin(sharded, twin) if args.pin else []
+    if pinned:
+        print(f"pinned {len(pinned)} files of the two stores in memory")
     native, cold, warm, base_cold, base_warm, warm_reads = [], [], [], [], [], []
     cat_all(twin)  # warm the page cache of the twin and of the shards
     cat_all(sharded)
