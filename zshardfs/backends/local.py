@@ -28,7 +28,6 @@ import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 
-from ..logonce import log_once
 from .base import AccessDenied, Blob, Listing, NotFound, ObjectInfo, PreconditionFailed, StoreError, TooLarge, bump
 
 log = logging.getLogger(__name__)
@@ -69,16 +68,26 @@ def _writer_gone(path: str, name: str) -> bool:
     return False
 
 
+#: dead writers' temporary files already told of (a long-lived read-only
+#: mount lists the same directories again and again: one line each, ever)
+_told: set[str] = set()
+
+
 def _tell_if_old(path: str) -> None:
     """What a backend that must not write does with a dead writer's old
     temporary file: one warning (a writable mount would remove it)."""
+    if path in _told:
+        return
     try:
         if time.time() - os.stat(path).st_mtime < STALE_AGE:
             return
     except OSError:
         return
-    log_once(log, logging.WARNING, f"{path}: a temporary file left by a writer that died; a writable mount "
-                                   "removes it when it lists or writes into its directory")
+    if len(_told) > 10000:
+        _told.clear()
+    _told.add(path)
+    log.warning("%s: a temporary file left by a writer that died; a writable mount removes it when it lists "
+                "or writes into its directory", path)
 
 
 def _remove_if_old(path: str) -> bool:
