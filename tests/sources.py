@@ -50,6 +50,15 @@ class Source:
                 path.write_bytes(self.server.s3.get_object(Bucket=self.bucket, Key=obj["Key"])["Body"].read())
         return dest
 
+    def put(self, prefix: str, rel: str, data: bytes) -> None:
+        """Replace one stored object of a published tree (another client's write)."""
+        if self.backend == "local":
+            tmp = self.workdir / prefix / (rel + ".new")
+            tmp.write_bytes(data)
+            tmp.replace(self.workdir / prefix / rel)
+        else:
+            self.server.s3.put_object(Bucket=self.bucket, Key=f"{prefix}/{rel}", Body=data)
+
     def delete(self, prefix: str, rel: str) -> None:
         """Remove one stored object of a published tree."""
         if self.backend == "local":

@@ -24,6 +24,7 @@ import os
 import shutil
 import struct
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -845,7 +846,7 @@ def test_damaged_input(source, mount, peers_tree, tmp_path, gap):
     """(``prefetch_gap=0``: every minishard index of a shard is its own read,
     all of them at once, one of them damaged.)"""
     tree, damaged, volumes, case = _damaged_tree(peers_tree, tmp_path)
-    m, _ = publish_and_mount(source, mount, tree, "ro", f"prefetch_gap={gap}")
+    m, prefix = publish_and_mount(source, mount, tree, "ro", f"prefetch_gap={gap}")
     info = volumes[case].info()
     eio: dict[str, set[int]] = {}
     for scale in info["scales"]:
@@ -874,6 +875,16 @@ def test_damaged_input(source, mount, peers_tree, tmp_path, gap):
     assert damaged["middle"][1] in eio[damaged["middle"][0]]
     assert damaged["isize"][1] in eio[damaged["isize"][0]]
     assert damaged["isize0"][1] in eio[damaged["isize0"][0]]
+
+    # the shard with the damaged minishard index repaired by another client:
+    # its chunks read again once the damaged version's index_ttl (1 s) is over
+    broken = [n for n, c in chunk_ids(volumes[case].unsharded / key0, info["scales"][0]).items()
+              if spec0.shard_and_minishard(c)[:2] == damaged["minishard"][1:]]
+    name = spec0.shard_key(damaged["minishard"][1])
+    source.put(prefix, f"{case}/{key0}/{name}", (peers_tree[0] / case / "sharded" / key0 / name).read_bytes())
+    time.sleep(1.2)
+    for n in broken:
+        assert read_or_errno(m.path / case / key0 / n) == (volumes[case].unsharded / key0 / n).read_bytes()
 
     # impossible parameters: that part shown as stored (one warning), the rest unsharded
     doc = json.loads((m.path / "bad_scale" / "info").read_bytes())
@@ -929,5 +940,60 @@ def test_fsck_reads_what_the_indexes_cannot_tell(source, peers_tree, tmp_path):
     assert not [p for p in read["problems"] if p.startswith(("img_u8_identity_raw/", "kv_"))], read["problems"]
     # what reading adds are errors; the unusable info files are not (shown as stored)
     assert read["errors"] - listed["errors"] == len(read["problems"]) - len(listed["problems"]) >= 2, read
-    assert listed["errors"] <= len(listed["problems"]) - 3, listed
+    # damage is an error, the unusable info files (shown as stored) are not
+    assert listed["errors"] == len(listed["problems"]) - 3, listed
     assert read["bytes_read"] > 0 and read["files"] == listed["files"]
+
+
+def test_compressing_a_shard_does_not_stop_the_mount_answering(tmp_path, mount):
+    """gzip of a flushed shard (``data_encoding: gzip``) runs beside the
+    event loop, not on it: while a sync compresses 64 MiB, lookups are
+    answered at once rather than after the whole shard."""
+    info = {"@type": "neuroglancer_skeletons", "sharding": {
+        "@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity",
+        "minishard_bits": 0, "shard_bits": 0, "minishard_index_encoding": "raw", "data_encoding": "gzip"}}
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "info").write_text(json.dumps(info))
+    m = mount(tmp_path / "kv", "flush_delay=inf")
+    rng = np.random.default_rng(0)
+    for k in range(32):
+        (m.path / str(k)).write_bytes(rng.bytes(2 << 20))  # incompressible: slow to gzip
+    sync = subprocess.Popen([*ZSHARDFS, "sync", str(m.path)])
+    t0 = time.monotonic()
+    waits = []
+    while sync.poll() is None:
+        t = time.monotonic()
+        assert not (m.path / f"absent-{len(waits)}").exists()  # a LOOKUP the kernel cannot answer itself
+        waits.append(time.monotonic() - t)
+        time.sleep(0.02)
+    took = time.monotonic() - t0
+    assert sync.returncode == 0
+    assert took > 0.5, f"the sync took {took:.2f} s: too little work to tell"
+    assert max(waits) < 0.4, (max(waits), took)
+    assert peers.read_kvstore(tmp_path / "kv", info["sharding"])[5][:16] == (m.path / "5").read_bytes()[:16]
+
+
+def test_a_chunk_made_and_removed_in_a_damaged_shard_leaves_nothing_to_store(tmp_path, mount):
+    """A new id written into a shard with a damaged minishard index cannot
+    be stored (fsync: EIO, the shard is not rewritten without the damaged
+    part); unlinking it again undoes it, so sync and unmount succeed and the
+    shard stays as it was."""
+    sharding = {"@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity",
+                "minishard_bits": 1, "shard_bits": 0, "minishard_index_encoding": "raw", "data_encoding": "raw"}
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "info").write_text(json.dumps({"@type": "neuroglancer_skeletons", "sharding": sharding}))
+    data = bytearray(encode_shard({k: b"x" * (10 + k) for k in range(6)}, ShardingSpec.from_json(sharding)))
+    data[8:16] = (int.from_bytes(data[8:16], "little") - 8).to_bytes(8, "little")  # minishard 0's index: damaged
+    (tmp_path / "kv" / "0.shard").write_bytes(bytes(data))
+    m = mount(tmp_path)
+    new = m.path / "kv" / "101"  # minishard 1: intact
+    with open(new, "wb") as f:
+        f.write(b"oops")
+        with pytest.raises(OSError) as info:
+            os.fsync(f.fileno())
+        assert info.value.errno == errno.EIO
+    os.unlink(new)
+    assert sorted(os.listdir(m.path / "kv")) == ["1", "3", "5", "info"]
+    subprocess.run([*ZSHARDFS, "sync", str(m.path)], check=True, capture_output=True, timeout=60)
+    m.umount()
+    assert (tmp_path / "kv" / "0.shard").read_bytes() == bytes(data)

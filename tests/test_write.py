@@ -775,6 +775,66 @@ def test_metadata_rewrites_map_back(store, mount, tmp_path):
     m2.umount()
 
 
+def test_documents_of_the_wrong_shape_written_through_the_view(store, mount, tmp_path):
+    """JSON that is no valid array document: over a sharded array it is
+    refused (it would hide the chunks), elsewhere stored as written, as
+    unparseable JSON is; either way one log line, and sync goes on to
+    store everything else."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8) + 1
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", "shard=2", extra=store.extra)
+    write_file(m / "arr" / "c" / "0" / "1", raw_chunk(99))  # dirty, not stored until sync
+    stored_before = store.get("arr/zarr.json")
+    view = json.loads((m / "arr" / "zarr.json").read_text())
+    with pytest.raises(PermissionError):
+        (m / "arr" / "zarr.json").write_text(json.dumps({**view, "codecs": ["sharding_indexed"]}))
+    assert store.get("arr/zarr.json") == stored_before
+    (m / "bad").mkdir()
+    odd = {"zarr_format": 3, "node_type": "array", "shape": [4], "chunk_grid": "regular", "data_type": "uint8"}
+    (m / "bad" / "zarr.json").write_text(json.dumps(odd))
+    zs("sync", m.path)
+    assert json.loads(store.get("bad/zarr.json")) == odd
+    assert stored_chunks(store, "arr", (2, 2))[(0, 1)] == raw_chunk(99)
+    m.umount()
+    assert m.log_text().count("refused to store arr/zarr.json") == 1
+
+
+def test_closed_files_leave_no_handle_behind(store, mount, tmp_path):
+    """Every open file's handle goes at its close: read-only opens of chunk
+    files on a writable mount (which an unlink must know about while they
+    are open) included, so reading a chunk over and over costs no memory."""
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=np.ones((8, 8), "<i4"))
+    m = mount(store.source, extra=store.extra)
+    for _ in range(50):
+        (m / "arr" / "c" / "0" / "1").read_bytes()
+    with open(m / "arr" / "c" / "1" / "1", "rb") as f:
+        f.read()
+        assert util.wait_for(lambda: xstats(m)["handles"] == {"open": 1, "tracked": 1})
+    write_file(m / "arr" / "c" / "0" / "0", raw_chunk(3))
+    assert util.wait_for(lambda: xstats(m)["handles"] == {"open": 0, "tracked": 0}), xstats(m)["handles"]
+
+
+def test_files_too_large_to_hold_are_refused(store, mount, tmp_path):
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=np.ones((8, 8), "<i4"))
+    m = mount(store.source, extra=store.extra)
+    for path in (m / "notes.txt", m / "arr" / "c" / "0" / "1"):
+        with open(path, "ab") as f:
+            with pytest.raises(OSError) as info:
+                os.truncate(f.fileno(), 100 << 30)
+        assert info.value.errno == errno.EFBIG
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError) as info:
+                os.pwrite(fd, b"x", 5 << 30)
+            assert info.value.errno == errno.EFBIG
+        finally:
+            os.close(fd)
+    assert (m / "arr" / "c" / "0" / "1").read_bytes() == np.ones((2, 2), "<i4").tobytes()
+    m.umount()
+    assert sum("more than a file written through the view may hold" in line
+               for line in m.log_text().splitlines()) == 4  # one per refusal
+
+
 # ---------------------------------------------------------------------------
 # unlink
 
@@ -842,6 +902,80 @@ def test_never_renamed_files_inside_an_array(store, mount, tmp_path):
     assert len(lines) == 1, lines
 
 
+def test_arrays_are_removed_as_from_a_directory_store(store, mount, tmp_path):
+    """rm -r, shutil.rmtree, zarr-python's delete and overwrite, and mv of an
+    array (EXDEV: mv copies, then removes) succeed, whatever order they
+    remove zarr.json and the chunks in: chunks whose shards are still to be
+    deleted do not keep their directories from being removed, and an array
+    whose zarr.json went first keeps its chunk files until they are gone."""
+    data = np.arange(1600, dtype="<i4").reshape(40, 40) + 1
+    for name, sep in (("slash", "/"), ("dot", "."), ("tree", "/"), ("group/member", "/"), ("ow", "/"), ("tomove", ".")):
+        seed_array(store, tmp_path, name, (40, 40), (10, 10), (20, 20), "<i4", data=data, sep=sep)
+    seed_array(store, tmp_path, "sparse", (512, 512), (32, 32), (128, 128), "<i4",
+               data=np.pad(np.ones((170, 170), "<i4"), ((0, 342), (0, 342))))
+    store.put("group/zarr.json", json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode())
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    names = os.listdir(m / "dot")
+    assert "zarr.json" in names and len(names) == 17
+    for name in ("slash", "dot", "sparse"):
+        subprocess.run(["rm", "-r", str(m / name)], check=True, capture_output=True)
+        assert not (m / name).exists()
+    import shutil
+
+    shutil.rmtree(m / "tree")
+    del zarr.open_group(str(m / "group"), mode="r+")["member"]
+    assert list(zarr.open_group(str(m / "group"), mode="r").keys()) == []
+    new = np.full((30, 30), 5, "<i4")
+    zarr.create_array(str(m / "ow"), shape=(30, 30), chunks=(10, 10), dtype="<i4", overwrite=True)[:] = new
+    subprocess.run(["mv", str(m / "tomove"), str(m / "moved")], check=True, capture_output=True)
+    np.testing.assert_array_equal(zarr.open_array(str(m / "moved"), mode="r")[:], data)
+    np.testing.assert_array_equal(zarr.open_array(str(m / "ow"), mode="r")[:], new)
+    m.umount()
+    gone = ("slash/", "dot/", "sparse/", "tree/", "group/member/", "tomove/")
+    assert not [k for k in store.keys() if k.startswith(gone)]
+    if store.kind == "local":  # no directory of theirs is left behind either
+        assert sorted(os.listdir(store.root)) == ["group", "moved", "ow"]
+        assert os.listdir(store.root / "group") == ["zarr.json"]
+    stored = store.local_copy(tmp_path / "copy")
+    np.testing.assert_array_equal(zarr.open_array(str(stored / "moved"), mode="r")[:], data)
+    np.testing.assert_array_equal(zarr.open_array(str(stored / "ow"), mode="r")[:], new)
+
+
+@pytest.mark.parametrize("how", ["editor", "rm_and_restore", "mv_away_and_back"])
+def test_zarr_json_removed_and_written_again_keeps_the_array(store, mount, tmp_path, how):
+    """An editor's save (rename zarr.json to zarr.json~, write a new
+    zarr.json), a copy put back after rm, and a move away and back: the
+    chunk files stay what they were meanwhile, and the document written
+    again is mapped back onto the sharded one, as a rewrite in place is."""
+    data = np.arange(1600, dtype="<i4").reshape(40, 40) + 1
+    seed_array(store, tmp_path, "a", (40, 40), (10, 10), (20, 20), "<i4", data=data,
+               compressors=zarr.codecs.ZstdCodec(level=1))
+    m = mount(store.source, extra=store.extra)
+    doc = m / "a" / "zarr.json"
+    view = json.loads(doc.read_text())
+    chunk = (m / "a" / "c" / "0" / "0").read_bytes()
+    if how == "editor":
+        os.rename(doc, m / "a" / "zarr.json~")
+        assert (m / "a" / "c" / "0" / "0").read_bytes() == chunk
+        doc.write_text(json.dumps({**view, "attributes": {"name": "new"}}))
+    elif how == "rm_and_restore":
+        saved = doc.read_bytes()
+        os.unlink(doc)
+        assert sorted(os.listdir(m / "a" / "c" / "3")) == ["0", "1", "2", "3"]
+        doc.write_bytes(saved)
+    else:
+        os.rename(doc, m / "a" / "zarr.json.bak")
+        assert [p.name for p in (m / "a" / "c").rglob("*") if p.is_file()]  # listed meanwhile
+        os.rename(m / "a" / "zarr.json.bak", doc)
+    assert (m / "a" / "c" / "0" / "0").read_bytes() == chunk
+    np.testing.assert_array_equal(zarr.open_array(str(m / "a"), mode="r")[:], data)
+    m.umount()
+    stored = json.loads(store.get("a/zarr.json"))
+    assert [c["name"] for c in stored["codecs"]] == ["sharding_indexed"]
+    assert stored["attributes"] == ({"name": "new"} if how == "editor" else {})
+    np.testing.assert_array_equal(zarr.open_array(str(store.local_copy(tmp_path / "copy") / "a"), mode="r")[:], data)
+
+
 def test_made_directories_are_remembered_only_while_empty(store, mount):
     """mkdir of plain directories: on S3 (no directories there) an empty one
     exists in the mount's memory; once a file is stored below it, the
@@ -862,6 +996,11 @@ def test_made_directories_are_remembered_only_while_empty(store, mount):
     os.rmdir(m / "top" / "empty")
     os.listdir(m / "top")
     assert m.stats()["made_dirs"] == 0
+    # a local directory stays when its last file goes, as on any file system
+    # (on S3 it has nothing left to exist by, once the kernel's entry expires)
+    os.unlink(m / "top" / "d3" / "f.txt")
+    if store.kind == "local":
+        assert (m / "top" / "d3").is_dir() and (store.root / "top" / "d3").is_dir()
 
 
 def test_rename_moves_the_open_file_with_it(store, mount, tmp_path):

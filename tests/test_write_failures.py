@@ -134,6 +134,32 @@ def test_enospc_leaves_no_temporary_file_and_keeps_the_data(small_fs, mount):
     np.testing.assert_array_equal(zarr.open_array(str(small_fs / "arr"), mode="r")[...], data)
 
 
+def test_replaced_shards_are_not_held_open(tmp_path, mount):
+    """The daemon keeps descriptors of shards it read (page-cache reads
+    without a thread hop), but never of a version that was replaced or
+    removed: an open descriptor would hold a deleted file's disk space."""
+    a = zarr.create_array(str(tmp_path / "arr"), shape=(64, 64), chunks=(8, 8), shards=(32, 32),
+                          dtype="<i4", fill_value=0, compressors=None)
+    a[...] = np.arange(64 * 64, dtype="<i4").reshape(64, 64)
+    m = mount(tmp_path, "flush_delay=60")
+    pid = json.loads(subprocess.run([*ZSHARDFS, "stats", "--json", str(m.path)], capture_output=True,
+                                    text=True, check=True).stdout)["pid"]
+    for i in range(20):
+        for shard in ("0/0", "1/1"):
+            chunk = m / "arr" / "c" / shard.replace("1", "4")
+            fd = os.open(chunk, os.O_WRONLY)
+            try:
+                os.write(fd, np.full((8, 8), i, "<i4").tobytes())
+                os.fsync(fd)  # a new version of the shard replaces the old one
+            finally:
+                os.close(fd)
+            other = m / "arr" / "c" / shard.replace("1", "5").replace("0", "1")
+            assert len(other.read_bytes()) == 256  # (read from the shard: its descriptor is kept)
+    held = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    assert [p for p in held if p.endswith("(deleted)")] == []
+    assert len([p for p in held if "/arr/c/" in p]) <= 2
+
+
 def test_temporary_files_of_dead_writers_are_removed_where_shards_are_written(tmp_path, mount):
     """kill -9 between a temporary shard's write and its rename leaves it
     behind; chunk directories are listed from shard indexes, so only the

@@ -152,20 +152,36 @@ class Mount:
             "inodes": len(self.ops.inodes),
             "kernel": {"reads": self.ops.reads, "open_fills": self.ops.open_fills},
             "made_dirs": sum(map(len, self.view.new_dirs.values())),
+            # open file handles, and those the view keeps track of (writers,
+            # and readers of chunk files, which an unlink or rename affects)
+            "handles": {"open": self.ops.open_handles,
+                        "tracked": sum(map(len, self.view.writers.values()))
+                        + sum(map(len, self.view.readers.values()))},
             "writeback": {"dirty_shards": len(self.writeback.dirty), "dirty_bytes": self.writeback.dirty_bytes,
                           "flushes": self.writeback.flushes, "flush_errors": self.writeback.flush_errors},
         }
 
     async def set(self, name: str, value: bytes) -> bool:
-        """Control writes (setxattr on the root); True if ``name`` is ours."""
+        """Control writes (setxattr on the root); True if ``name`` is ours.
+        (Sync by setxattr is kept for older clients: the kernel holds the
+        root directory's lock through a setxattr, so lookups there wait.)"""
         if name != XATTR_SYNC:
             return False
+        await self._sync()
+        return True
+
+    async def _sync(self) -> None:
         errors = await self.view.sync()
         if errors:
             raise errors[0]
-        return True
 
-    def get(self, name: str) -> bytes | None:
+    async def get(self, name: str) -> bytes | None:
+        """Control reads (getxattr on the root).  ``zshardfs sync`` reads
+        XATTR_SYNC: a getxattr takes no lock, so the mount goes on
+        answering lookups in its root while everything is stored."""
+        if name == XATTR_SYNC:
+            await self._sync()
+            return b"stored"
         if name == XATTR_STATS:
             return json.dumps(self.stats()).encode()
         if name == XATTR_PID:

@@ -33,7 +33,7 @@ import pyfuse3
 
 from .backends.base import CorruptData, StoreError
 from .logonce import log_once
-from .view import Changed, Handle, Node, View
+from .view import Changed, Handle, Node, View, ViewError
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,11 @@ def _translate(fn):
         except CorruptData as exc:
             _log_once(logging.ERROR, f"damaged data: {exc}")
             raise pyfuse3.FUSEError(errno.EIO) from None
+        except ViewError as exc:
+            # the answer to the request (ENOTEMPTY, EXDEV, EEXIST...), not a
+            # failure; refusals worth a word are logged where they are made
+            log.debug("%s: %s", fn.__name__, exc)
+            raise pyfuse3.FUSEError(exc.errno) from None
         except StoreError as exc:
             if exc.errno not in (errno.ENOENT,):
                 _log_once(logging.ERROR, f"{fn.__name__}: {exc}")
@@ -143,6 +148,9 @@ class _DirHandle:
     source: object  # async iterator of Nodes
     entries: list = field(default_factory=list)
     done: bool = False
+    # the listing failed: later readdirs on this handle fail alike (a listing
+    # that ended early would otherwise look complete)
+    failed: Exception | None = None
 
 
 class Operations(pyfuse3.Operations):
@@ -173,6 +181,11 @@ class Operations(pyfuse3.Operations):
         w = 0 if read_only else 0o200
         self._dir_mode = stat.S_IFDIR | 0o555 | w
         self._file_mode = stat.S_IFREG | 0o444 | w
+
+    @property
+    def open_handles(self) -> int:
+        """Files and directories the kernel has open (for stats)."""
+        return len(self._handles)
 
     def trace_requests(self) -> None:
         """``-o debug``: log every kernel request and its answer (pyfuse3 looks
@@ -308,10 +321,15 @@ class Operations(pyfuse3.Operations):
         i = start_id
         while True:
             while i >= len(handle.entries) and not handle.done:
+                if handle.failed is not None:
+                    raise handle.failed
                 try:
                     handle.entries.append(await handle.source.__anext__())
                 except StopAsyncIteration:
                     handle.done = True
+                except Exception as exc:
+                    handle.failed = exc
+                    raise
             if i >= len(handle.entries):
                 return
             node = handle.entries[i]
@@ -476,11 +494,10 @@ class Operations(pyfuse3.Operations):
         if entry is None:
             return
         inode, handle = entry
-        if handle.writable:  # a read-only handle holds nothing of the view's
-            try:
-                await self.view.release(handle)
-            except Exception:  # release cannot report errors; flush/fsync did
-                log.exception("release failed")
+        try:
+            await self.view.release(handle)
+        except Exception:  # release cannot report errors; flush/fsync did
+            log.exception("release failed")
         ino = self.inodes.get(inode)
         if ino:
             if handle.writable:  # its size may have changed: ask the view on the next getattr
@@ -507,9 +524,10 @@ class Operations(pyfuse3.Operations):
 
     # -- control channel: xattrs of the root directory -----------------------
 
+    @_translate
     async def getxattr(self, inode, name, ctx):
         if inode == pyfuse3.ROOT_INODE and self.control is not None:
-            value = self.control.get(os.fsdecode(name))
+            value = await self.control.get(os.fsdecode(name))
             if value is not None:
                 return value
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)

@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import logging
 import math
@@ -35,6 +36,7 @@ import trio
 
 from .backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, StoreError
 from .singleflight import SingleFlight
+from .together import off_loop
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +67,20 @@ class ShardFormat(Protocol):
     def encode(self, chunks: dict[int, bytes], shard_ctx: Any) -> bytes:
         """A complete shard holding ``chunks`` (chunk_id -> stored bytes)."""
 
+    #: False where decode_chunk is the identity (Zarr): no work to move off the loop
+    decodes: bool
+
     def decode_chunk(self, data: bytes) -> bytes:
         """Stored chunk bytes -> the bytes the view shows (identity for Zarr)."""
 
     def encode_chunk(self, data: bytes) -> bytes:
         """The inverse of decode_chunk, for chunks written through the view."""
+
+
+def _decoding(fmt: ShardFormat, nbytes: int) -> int:
+    """Bytes of real decoding work (0 where decode_chunk is the identity,
+    as for Zarr: chunk bytes pass through untouched)."""
+    return nbytes if getattr(fmt, "decodes", True) else 0
 
 
 class ByteLRU:
@@ -346,7 +357,15 @@ class ShardCache:
         scan = None
         for attempt in range(3):
             index = await self.index(fmt, key, shard_ctx, expired_ok=True)
-            where = await index.locate(chunk_id) if index is not None else None
+            try:
+                where = await index.locate(chunk_id) if index is not None else None
+            except CorruptData:
+                if not self._expired(key):
+                    raise
+                # damage found (and kept) in a version that may have been
+                # replaced since: only the current one may say so
+                index = await self.index(fmt, key, shard_ctx)
+                where = await index.locate(chunk_id) if index is not None else None
             if ((where is None or where[1] == 0 or (key, index.info.etag, chunk_id) in self.chunks)
                     and self._expired(key)):
                 # answered from caches alone (no pinned GET): only a current version may do that
@@ -387,7 +406,7 @@ class ShardCache:
                 continue
             if len(blob.data) != nbytes:
                 raise CorruptData(f"{key}: chunk {chunk_id} is truncated ({len(blob.data)} of {nbytes} bytes)", key)
-            data = fmt.decode_chunk(blob.data)
+            data = await off_loop(functools.partial(fmt.decode_chunk, blob.data), _decoding(fmt, len(blob.data)))
             self.chunks.put(ckey, data, len(data) + 64)
             return data
         raise CorruptData(f"{key}: shard keeps changing while being read", key)
@@ -705,16 +724,25 @@ class ShardCache:
                 return
             self._observed(len(blob.data), took)
             got = start + len(blob.data)
+            arrived_raw = []
             for i in range(bisect.bisect_left(offsets, start), len(by_offset)):
                 cid, off, n = by_offset[i]
                 if off >= got:
                     break
                 if off + n > got or (key, etag, cid) in self.chunks:
                     continue
-                try:
-                    decoded = fmt.decode_chunk(blob.data[off - start: off - start + n])
-                except (CorruptData, ValueError, OSError):
-                    continue  # reported if and when that chunk itself is read
+                arrived_raw.append((cid, blob.data[off - start: off - start + n]))
+
+            def decode_all(raw=arrived_raw):
+                out = []
+                for cid, data in raw:
+                    try:
+                        out.append((cid, fmt.decode_chunk(data)))
+                    except (CorruptData, ValueError, OSError):
+                        pass  # reported if and when that chunk itself is read
+                return out
+
+            for cid, decoded in await off_loop(decode_all, _decoding(fmt, sum(len(d) for _, d in arrived_raw))):
                 self.chunks.put((key, etag, cid), decoded, len(decoded) + 64)
             arrived = {}
             for i in range(bisect.bisect_left(near_offsets, start), len(near)):

@@ -37,3 +37,20 @@ async def outcomes(*calls: Callable[[], Awaitable[Any]]) -> list[Any]:
 def first_error(results: list[Any]) -> Exception | None:
     """The first exception among :func:`outcomes`' results, if any."""
     return next((r for r in results if isinstance(r, Exception)), None)
+
+
+#: bytes of input above which CPU work (gzip, JSON) leaves the event loop
+HEAVY = 256 << 10
+
+#: at most this many such jobs at once: the rest wait (cores are few)
+_cpu_limiter = trio.CapacityLimiter(2)
+
+
+async def off_loop(fn: Callable[[], Any], nbytes: int) -> Any:
+    """``fn()`` (pure CPU work on ``nbytes`` of input): in a worker thread
+    when that is large, so the loop goes on answering the kernel while a
+    shard is gzipped or a big document parsed; inline when small, where the
+    thread hop would cost more than the work."""
+    if nbytes <= HEAVY:
+        return fn()
+    return await trio.to_thread.run_sync(fn, limiter=_cpu_limiter)

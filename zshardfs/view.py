@@ -29,13 +29,15 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import trio
+
 from .backends.base import (AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed,
                             StoreError, TooLarge, join_key)
 from .layouts import LAYOUTS
 from .layouts.base import ChunkEntry, ChunkTarget, Dataset, DirEntry, LayoutContext
 from .shards import ShardCache
 from .logonce import log_once
-from .together import outcomes
+from .together import off_loop, outcomes
 from .writeback import DirtyChunk, WriteBack
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,15 @@ class FileBuffer:
     handles: int = 0
     mtime: float = field(default_factory=time.time)
     in_store: bool = True  # False: created here and not stored yet (nothing to delete)
+    # bumped by every change: a store clears ``dirty`` only if no write came
+    # in while its PUT was in flight (else that write would be lost)
+    version: int = 0
+    storing: trio.Lock = field(default_factory=trio.Lock)  # one store at a time: PUTs land in order
+
+    def changed(self) -> None:
+        self.dirty = True
+        self.version += 1
+        self.mtime = time.time()
 
 
 @dataclass(eq=False)
@@ -137,6 +148,9 @@ class _TTLCache:
 #: what parsing a malformed metadata document can raise, beyond the layouts'
 #: own checks (a list where an object belongs, a document nested 100000
 #: deep, ...): the document is then shown as stored, with one warning
+#: the largest file written through the view (or ``max_dirty``, if larger)
+MAX_FILE = 1 << 30
+
 METADATA_ERRORS = (TypeError, AttributeError, KeyError, IndexError, ValueError, RecursionError, OverflowError)
 
 
@@ -196,6 +210,16 @@ class View:
         self.own_versions: OrderedDict[str, tuple[str, float]] = OrderedDict()  # key -> (etag, when stored)
         self._moving = False  # a rename's unlink of its source: its writers move, not detach
         self.readers: dict[str, set[Handle]] = {}  # path -> read-only handles of chunk files
+        self.document_writes = 0  # metadata documents this mount stored or removed
+        # Datasets whose metadata document this mount removed (unlink, or a
+        # rename away) while chunks were still stored below it: dir key ->
+        # (dataset, the removed document's stored bytes).  As on a directory
+        # store, the chunk files stay (listable, readable, removable) until
+        # removed, and a document stored there again is mapped back onto the
+        # removed one, as a rewrite would be.  Without this, ``rm -r`` (which
+        # may remove zarr.json first) and an editor's save (rename the old
+        # file away, write a new one) would meet raw shards.
+        self.orphans: OrderedDict[str, tuple[Dataset, bytes]] = OrderedDict()
 
     # -- datasets -----------------------------------------------------------
 
@@ -205,10 +229,30 @@ class View:
         if cached is not None:
             return cached[0]
         previous = self.datasets.expired(dir_key)
-        # Every layout asks at once: a directory that is no dataset costs one
-        # round trip, not one per layout.  The answer is the one asking in
-        # LAYOUTS order would give: the first dataset found, unless an
-        # earlier layout's probe failed (that error is raised).
+        # A probe that was out while this mount stored or removed a document
+        # may answer from before that change: not cached, asked again.
+        for _ in range(3):
+            writes = self.document_writes
+            dataset = await self._probe(dir_key)
+            if self.document_writes == writes:
+                break
+        else:
+            return dataset
+        if dataset is None and dir_key in self.orphans:
+            dataset = self.orphans[dir_key][0]
+        elif dataset is not None:
+            self.orphans.pop(dir_key, None)  # a document is stored there again
+        if (dataset is not None and previous is not None and type(previous) is type(dataset)
+                and dataset.version and previous.version == dataset.version):
+            dataset = previous  # made of the same documents: keep what it has learnt
+        self.datasets.put(dir_key, dataset)
+        return dataset
+
+    async def _probe(self, dir_key: str) -> Dataset | None:
+        """Every layout asks at once: a directory that is no dataset costs one
+        round trip, not one per layout.  The answer is the one asking in
+        LAYOUTS order would give: the first dataset found, unless an earlier
+        layout's probe failed (that error is raised)."""
         dataset = None
         for answer in await outcomes(*(functools.partial(layout.probe, self.ctx, dir_key) for layout in LAYOUTS)):
             if isinstance(answer, TooLarge):
@@ -222,10 +266,6 @@ class View:
             elif answer is not None:
                 dataset = answer
                 break
-        if (dataset is not None and previous is not None and type(previous) is type(dataset)
-                and dataset.version and previous.version == dataset.version):
-            dataset = previous  # made of the same documents: keep what it has learnt
-        self.datasets.put(dir_key, dataset)
         return dataset
 
     # -- nodes --------------------------------------------------------------
@@ -251,8 +291,9 @@ class View:
         new = None
         for layout in LAYOUTS:
             if layout.is_document(info.key):
-                try:
-                    new = layout.rewrite_document(info.key, blob.data)
+                try:  # (a consolidated document can be megabytes of JSON: not on the loop)
+                    new = await off_loop(functools.partial(layout.rewrite_document, info.key, blob.data),
+                                         len(blob.data))
                 except METADATA_ERRORS as exc:
                     _not_understood(_parent(info.key) or "/", exc)  # the probe's words: one line
                     new = None
@@ -513,7 +554,9 @@ class View:
 
     def _check_chunk_writable(self, node: Node) -> None:
         if node.is_chunk and not node.target.writable:
-            raise ViewError(errno.EPERM, f"{node.path}: the view cannot store this file (read-only part of the dataset)")
+            message = f"{node.path}: the view cannot store this file (read-only part of the dataset)"
+            log_once(log, logging.WARNING, message)
+            raise ViewError(errno.EPERM, message)
 
     def _remember_new_chunk(self, node: Node) -> None:
         self.new_chunks.setdefault(_parent(node.path), {})[node.name] = (node.dataset, node.rel, node.target)
@@ -548,10 +591,13 @@ class View:
             # what the view shows (a rewritten document, mapped back if it
             # is changed), so readers see the same bytes while it is open
             data = b"" if truncate else node.document if node.document is not None else await self._stored_bytes(node)
-            buf = self.buffers[node.path] = FileBuffer(node.path, node.key, bytearray(data))
+            # another open may have made one while we read: share it
+            buf = self.buffers.get(node.path)
+            if buf is None:
+                buf = self.buffers[node.path] = FileBuffer(node.path, node.key, bytearray(data))
         if truncate and buf.data:
             del buf.data[:]
-            buf.dirty = True
+            buf.changed()
         buf.handles += 1
         return self._writer(Handle(node, True, buffer=buf))
 
@@ -620,6 +666,7 @@ class View:
             # back-pressure first: a write refused with a flush's error
             # leaves nothing behind to be stored later
             await self.writeback.wait_for_room()
+        self._check_size(handle.node, offset + len(data))
         target = handle.buffer.data if handle.buffer is not None else handle.chunk.data
         if target is None:  # the chunk was unlinked while open: keep writing into a fresh buffer
             handle.chunk.data = target = bytearray()
@@ -627,14 +674,25 @@ class View:
             target.extend(b"\0" * (offset - len(target)))
         target[offset: offset + len(data)] = data
         if handle.buffer is not None:
-            handle.buffer.dirty = True
-            handle.buffer.mtime = time.time()
+            handle.buffer.changed()
         else:
             self.writeback.changed(handle.node.target.shard_key, handle.chunk)
         return len(data)
 
+    def _check_size(self, node: Node, size: int) -> None:
+        """A file written is held whole in memory until stored (and a chunk
+        with its whole shard when that is rewritten): past MAX_FILE, or
+        ``max_dirty`` if larger, it is refused (EFBIG), not left to exhaust
+        memory (``truncate -s 100G``, a ``dd seek=`` far out)."""
+        limit = max(MAX_FILE, self.writeback.max_dirty_bytes)
+        if size > limit:
+            message = f"{node.path}: {size} bytes is more than a file written through the view may hold ({limit})"
+            log_once(log, logging.WARNING, message)
+            raise ViewError(errno.EFBIG, message)
+
     async def truncate(self, node: Node, size: int, handle: Handle | None = None) -> Node:
         self._check_writable()
+        self._check_size(node, size)
         own = handle if handle is not None and handle.writable else await self.open(node, write=True, truncate=False)
         data = own.buffer.data if own.buffer is not None else own.chunk.data
         if size < len(data):
@@ -642,7 +700,7 @@ class View:
         else:
             data.extend(b"\0" * (size - len(data)))
         if own.buffer is not None:
-            own.buffer.dirty = True
+            own.buffer.changed()
         else:
             self.writeback.changed(node.target.shard_key, own.chunk)
         if own is not handle:
@@ -667,29 +725,38 @@ class View:
         return await self.dataset_at(_parent(buf.key)) is not None
 
     async def _store_buffer(self, buf: FileBuffer) -> None:
-        data = bytes(buf.data)
+        async with buf.storing:
+            if buf.dirty and buf.key is not None:
+                await self._store_buffer_now(buf)
+
+    async def _store_buffer_now(self, buf: FileBuffer) -> None:
+        version, written = buf.version, bytes(buf.data)
+        data = written
         for layout in LAYOUTS:
             if layout.is_document(buf.key) and hasattr(layout, "accept_document"):
                 stored = await self.store.get_or_none(buf.key)
+                stored = stored.data if stored is not None else self._orphan_document(buf.key)
                 # a layout that needs to read storage to decide (members'
                 # documents, what the directory already holds) offers an
                 # async variant
                 accept = getattr(layout, "accept_document_async", None)
                 try:
                     if accept is not None:
-                        accepted = await accept(self.ctx, buf.key, data, stored.data if stored else None,
+                        accepted = await accept(self.ctx, buf.key, data, stored,
                                                 self.shard_option, self._pending_children(_parent(buf.path)))
                     else:
-                        accepted = layout.accept_document(buf.key, data, stored.data if stored else None,
-                                                          self.shard_option)
+                        accepted = await off_loop(functools.partial(layout.accept_document, buf.key, data, stored,
+                                                                    self.shard_option), len(data))
                 except ValueError as exc:
-                    log.error("refused to store %s: %s", buf.key, exc)
-                    # refused for good: the view shows the stored document
-                    # again, and sync/unmount do not retry it forever
-                    buf.dirty = False
-                    if self.buffers.get(buf.path) is buf:
-                        del self.buffers[buf.path]
-                    raise ViewError(errno.EPERM, f"{buf.key}: {exc}") from None
+                    self._refuse(buf, str(exc))
+                except METADATA_ERRORS as exc:
+                    # a document of the wrong shape: stored as written (the
+                    # view shows it as stored), unless it would replace the
+                    # metadata of a dataset the view serves and hide its chunks
+                    if await self.dataset_at(_parent(buf.key)) is not None:
+                        self._refuse(buf, f"not a document the view can read ({type(exc).__name__}: {exc}); "
+                                          "it would hide the dataset's chunks")
+                    accepted = None
                 if accepted is not None:
                     data = accepted
                     break
@@ -700,19 +767,39 @@ class View:
             if not listing.dirs and not any(_could_be_chunk(f.key.rsplit("/", 1)[-1]) for f in listing.files):
                 self.born_here.add(root)
         info = await self.store.put(buf.key, data)
+        if self._is_dataset_document(buf.key):
+            self.document_writes += 1  # probes that began before this must not be cached
+            self.orphans.pop(_parent(buf.key), None)
         self.own_versions[buf.key] = (info.etag, time.monotonic())
         self.own_versions.move_to_end(buf.key)
         if len(self.own_versions) > 4096:
             self.own_versions.popitem(last=False)
-        written = bytes(buf.data)
         if data != written:
             # mapped back to its stored form: the view goes on showing what
             # was written (the kernel holds that size), not a re-rendering
             self.documents.put((buf.key, info.etag), written)
-        buf.dirty = False
+        if buf.version == version:  # else a write came in meanwhile: still dirty
+            buf.dirty = False
         buf.in_store = True
         self.datasets.pop(_parent(buf.key))
         self.datasets.pop(buf.key)
+
+    def _orphan_document(self, key: str) -> bytes | None:
+        orphan = self.orphans.get(_parent(key))
+        return orphan[1] if orphan is not None and self._is_dataset_document(key) else None
+
+    @staticmethod
+    def _is_dataset_document(key: str) -> bool:
+        return any(layout.is_document(key) for layout in LAYOUTS)
+
+    def _refuse(self, buf: FileBuffer, reason: str) -> None:
+        """A document refused for good: the view shows the stored one again,
+        and sync/unmount do not retry it forever."""
+        log.error("refused to store %s: %s", buf.key, reason)
+        buf.dirty = False
+        if self.buffers.get(buf.path) is buf:
+            del self.buffers[buf.path]
+        raise ViewError(errno.EPERM, f"{buf.key}: {reason}")
 
     async def fsync(self, handle: Handle) -> None:
         if handle.buffer is not None:
@@ -724,6 +811,8 @@ class View:
 
     async def release(self, handle: Handle) -> None:
         self._not_writer(handle)
+        if not handle.writable:
+            return  # (a reader's chunk, if any, is its private copy: 4.1)
         if handle.buffer is not None:
             buf = handle.buffer
             buf.handles -= 1
@@ -761,12 +850,24 @@ class View:
         if buf is not None and (buf.key is None or not buf.in_store):
             return  # scratch, or a new file not stored yet: nothing in storage to remove
         if node.key is not None:
+            dir_key = _parent(node.key)
+            dataset = stored = None
+            if self._is_dataset_document(node.key):
+                dataset = await self.dataset_at(dir_key)
+                stored = await self._stored_bytes(node) if dataset is not None else None
             try:
                 await self.store.delete(node.key)
             except NotFound:
                 if buf is None:
                     raise
-            self.datasets.pop(_parent(node.key))
+            self.document_writes += 1
+            self.datasets.pop(dir_key)
+            if dataset is not None and await self._probe(dir_key) is None:
+                listing = await self.store.list(dir_key)
+                if listing.dirs or listing.files:  # chunks (or shards) still below it
+                    self.orphans[dir_key] = (dataset, stored)
+                    while len(self.orphans) > 1024:
+                        self.orphans.popitem(last=False)
 
     async def mkdir(self, parent: Node, name: str) -> Node:
         self._check_writable()
@@ -792,12 +893,25 @@ class View:
             raise ViewError(errno.ENOENT, f"{name}: no such directory")
         if not node.is_dir:
             raise ViewError(errno.ENOTDIR, f"{name}: not a directory")
-        async for _ in self.listdir(node):
-            raise ViewError(errno.ENOTEMPTY, f"{name}: directory not empty")
+        if not await self._empty(node):
+            raise ViewError(errno.ENOTEMPTY, f"{node.path}: directory not empty")
         self.new_dirs.get(parent.path, set()).discard(name)
         self.written_dirs.discard(node.path)
         if node.key is not None:
+            # chunks removed through the view leave their shards to be deleted
+            # at the next flush: now, so the stored directory is empty
+            await self.writeback.flush_below(node.key)
             await self.store.remove_dir(node.key)
+            self.orphans.pop(node.key, None)
+
+    async def _empty(self, node: Node) -> bool:
+        """No file below ``node``: a directory store's rmdir test.  Chunk
+        directories are looked into, since their listings come from storage
+        directories that may hold only shards whose chunks were all removed."""
+        async for child in self.listdir(node):
+            if not child.is_dir or child.dataset is None or not await self._empty(child):
+                return False
+        return True
 
     async def rename(self, parent: Node, name: str, new_parent: Node, new_name: str) -> None:
         """Rename a file (directories: EXDEV, so tools copy instead)."""
@@ -872,8 +986,13 @@ class View:
             if buf.dirty and buf.key is not None:
                 try:
                     await self._store_buffer(buf)
+                except ViewError:
+                    pass  # refused for good (logged); the buffer is gone
                 except StoreError as exc:
                     errors.append(exc)
+                except Exception as exc:  # a bug must not keep the shards below from being stored
+                    log.exception("storing %s failed", buf.key)
+                    errors.append(StoreError(f"{buf.key}: {type(exc).__name__}: {exc}", buf.key))
             elif buf.key is None and buf.handles <= 0:
                 log.warning("%s: temporary file inside a sharded array was never renamed; discarded", buf.path)
                 del self.buffers[buf.path]

@@ -28,6 +28,7 @@ last write (once no writer has it open); and dirty-memory pressure.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import random
 import time
@@ -36,9 +37,10 @@ from typing import Any
 
 import trio
 
-from .backends.base import AsyncStore, NotFound, PreconditionFailed, StoreError
+from .backends.base import AsyncStore, CorruptData, NotFound, PreconditionFailed, StoreError
 from .logonce import log_once
 from .shards import ShardCache, ShardFormat
+from .together import off_loop
 
 log = logging.getLogger(__name__)
 
@@ -282,14 +284,19 @@ class WriteBack:
     async def _write_shard(self, shard: DirtyShard, changes: dict[int, bytes | None]) -> None:
         fmt, ctx = shard.fmt, shard.ctx
         encode = getattr(fmt, "encode_chunk_for", None) or (lambda _cid, d: fmt.encode_chunk(d))
-        encoded = {cid: (encode(cid, d) if d is not None else None) for cid, d in changes.items()}
+        encoded = await off_loop(lambda: {cid: (encode(cid, d) if d is not None else None)
+                                          for cid, d in changes.items()},
+                                 sum(len(d) for d in changes.values() if d is not None))
         for attempt in range(self.max_attempts):
             self.shards.forget(shard.key)
             index = await fmt.load_index(self.store, shard.key, ctx)
+            if index is not None and all(d is None for d in encoded.values()) \
+                    and not await self._any_stored(index, encoded):
+                return  # only unlinks of chunks never stored (made and removed here): no write
             kept: dict[int, bytes] = {}
             if index is not None:
-                entries = [e for e in await index.entries() if e[0] not in encoded]
-                try:
+                try:  # (precomputed entries() read minishard indexes, pinned too)
+                    entries = [e for e in await index.entries() if e[0] not in encoded]
                     kept = await self._read_kept(shard.key, index.info, entries)
                 except (PreconditionFailed, NotFound):
                     await trio.sleep(_backoff(attempt))
@@ -299,9 +306,10 @@ class WriteBack:
             try:
                 if not merged:
                     if index is not None:
-                        await self.store.delete(shard.key, if_match=index.info.etag)
+                        await self.store.delete(shard.key, if_match=index.info.etag, prune_dirs=True)
                 else:
-                    data = fmt.encode(merged, ctx)
+                    data = await off_loop(functools.partial(fmt.encode, merged, ctx),
+                                          sum(map(len, merged.values())))
                     if index is None:
                         await self.store.put(shard.key, data, if_none_match=True)
                     else:
@@ -314,6 +322,18 @@ class WriteBack:
                 self.shards.forget(shard.key)
             return
         raise StoreError(f"{shard.key}: gave up after {self.max_attempts} conflicting concurrent writes", shard.key)
+
+    @staticmethod
+    async def _any_stored(index, chunk_ids) -> bool:
+        """Does the stored shard hold any of ``chunk_ids``?  (True when its
+        index cannot tell: a damaged part is never assumed empty.)"""
+        try:
+            for cid in chunk_ids:
+                if await index.locate(cid) is not None:
+                    return True
+        except CorruptData:
+            return True
+        return False
 
     async def _read_kept(self, key: str, info, entries) -> dict[int, bytes]:
         """The stored bytes of the chunks a rewrite keeps, in few ranged reads
@@ -329,14 +349,18 @@ class WriteBack:
                 end = max(end, entries[j][0] + entries[j][1])
                 j += 1
             if end > info.size:
-                from .backends.base import CorruptData
-
                 raise CorruptData(f"{key}: index points past the end of the shard; not rewriting it", key)
             blob = await self.store.get(key, start, end - start, if_match=info.etag)
             for off, n, cid in entries[i:j]:
                 out[cid] = blob.data[off - start: off - start + n]
             i = j
         return out
+
+    async def flush_below(self, prefix: str) -> None:
+        """Flush every dirty shard whose key is below directory ``prefix``."""
+        below = prefix + "/" if prefix else ""
+        for key in [k for k in self.dirty if k.startswith(below)]:
+            await self.flush(key)
 
     async def sync_all(self) -> list[StoreError]:
         """Flush every dirty shard (sync, unmount, SIGTERM); returns failures."""

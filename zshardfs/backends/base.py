@@ -170,8 +170,10 @@ class Backend(Protocol):
         given and the current etag differs (or the object is gone), or when
         ``if_none_match`` is set and the object exists."""
 
-    def delete(self, key: str, *, if_match: str | None = None) -> None:
-        """Remove the object (absent is not an error unless if_match given)."""
+    def delete(self, key: str, *, if_match: str | None = None, prune_dirs: bool = False) -> None:
+        """Remove the object (absent is not an error unless if_match given).
+        ``prune_dirs``: also remove the directories this leaves empty (local;
+        S3 has none), for shards, whose directories exist only to hold them."""
 
     def make_dir(self, key: str) -> None:
         """Create an (empty) directory where the store has such a thing
@@ -457,9 +459,9 @@ class AsyncStore:
         finally:
             self._changed(key)
 
-    async def delete(self, key: str, *, if_match: str | None = None) -> None:
+    async def delete(self, key: str, *, if_match: str | None = None, prune_dirs: bool = False) -> None:
         try:
-            return await self._run(self.backend.delete, key, if_match=if_match)
+            return await self._run(self.backend.delete, key, if_match=if_match, prune_dirs=prune_dirs)
         finally:
             self._changed(key)
 

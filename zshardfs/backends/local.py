@@ -204,17 +204,28 @@ class LocalBackend:
         return Blob(data, info)
 
     def _keep_fd(self, key: str, etag: str, fd: int) -> bool:
-        """Keep ``fd`` of this version for later nowait reads (LRU-bounded)."""
+        """Keep ``fd`` of this version for later nowait reads (LRU-bounded).
+        Other versions of ``key`` are let go: a replaced file's descriptor
+        would hold its disk space."""
         with self._fd_lock:
             kept = self._fds.get((key, etag))
             if kept is not None:
                 kept[1] = time.monotonic()  # the path still shows this version
                 return False
+            gone = [self._fds.pop(k)[0] for k in [k for k in self._fds if k[0] == key]]
             self._fds[(key, etag)] = [fd, time.monotonic()]
             while len(self._fds) > self.FD_CACHE:
-                _, (old, _) = self._fds.popitem(last=False)
-                os.close(old)
+                gone.append(self._fds.popitem(last=False)[1][0])
+        for old in gone:  # (closing the last link of a big file frees its blocks: not under the lock)
+            os.close(old)
         return True
+
+    def _forget_fds(self, key: str) -> None:
+        """``key`` was replaced or removed: let go of its kept descriptors."""
+        with self._fd_lock:
+            gone = [self._fds.pop(k)[0] for k in [k for k in self._fds if k[0] == key]]
+        for fd in gone:
+            os.close(fd)
 
     def get_nowait(self, key: str, start: int, length: int, if_match: str) -> Blob | None:
         """A pinned ranged read served from the page cache without blocking,
@@ -333,7 +344,12 @@ class LocalBackend:
             os.makedirs(dirpath, exist_ok=True)
             self._sweep(dirpath)
             try:
-                with open(tmp, "wb") as f:
+                try:
+                    f = open(tmp, "wb")
+                except FileNotFoundError:  # pruned meanwhile by the delete of its last shard
+                    os.makedirs(dirpath, exist_ok=True)
+                    f = open(tmp, "wb")
+                with f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
@@ -363,10 +379,11 @@ class LocalBackend:
             with _writing_lock:
                 _writing.discard(tmp)
         bump(self.counters, "put")
+        self._forget_fds(key)
         bump(self.counters, "bytes_written", len(data))
         return self._info(key, st)
 
-    def delete(self, key, *, if_match=None) -> None:
+    def delete(self, key, *, if_match=None, prune_dirs=False) -> None:
         path = self._path(key)
         try:
             if if_match is not None:
@@ -381,13 +398,13 @@ class LocalBackend:
         except OSError as exc:
             raise self._fail(key, exc) from None
         bump(self.counters, "delete")
-        # Remove directories left empty, as a directory store would.
+        self._forget_fds(key)
+        # Otherwise directories left empty stay, as in zarr-python's LocalStore:
+        # they may be a user's (made with mkdir through the mount: real at once).
         parent = os.path.dirname(path)
-        while parent != self.root and parent.startswith(self.root):
+        while prune_dirs and parent != self.root and parent.startswith(self.root + os.sep):
             try:
-                if os.listdir(parent):
-                    break
-                os.rmdir(parent)
+                os.rmdir(parent)  # fails unless empty
             except OSError:
                 break
             parent = os.path.dirname(parent)

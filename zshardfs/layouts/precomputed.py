@@ -413,6 +413,10 @@ class PrecomputedShardFormat:
         """Ids an unlink removes: a multilod manifest takes its fragment data along."""
         return (chunk_id, chunk_id | FRAGMENTS) if self.multilod and chunk_id < FRAGMENTS else (chunk_id,)
 
+    @property
+    def decodes(self) -> bool:
+        return self.spec.data_encoding != "raw"
+
     def decode_chunk(self, data: bytes) -> bytes:
         try:
             return decode_data(data, self.spec, max_size=MAX_CHUNK)
@@ -614,8 +618,8 @@ class PrecomputedDataset(Dataset):
         for key in shards:
             try:
                 entries = await self._pinned(key, self._shard_listing)
-            except CorruptData as exc:
-                warn_once(log, str(exc))
+            except CorruptData as exc:  # (the words its files' EIO logs: one line for both)
+                report_damage(log, exc)
                 continue
             except AccessDenied as exc:  # left out like a damaged shard: the rest stays listable
                 warn_once(log, f"{exc}; its chunks are not listed")
@@ -628,7 +632,7 @@ class PrecomputedDataset(Dataset):
         minishards = await index.minishards()
         for m, ms in minishards.items():
             if isinstance(ms, CorruptData):
-                warn_once(log, str(ms))
+                report_damage(log, ms)
             elif ms.misplaced:
                 warn_once(log, f"{index.info.key}: minishard {m}: {ms.misplaced} chunk(s) that hash elsewhere "
                                "are not shown")
@@ -641,7 +645,7 @@ class PrecomputedDataset(Dataset):
                 try:
                     size = await self._size(index, ms, i, cid) if cid >= FRAGMENTS else sizes[i]
                 except CorruptData as exc:
-                    warn_once(log, str(exc))
+                    report_damage(log, exc)
                     continue
                 if size >= 0:
                     out.append((name, ChunkEntry(index.info.key, cid, size, index.info.mtime)))
@@ -668,6 +672,10 @@ class PrecomputedDataset(Dataset):
             if data is not None and self.spec.data_encoding == "gzip":
                 size = await self._size(index, *found, cid)
                 if len(data) != size:
+                    current = await self.ctx.shards.index(self.shard_format, key)
+                    if current is None or current.info.etag != index.info.etag:
+                        # read from a newer version than the size came from: again
+                        raise PreconditionFailed(f"{key}: replaced while read", key)
                     raise CorruptData(f"{key}: chunk {cid} decodes to {len(data)} bytes but its gzip trailer says "
                                       f"{size} (damaged, or a multi-member gzip stream)", key)
             return data

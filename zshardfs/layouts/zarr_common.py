@@ -147,6 +147,8 @@ class ZarrShardFormat:
         body = b"".join(parts)
         return index + body if self.index_location == "start" else body + index
 
+    decodes = False  # chunk bytes pass through untouched
+
     @staticmethod
     def decode_chunk(data: bytes) -> bytes:
         return data

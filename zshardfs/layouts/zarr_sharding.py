@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..backends.base import NotFound, TooLarge, join_key
-from ..together import outcomes
+from ..together import off_loop, outcomes
 from .base import LayoutContext, dump_json, load_json, warn_once
 from .grids import GridError, ShardGrid, parse_chunk_grid
 from .zarr_common import ChunkKeys, GridDataset, ZarrShardFormat, parse_separator
@@ -356,7 +356,7 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
     for a new array under ``-o shard``, the listing of its directory plus
     ``pending``, the names the view holds there only in memory (directories
     made, files being written)."""
-    doc = load_json(new, key) if is_document(key) else None
+    doc = await off_loop(functools.partial(load_json, new, key), len(new)) if is_document(key) else None
     members = below = None
     if doc is not None and doc.get("node_type") == "group" and _consolidated(doc) is not None:
         base = key.rpartition("/")[0]
@@ -371,4 +371,5 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
     elif doc is not None and doc.get("node_type") == "array" and shard_option and stored is None:
         listing = await ctx.store.list(key.rpartition("/")[0])
         below = {*listing.dirs, *(f.key.rsplit("/", 1)[-1] for f in listing.files), *pending}
-    return accept_document(key, new, stored, shard_option, members=members, below=below)
+    return await off_loop(functools.partial(accept_document, key, new, stored, shard_option,
+                                            members=members, below=below), len(new))

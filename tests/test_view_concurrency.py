@@ -1,0 +1,131 @@
+"""Requests that overlap inside the daemon: the view's state across awaits.
+
+The kernel sends requests concurrently, and every storage call is an
+``await`` during which other requests run.  These tests drive the view
+(``daemon.build_view``: the same stack a mount uses) over a real local
+store whose calls are slowed, as an S3 round trip would be, so that the
+overlaps happen every time rather than once in a while.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import trio
+
+from zshardfs.backends.local import LocalBackend
+from zshardfs.config import MountConfig
+from zshardfs.daemon import build_view
+
+
+class SlowStore(LocalBackend):
+    """A local store whose reads answer ``get_delay`` s after they read and
+    whose writes land ``put_delay`` s after they are asked for."""
+
+    get_delay = 0.0
+    put_delay = 0.0
+
+    def get(self, *args, **kwargs):
+        try:
+            return super().get(*args, **kwargs)
+        finally:
+            time.sleep(self.get_delay)
+
+    def put(self, *args, **kwargs):
+        time.sleep(self.put_delay)
+        return super().put(*args, **kwargs)
+
+
+def _view(root, **options):
+    store = SlowStore(str(root))
+    cfg = MountConfig(source=str(root), mountpoint=str(root) + "-mnt", read_only=False, **options)
+    return build_view(cfg, store), store
+
+
+def test_a_write_during_the_store_of_its_file_is_kept(tmp_path):
+    """``(cmd1; cmd2) > f``: cmd1's close stores the file while cmd2 writes
+    on; that write must be stored by the last close, not marked clean."""
+    view, store = _view(tmp_path)
+    store.put_delay = 0.3
+
+    async def main():
+        root = await view.resolve("")
+        shell = await view.create(root, "log.txt")
+        await view.write(shell, 0, b"first\n")
+        child = await view.open(await view.resolve("log.txt"), write=True, truncate=False)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(view.flush, child)  # cmd1 exits: its close stores the file
+            await trio.sleep(0.1)
+            await view.write(shell, 6, b"second\n")  # cmd2 writes while that PUT is out
+        await view.release(child)
+        await view.flush(shell)
+        await view.release(shell)
+
+    trio.run(main)
+    assert (tmp_path / "log.txt").read_bytes() == b"first\nsecond\n"
+
+
+def test_two_opens_for_writing_share_one_file(tmp_path):
+    """Two writers opening one stored file at once (each open reads it) get
+    the same file, as on POSIX: both writes land, neither close undoes the
+    other's."""
+    (tmp_path / "f.txt").write_bytes(b"0123456789")
+    view, store = _view(tmp_path)
+    store.get_delay = 0.2
+    handles = []
+
+    async def open_and_write(offset, data):
+        h = await view.open(await view.resolve("f.txt"), write=True, truncate=False)
+        await view.write(h, offset, data)
+        handles.append(h)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(open_and_write, 0, b"AA")
+            nursery.start_soon(open_and_write, 5, b"BB")
+        for h in handles:
+            await view.flush(h)
+            await view.release(h)
+
+    trio.run(main)
+    assert (tmp_path / "f.txt").read_bytes() == b"AA234BB789"
+
+
+def test_a_probe_overlapping_the_mounts_own_zarr_json_is_not_kept(tmp_path):
+    """A lookup in a directory whose new zarr.json this mount is storing may
+    ask storage before the PUT lands and hear back after: that "no array"
+    answer must not be cached, or files made there next (within
+    metadata_ttl) would be stored as plain files under a sharded document."""
+    (tmp_path / "new").mkdir()
+    view, store = _view(tmp_path, shard=(2,), metadata_ttl=0.2)
+    doc = {"zarr_format": 3, "node_type": "array", "shape": [8], "data_type": "uint8",
+           "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [2]}},
+           "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}}, "fill_value": 0,
+           "codecs": [{"name": "bytes"}]}
+
+    async def main():
+        new = await view.resolve("new")
+        h = await view.create(new, "zarr.json")
+        await view.write(h, 0, json.dumps(doc).encode())
+        store.get_delay, store.put_delay = 0.6, 0.6
+        async with trio.open_nursery() as nursery:
+            # its GET answers at 0.6 s, the listing then made is trusted
+            # until 0.8 s, and the PUT lands at about 1.2 s
+            nursery.start_soon(view.flush, h)
+            await trio.sleep(1.0)
+            nursery.start_soon(view.lookup, new, "c.0")  # its probe reads at 1.0 s, answers at 1.6 s
+        await view.release(h)
+        store.get_delay = store.put_delay = 0.0
+        chunk = await view.create(new, "c.0")
+        assert chunk.node.is_chunk, "created as a plain file: the array was not seen"
+        await view.write(chunk, 0, b"\x07")
+        await view.release(chunk)
+        assert await view.sync() == []
+
+    trio.run(main)
+    stored = json.loads((tmp_path / "new" / "zarr.json").read_text())
+    assert stored["codecs"][0]["name"] == "sharding_indexed"
+    # c.0 is the name of the chunk and of its shard (2 chunks per shard):
+    # stored sharded, it is the chunk's byte plus an index of 2 entries
+    assert (tmp_path / "new" / "c.0").stat().st_size == 1 + 2 * 16 + 4
