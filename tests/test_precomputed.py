@@ -997,3 +997,71 @@ def test_a_chunk_made_and_removed_in_a_damaged_shard_leaves_nothing_to_store(tmp
     subprocess.run([*ZSHARDFS, "sync", str(m.path)], check=True, capture_output=True, timeout=60)
     m.umount()
     assert (tmp_path / "kv" / "0.shard").read_bytes() == bytes(data)
+
+
+def test_an_info_written_through_the_view_applies_at_once(tmp_path, mount):
+    """The mount's own write of a volume ``info`` that makes an existing
+    scale directory sharded shows there at once: a chunk written next is
+    stored in a shard (tensorstore reads it), not as a plain file."""
+    (tmp_path / "src").mkdir()
+    m = mount(tmp_path / "src")
+    (m.path / "vol" / "s0").mkdir(parents=True)
+    assert os.listdir(m.path / "vol" / "s0") == []  # known to the mount as a plain directory
+    scale = {"key": "s0", "size": [16, 16, 16], "voxel_offset": [0, 0, 0], "chunk_sizes": [[16, 16, 16]],
+             "resolution": [1, 1, 1], "encoding": "raw", "sharding": {
+                 "@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity",
+                 "minishard_bits": 0, "shard_bits": 0, "minishard_index_encoding": "raw", "data_encoding": "raw"}}
+    (m.path / "vol" / "info").write_text(json.dumps(
+        {"type": "image", "data_type": "uint8", "num_channels": 1, "scales": [scale]}))
+    block = np.arange(16 ** 3, dtype=np.uint8)
+    (m.path / "vol" / "s0" / "0-16_0-16_0-16").write_bytes(block.tobytes())
+    m.umount()
+    assert sorted(os.listdir(tmp_path / "src" / "vol" / "s0")) == ["0.shard"]
+    got = ts.open({"driver": "neuroglancer_precomputed",
+                   "kvstore": {"driver": "file", "path": str(tmp_path / "src" / "vol") + "/"}}).result()
+    np.testing.assert_array_equal(np.asarray(got.read().result())[..., 0].transpose(2, 1, 0).ravel(), block)
+
+
+def test_a_sharded_volume_copied_into_the_view_keeps_its_shards(tmp_path, mount):
+    """``cp -r`` of a volume tensorstore wrote sharded, into a mount: the
+    shard files are the stored form of the view's directory, so they are
+    stored as written (at close), and their chunks show at once."""
+    orig = tmp_path / "orig"
+    t = ts.open({"driver": "neuroglancer_precomputed", "kvstore": {"driver": "file", "path": str(orig) + "/"},
+                 "multiscale_metadata": {"type": "image", "data_type": "uint8", "num_channels": 1},
+                 "scale_metadata": {"key": "s0", "size": [32, 32, 32], "chunk_size": [16, 16, 16],
+                                    "resolution": [1, 1, 1], "encoding": "raw", "sharding": {
+                                        "@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0,
+                                        "hash": "identity", "minishard_bits": 1, "shard_bits": 0,
+                                        "minishard_index_encoding": "raw", "data_encoding": "raw"}}},
+                create=True).result()
+    t.write(np.full(t.shape, 7, np.uint8)).result()
+    (tmp_path / "src").mkdir()
+    m = mount(tmp_path / "src")
+    (m.path / "vol").mkdir()
+    shutil.copy(orig / "info", m.path / "vol" / "info")
+    subprocess.run(["cp", "-r", str(orig / "s0"), str(m.path / "vol")], check=True)
+    assert len(os.listdir(m.path / "vol" / "s0")) == 8  # its chunks, listed from the shard at once
+    assert (m.path / "vol" / "s0" / "0-16_0-16_0-16").read_bytes() == bytes([7]) * 16 ** 3
+    m.umount()
+    assert (tmp_path / "src" / "vol" / "s0" / "0.shard").read_bytes() == (orig / "s0" / "0.shard").read_bytes()
+    got = ts.open({"driver": "neuroglancer_precomputed",
+                   "kvstore": {"driver": "file", "path": str(tmp_path / "src" / "vol") + "/"}}).result()
+    assert np.all(np.asarray(got.read().result()) == 7)
+
+
+def test_a_chunk_larger_than_the_chunk_cache_is_read_once(tmp_path, mount):
+    """The kernel reads a file 128 KiB at a time; a chunk larger than the
+    whole chunk cache must not be fetched (and decoded) again for each of
+    those reads: the last such chunk is kept beside the cache."""
+    sharding = {"@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity",
+                "minishard_bits": 0, "shard_bits": 0, "minishard_index_encoding": "raw", "data_encoding": "raw"}
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "info").write_text(json.dumps({"@type": "neuroglancer_skeletons", "sharding": sharding}))
+    value = np.random.default_rng(1).bytes(4 << 20)
+    (tmp_path / "kv" / "0.shard").write_bytes(encode_shard({1: value}, ShardingSpec.from_json(sharding)))
+    m = mount(tmp_path / "kv", "ro", "chunk_cache=1M")
+    assert (m.path / "1").read_bytes() == value
+    stats = m.stats()
+    assert stats["kernel"]["reads"] >= 8  # (read in pieces: what this is about)
+    assert stats["bytes"]["read"] < 2 * len(value), stats["bytes"]

@@ -835,6 +835,21 @@ def test_files_too_large_to_hold_are_refused(store, mount, tmp_path):
                for line in m.log_text().splitlines()) == 4  # one per refusal
 
 
+def test_a_new_sharded_array_written_through_the_view_is_refused(store, mount, tmp_path):
+    """zarr-python creating a *sharded* array inside the mount would write
+    shard objects under chunk names: the view would store them as chunks
+    (corrupt data). Its zarr.json is refused instead (EPERM, one log line)
+    and nothing is stored; an unsharded array is stored as usual."""
+    m = mount(store.source, extra=store.extra)
+    with pytest.raises(PermissionError):
+        zarr.create_array(str(m / "x"), shape=(8, 8), chunks=(2, 2), shards=(4, 4), dtype="<i4")
+    zarr.create_array(str(m / "y"), shape=(8, 8), chunks=(2, 2), dtype="<i4")[:] = 5
+    m.umount()
+    assert not [k for k in store.keys() if k.startswith("x/")]
+    assert m.log_text().count("refused to store x/zarr.json: a new sharded array written through the view") == 1
+    np.testing.assert_array_equal(zarr.open_array(str(store.local_copy(tmp_path / "copy") / "y"))[:], 5)
+
+
 # ---------------------------------------------------------------------------
 # unlink
 
@@ -1268,8 +1283,20 @@ def test_transformer_documents_written_through_the_view_keep_their_sharding(stor
     with pytest.raises(PermissionError):
         with open(doc_path, "wb") as f:
             f.write(json.dumps(bad).encode())
+    # grown (zarr 2.18's resize), then written at once where the old shape
+    # ended: the mount's own document write shows at once in data/root
+    doc_path.write_bytes(json.dumps(dict(doc, shape=[6, 6])).encode())
+    os.makedirs(m / "data/root/arr/c2", exist_ok=True)
+    (m / "data/root/arr/c2/1.partial").write_bytes(b"\x63" * 6)
+    os.rename(m / "data/root/arr/c2/1.partial", m / "data/root/arr/c2/1")
+    chunks[2, 1] = b"\x63" * 6
+    # a new transformer-sharded array: its shards would come as chunks
+    with pytest.raises(PermissionError):
+        (m / "meta/root/new.array.json").write_bytes(store.get("meta/root/arr.array.json"))
     m.umount()
+    assert store.get("meta/root/new.array.json") is None
     stored = json.loads(store.get("meta/root/arr.array.json"))
+    assert stored["shape"] == [6, 6]
     assert stored["attributes"] == {"note": "hello"}
     assert stored["storage_transformers"][0]["configuration"]["chunks_per_shard"] == [2, 2]
     assert stored["chunk_grid"]["chunk_shape"] == [2, 3]

@@ -210,6 +210,10 @@ class ShardCache:
         self.store = store
         self.indexes = ByteLRU(index_cache_bytes)
         self.chunks = ByteLRU(chunk_cache_bytes)
+        # the last chunk read that is larger than the whole chunk cache: the
+        # kernel reads it 128 KiB at a time, and each read would otherwise
+        # fetch (and decode) all of it again
+        self._oversized: tuple[tuple, bytes] | None = None
         self.index_ttl = index_ttl
         # one loader per shard at a time: concurrent readers share one request
         self._loads = SingleFlight()
@@ -376,6 +380,8 @@ class ShardCache:
             offset, nbytes = where
             ckey = (key, index.info.etag, chunk_id)
             data = self.chunks.get(ckey)
+            if data is None and self._oversized is not None and self._oversized[0] == ckey:
+                data = self._oversized[1]
             if scan is None and self.prefetch:
                 scan = self._scanning(key, chunk_id, offset, nbytes, hit=data is not None)
             if data is not None:
@@ -408,6 +414,8 @@ class ShardCache:
                 raise CorruptData(f"{key}: chunk {chunk_id} is truncated ({len(blob.data)} of {nbytes} bytes)", key)
             data = await off_loop(functools.partial(fmt.decode_chunk, blob.data), _decoding(fmt, len(blob.data)))
             self.chunks.put(ckey, data, len(data) + 64)
+            if len(data) + 64 > self.chunks.max_bytes:
+                self._oversized = (ckey, data)
             return data
         raise CorruptData(f"{key}: shard keeps changing while being read", key)
 

@@ -211,6 +211,11 @@ class View:
         self._moving = False  # a rename's unlink of its source: its writers move, not detach
         self.readers: dict[str, set[Handle]] = {}  # path -> read-only handles of chunk files
         self.document_writes = 0  # metadata documents this mount stored or removed
+        # ...and when it last did: nodes made before then may name a dataset
+        # that is no more (the kernel holds them), so they are looked up again
+        # (:meth:`_fresh`), once per path and change
+        self._documents_changed_at = float("-inf")
+        self._fresh_nodes: dict[str, Node] = {}
         # Datasets whose metadata document this mount removed (unlink, or a
         # rename away) while chunks were still stored below it: dir key ->
         # (dataset, the removed document's stored bytes).  As on a directory
@@ -247,6 +252,35 @@ class View:
             dataset = previous  # made of the same documents: keep what it has learnt
         self.datasets.put(dir_key, dataset)
         return dataset
+
+    def _document_changed(self, key: str) -> None:
+        """This mount stored or removed metadata document ``key``: every
+        dataset made of it is out of date, wherever it is cached (a
+        storage-transformer array's document is not in its directory, a
+        precomputed scale's is its parent's), and so may be any "no dataset
+        here" answer (cheap to ask again; documents change seldom)."""
+        self.document_writes += 1
+        self._documents_changed_at = time.monotonic()
+        self._fresh_nodes.clear()
+        for dir_key, (dataset, _) in list(self.datasets._d.items()):
+            if dataset is None or any(k == key for k, _ in dataset.version):
+                self.datasets.pop(dir_key)
+
+    async def _fresh(self, node: Node) -> Node:
+        """``node`` as the view resolves it now, if the mount changed a
+        metadata document since it was made (its dataset, or its being
+        none, may be out of date): the mount's own writes show at once."""
+        if node.created >= self._documents_changed_at:
+            return node
+        fresh = self._fresh_nodes.get(node.path)
+        if fresh is None:
+            fresh = await self.resolve(node.path) if node.path else self.root()
+            if fresh is None:
+                return node
+            if len(self._fresh_nodes) > 4096:
+                self._fresh_nodes.clear()
+            self._fresh_nodes[node.path] = fresh
+        return fresh
 
     async def _probe(self, dir_key: str) -> Dataset | None:
         """Every layout asks at once: a directory that is no dataset costs one
@@ -357,6 +391,7 @@ class View:
 
     async def lookup(self, parent: Node, name: str) -> Node | None:
         """The child ``name`` of directory ``parent``, or None."""
+        parent = await self._fresh(parent)
         path = _prefix(parent.path) + name if name and "/" not in name else join_key(parent.path, name)
         buf = self.buffers.get(path)
         if buf is not None:
@@ -421,6 +456,7 @@ class View:
 
     async def listdir(self, node: Node) -> AsyncIterator[Node]:
         """Children of a directory, in a stable order, lazily."""
+        node = await self._fresh(node)
         extra = self._pending_children(node.path)
         seen: set[str] | None = set() if extra else None
 
@@ -573,6 +609,7 @@ class View:
                 self.readers.setdefault(node.path, set()).add(handle)
             return handle
         self._check_writable()
+        node = await self._fresh(node)
         if node.is_chunk:
             t = node.target
             if t.capacity is None:
@@ -637,6 +674,7 @@ class View:
     async def create(self, parent: Node, name: str) -> Handle:
         """A new empty file ``name`` in ``parent``, opened for writing."""
         self._check_writable()
+        parent = await self._fresh(parent)
         path = join_key(parent.path, name)
         dataset, rel = (parent.dataset, parent.rel + (name,)) if self._in_dataset(parent) else (None, ())
         if dataset is None:
@@ -652,7 +690,9 @@ class View:
                 return await self.open(node, write=True, truncate=True)
             if dataset.outside(rel):
                 raise ViewError(errno.ENOENT, f"{path}: outside the array's chunk grid")
-            key = None  # scratch: a temporary name inside the chunk namespace
+            # a shard a sharding-aware tool writes: stored as written; any
+            # other name is scratch, a temporary inside the chunk namespace
+            key = dataset.stored_as_is(rel)
         else:
             key = join_key(parent.key, name)
         buf = self.buffers[path] = FileBuffer(path, key, bytearray(), dirty=True, in_store=False)
@@ -722,7 +762,8 @@ class View:
         # longer than the metadata TTL must not land in the store
         if any(layout.is_document(buf.key) for layout in LAYOUTS):
             return False
-        return await self.dataset_at(_parent(buf.key)) is not None
+        dataset = await self.dataset_at(_parent(buf.key))
+        return dataset is not None and dataset.stored_as_is((buf.key.rsplit("/", 1)[-1],)) is None
 
     async def _store_buffer(self, buf: FileBuffer) -> None:
         async with buf.storing:
@@ -767,8 +808,9 @@ class View:
             if not listing.dirs and not any(_could_be_chunk(f.key.rsplit("/", 1)[-1]) for f in listing.files):
                 self.born_here.add(root)
         info = await self.store.put(buf.key, data)
+        self.shards.forget(buf.key)  # (a shard written as is: its chunks show at once)
         if self._is_dataset_document(buf.key):
-            self.document_writes += 1  # probes that began before this must not be cached
+            self._document_changed(buf.key)
             self.orphans.pop(_parent(buf.key), None)
         self.own_versions[buf.key] = (info.etag, time.monotonic())
         self.own_versions.move_to_end(buf.key)
@@ -860,7 +902,8 @@ class View:
             except NotFound:
                 if buf is None:
                     raise
-            self.document_writes += 1
+            if self._is_dataset_document(node.key):
+                self._document_changed(node.key)
             self.datasets.pop(dir_key)
             if dataset is not None and await self._probe(dir_key) is None:
                 listing = await self.store.list(dir_key)
@@ -871,6 +914,7 @@ class View:
 
     async def mkdir(self, parent: Node, name: str) -> Node:
         self._check_writable()
+        parent = await self._fresh(parent)
         if await self.lookup(parent, name) is not None:
             raise ViewError(errno.EEXIST, f"{name}: exists")
         if self._in_dataset(parent) and parent.dataset.outside(parent.rel + (name,)):
@@ -888,6 +932,7 @@ class View:
 
     async def rmdir(self, parent: Node, name: str) -> None:
         self._check_writable()
+        parent = await self._fresh(parent)
         node = await self.lookup(parent, name)
         if node is None:
             raise ViewError(errno.ENOENT, f"{name}: no such directory")

@@ -116,6 +116,12 @@ class Dataset(ABC):
         yet; None if ``rel`` is not a valid chunk file name.  No I/O."""
         return None
 
+    def stored_as_is(self, rel: tuple[str, ...]) -> str | None:
+        """The storage key under which a file created at ``rel`` is stored
+        as written, where a name of the namespace is the storage form itself
+        (a precomputed shard a sharding-aware tool writes); None otherwise."""
+        return None
+
     def outside(self, rel: tuple[str, ...]) -> bool:
         """True if ``rel`` is spelled as a chunk file or chunk directory but
         lies outside the dataset's grid: it can never exist, so creating it
@@ -136,6 +142,12 @@ class Dataset(ABC):
 
 
 _warned: set[str] = set()
+
+
+#: why a new sharded array document written through the view is refused
+NEW_SHARDED = ("a new sharded array written through the view would have its shards stored as chunks "
+               "(the view is the unsharded store); write it unsharded (with -o shard=K the mount stores it "
+               "sharded), or write sharded data into the store itself")
 
 
 def warn_once(logger: logging.Logger, message: str) -> None:

@@ -549,6 +549,14 @@ class PrecomputedDataset(Dataset):
             return None
         return ChunkTarget(self._shard_key(cid), cid, None, None, writable=self.writable)
 
+    def stored_as_is(self, rel) -> str | None:
+        """``<hex>.shard``: what tensorstore writes for a sharded scale
+        (``cp -r`` of a sharded volume, a new scale written through the
+        view) is the stored form; its chunks then show in the listing."""
+        if len(rel) == 1 and self.spec.parse_shard_key(rel[0]) is not None:
+            return join_key(self.root, rel[0])
+        return None
+
     def outside(self, rel) -> bool:
         """Spelled like this directory's chunk names but none of them (a box
         off the grid or misaligned, an id past 2**64-1): never stored, so

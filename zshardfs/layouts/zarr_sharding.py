@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..backends.base import NotFound, TooLarge, join_key
 from ..together import off_loop, outcomes
-from .base import LayoutContext, dump_json, load_json, warn_once
+from .base import NEW_SHARDED, LayoutContext, dump_json, load_json, warn_once
 from .grids import GridError, ShardGrid, parse_chunk_grid
 from .zarr_common import ChunkKeys, GridDataset, ZarrShardFormat, parse_separator
 
@@ -324,6 +324,8 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
     out = None
     old = load_json(stored, key) if stored is not None else None
     old_meta = _meta_or_none(old) if old is not None else None
+    if stored is None and not _is_unsharded_array(doc) and _meta_or_none(doc) is not None:
+        raise ValueError(NEW_SHARDED)
     if old_meta is not None:
         if _is_unsharded_array(doc):
             out = _map_back(doc, old, old_meta)

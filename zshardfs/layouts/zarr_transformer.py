@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 
 from ..backends.base import NotFound
-from .base import LayoutContext, dump_json, load_json, warn_once
+from .base import NEW_SHARDED, LayoutContext, dump_json, load_json, warn_once
 from .grids import GridError, ShardGrid
 from .zarr_common import ChunkKeys, GridDataset, ZarrShardFormat
 
@@ -68,8 +68,14 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option=Non
     over a transformer-sharded array, the view's document with the sharding
     transformer put back (attributes, fill value, shape may change; a change
     of the fields in ``_FIXED`` raises ValueError, refused with EPERM).
-    Anything else: None (as written)."""
-    if not is_document(key) or stored is None:
+    A new transformer-sharded array is refused (ValueError): its shards
+    would come through the view as chunks.  Anything else: None (as written)."""
+    if not is_document(key):
+        return None
+    if stored is None:
+        doc = load_json(new, key)
+        if doc is not None and _transformer(doc) is not None and _dataset_params(doc, key) is not None:
+            raise ValueError(NEW_SHARDED)
         return None
     old = load_json(stored, key)
     if old is None or _transformer(old) is None or _dataset_params(old, key) is None:
