@@ -395,3 +395,30 @@ def test_a_file_replaced_after_the_mounts_own_write_is_read_in_the_later_version
     storage.put("big.bin", b"O" * (3 << 20))  # then another client's
     time.sleep(2.5)  # past attr_timeout, metadata_ttl and the kept descriptor's 1 s
     assert (m / "big.bin").read_bytes() == b"O" * (3 << 20)
+
+
+def test_a_chunk_read_in_pieces_while_its_shard_is_replaced_is_one_version(storage, mount, tmp_path):
+    """A chunk larger than ``open_fill`` is read in pieces; another client
+    replaces its shard between them with one of the same layout (same
+    sizes, other bytes). The reader gets one version whole, never the first
+    MiB of one and the rest of the other."""
+    versions = []
+    for v in (1, 2):
+        a = zarr.create_array(str(tmp_path / f"v{v}"), shape=(2048, 1024), chunks=(1024, 1024),
+                              shards=(2048, 1024), dtype="<u4", compressors=None, fill_value=0)
+        a[:] = v
+        versions.append((tmp_path / f"v{v}" / "c" / "0" / "0").read_bytes())
+    assert len(versions[0]) == len(versions[1])
+    storage.put("a/zarr.json", (tmp_path / "v1" / "zarr.json").read_bytes())
+    storage.put("a/c/0/0", versions[0])
+    m = storage.mount(mount)
+    with open(m / "a" / "c" / "0" / "0", "rb", buffering=0) as f:
+        first = f.read(1 << 20)
+        storage.put("a/c/0/0", versions[1])
+        time.sleep(1.3)  # past index_ttl: the mount knows of the new version
+        rest = b""
+        while piece := f.read(1 << 20):
+            rest += piece
+    got = np.unique(np.frombuffer(first + rest, "<u4"))
+    assert got.tolist() in ([1], [2]), got
+    assert len(first + rest) == 4 << 20

@@ -991,6 +991,45 @@ def test_zarr_json_removed_and_written_again_keeps_the_array(store, mount, tmp_p
     np.testing.assert_array_equal(zarr.open_array(str(store.local_copy(tmp_path / "copy") / "a"), mode="r")[:], data)
 
 
+def test_an_array_made_here_shows_chunks_other_clients_store(store, mount):
+    """In an array this mount created, chunk directories exist once made or
+    written here (as in a directory store) or once storage holds something
+    below them: chunks another client stores show within the TTLs."""
+    a = mount(store.source, "shard=4", extra=store.extra)
+    zarr.create_array(str(a / "arr"), shape=(64, 64), chunks=(4, 4), dtype="uint8", fill_value=0, compressors=None)
+    zs("sync", a.path)
+    b = mount(store.source, "shard=4", extra=store.extra)
+    os.makedirs(b / "arr" / "c" / "0", exist_ok=True)
+    (b / "arr" / "c" / "0" / "0").write_bytes(bytes(range(1, 17)))
+    zs("sync", b.path)
+    time.sleep(1.5)  # past metadata_ttl and index_ttl
+    assert os.listdir(a / "arr" / "c" / "0") == ["0"]
+    assert (a / "arr" / "c" / "0" / "0").read_bytes() == bytes(range(1, 17))
+    got = zarr.open_array(str(a / "arr"), mode="r")[0:4, 0:4]
+    assert got.ravel().tolist() == list(range(1, 17))
+    (a / "arr" / "c" / "0" / "1").write_bytes(bytes(16))  # and written into without a mkdir
+
+
+def test_plain_directories_are_removed_as_on_a_file_system(store, mount):
+    """``rm -r`` of a tree of plain files, and ``rm`` then ``rmdir``: on S3 a
+    directory whose last file went stays (in memory) until removed, so the
+    tool's rmdir finds it, as on any file system."""
+    m = mount(store.source, extra=store.extra)
+    (m / "t" / "a" / "b").mkdir(parents=True)
+    (m / "t" / "a" / "b" / "f.txt").write_bytes(b"1")
+    (m / "t" / "a" / "g.txt").write_bytes(b"2")
+    subprocess.run(["rm", "-r", str(m / "t")], check=True, capture_output=True)
+    assert not (m / "t").exists()
+    (m / "e").mkdir()
+    (m / "e" / "only.txt").write_bytes(b"3")
+    os.unlink(m / "e" / "only.txt")
+    assert os.listdir(m / "e") == []
+    os.rmdir(m / "e")
+    assert not (m / "e").exists()
+    m.umount()
+    assert not [k for k in store.keys() if k.startswith(("t/", "e/"))]
+
+
 def test_made_directories_are_remembered_only_while_empty(store, mount):
     """mkdir of plain directories: on S3 (no directories there) an empty one
     exists in the mount's memory; once a file is stored below it, the

@@ -298,7 +298,14 @@ def _sync(mnt: str) -> str | None:
     try:  # (a read: unlike setxattr it takes no lock the mount's other users wait for)
         os.getxattr(mnt, "user.zshardfs.sync")
     except OSError as exc:
-        return f"sync of {mnt} failed: {os.strerror(exc.errno)} (see the daemon's log)"
+        if exc.errno != errno.ENODATA:
+            return f"sync of {mnt} failed: {os.strerror(exc.errno)} (see the daemon's log)"
+        try:  # a daemon started by an older zshardfs knows only the setxattr
+            os.setxattr(mnt, "user.zshardfs.sync", b"1")
+        except OSError as exc2:
+            if exc2.errno == errno.EROFS:
+                return None
+            return f"sync of {mnt} failed: {os.strerror(exc2.errno)} (see the daemon's log)"
     return None
 
 

@@ -113,6 +113,9 @@ class Handle:
     writable: bool = False
     buffer: FileBuffer | None = None  # passthrough / scratch writes
     chunk: object = None  # writeback.DirtyChunk for chunk writes
+    # a stored chunk read in pieces: the version its first piece came from
+    # (bytes, and View.chunk_changes then), so the rest is never another's
+    seen: tuple[bytes, int] | None = None
 
 
 class _TTLCache:
@@ -211,6 +214,7 @@ class View:
         self._moving = False  # a rename's unlink of its source: its writers move, not detach
         self.readers: dict[str, set[Handle]] = {}  # path -> read-only handles of chunk files
         self.document_writes = 0  # metadata documents this mount stored or removed
+        self.chunk_changes = 0  # chunk writes and unlinks through this mount: visible at once (2.5)
         # ...and when it last did: nodes made before then may name a dataset
         # that is no more (the kernel holds them), so they are looked up again
         # (:meth:`_fresh`), once per path and change
@@ -309,7 +313,7 @@ class View:
 
     async def _document(self, info: ObjectInfo) -> bytes | None:
         """Rewritten bytes of a stored metadata document, or None if shown as is."""
-        if not any(layout.is_document(info.key) for layout in LAYOUTS):
+        if not self._is_dataset_document(info.key):
             return None
         cached = self.documents.get((info.key, info.etag))
         if cached is not None:
@@ -381,10 +385,20 @@ class View:
         if entry is None:
             return None
         if isinstance(entry, DirEntry):
-            if dataset.root in self.born_here and path not in self.written_dirs:
-                return None
+            if (dataset.root in self.born_here and path not in self.written_dirs
+                    and not await self._listed(dataset, rel)):
+                return None  # (made here: as in a directory store, not there until made or stored)
             return Node(path, True, 0, entry.mtime or self.started, dataset=dataset, rel=rel)
         return self._chunk_node(path, dataset, rel, entry, target)
+
+    @staticmethod
+    async def _listed(dataset: Dataset, rel: tuple) -> bool:
+        """Does the listing of ``rel``'s parent show it (something stored
+        below it: chunks another client wrote into an array made here)?"""
+        async for name, _ in dataset.listdir(rel[:-1]):
+            if name == rel[-1]:
+                return True
+        return False
 
     def _in_dataset(self, parent: Node) -> bool:
         return parent.dataset is not None and parent.key is None
@@ -561,10 +575,18 @@ class View:
             # its own file, as on POSIX, also once unlinked or replaced by a rename
             return bytes(chunk.data[offset: offset + size])
         if node.is_chunk:
+            seen = handle.seen if isinstance(handle, Handle) else None
+            if seen is not None and seen[1] == self.chunk_changes:
+                return seen[0][offset: offset + size]
             data = await self.content(node)
             if expect_size is not None and len(data) != expect_size and self.in_memory(node) is None:
                 raise Changed(f"{node.path}: replaced by another client (now {len(data)} bytes, not "
                               f"{expect_size}); read it again", node.path)
+            if isinstance(handle, Handle) and (offset > 0 or offset + size < len(data)):
+                # read in pieces: the rest from this version, even if another
+                # client replaces the shard meanwhile (its chunk cache entry
+                # may go; the bytes stay with the handle until it is closed)
+                handle.seen = (data, self.chunk_changes)
             return data[offset: offset + size]
         if node.document is not None:
             return node.document[offset: offset + size]
@@ -621,6 +643,7 @@ class View:
             if truncate and len(chunk.data):
                 del chunk.data[:]
                 self.writeback.changed(t.shard_key, chunk)
+                self.chunk_changes += 1
             self._remember_new_chunk(node)
             return self._writer(Handle(node, True, chunk=chunk))
         buf = self.buffers.get(node.path)
@@ -717,6 +740,7 @@ class View:
             handle.buffer.changed()
         else:
             self.writeback.changed(handle.node.target.shard_key, handle.chunk)
+            self.chunk_changes += 1
         return len(data)
 
     def _check_size(self, node: Node, size: int) -> None:
@@ -743,6 +767,7 @@ class View:
             own.buffer.changed()
         else:
             self.writeback.changed(node.target.shard_key, own.chunk)
+            self.chunk_changes += 1
         if own is not handle:
             await self.flush(own)
             await self.release(own)
@@ -760,7 +785,7 @@ class View:
     async def _is_scratch_in_dataset_root(self, buf: FileBuffer) -> bool:
         # asked of the dataset, not of the probe cache: a temporary held open
         # longer than the metadata TTL must not land in the store
-        if any(layout.is_document(buf.key) for layout in LAYOUTS):
+        if self._is_dataset_document(buf.key):
             return False
         dataset = await self.dataset_at(_parent(buf.key))
         return dataset is not None and dataset.stored_as_is((buf.key.rsplit("/", 1)[-1],)) is None
@@ -801,7 +826,7 @@ class View:
                 if accepted is not None:
                     data = accepted
                     break
-        if not buf.in_store and any(layout.is_document(buf.key) for layout in LAYOUTS):
+        if not buf.in_store and self._is_dataset_document(buf.key):
             # a new dataset, if nothing is stored below it yet (see __init__)
             root = _parent(buf.key)
             listing = await self.store.list(root)
@@ -888,6 +913,7 @@ class View:
             await self._keep_for_readers(node)
             t = node.target
             self.writeback.delete(t.shard_key, node.dataset.shard_format, t.shard_ctx, t.chunk_id)
+            self.chunk_changes += 1
             return
         if buf is not None and (buf.key is None or not buf.in_store):
             return  # scratch, or a new file not stored yet: nothing in storage to remove
@@ -905,6 +931,11 @@ class View:
             if self._is_dataset_document(node.key):
                 self._document_changed(node.key)
             self.datasets.pop(dir_key)
+            if not self.store.keeps_empty_dirs and parent.path and not self._in_dataset(parent):
+                # (S3) the last file's going would take its directory along,
+                # under a tool about to rmdir it (rm -r): it stays, in memory,
+                # while empty, as a directory made with mkdir does
+                self.new_dirs.setdefault(_parent(parent.path), set()).add(parent.name)
             if dataset is not None and await self._probe(dir_key) is None:
                 listing = await self.store.list(dir_key)
                 if listing.dirs or listing.files:  # chunks (or shards) still below it

@@ -132,6 +132,9 @@ class Backend(Protocol):
     url: str
     #: requests by kind, bytes and errors; see :data:`COUNTER_NAMES`
     counters: Counter
+    #: a directory exists by itself, empty or not (local); False where one is
+    #: only implied by the keys below it (S3)
+    keeps_empty_dirs: bool
 
     def stat(self, key: str) -> ObjectInfo | None:
         """Info of the object at ``key``, or None if there is none."""
@@ -246,6 +249,7 @@ class AsyncStore:
                  list_ttl: float = 0.0):
         self.backend = backend
         self.url = backend.url
+        self.keeps_empty_dirs = backend.keeps_empty_dirs
         self.limiter = trio.CapacityLimiter(max_connections)
         self.timeout = timeout
         # optional non-blocking fast path (local files in the page cache)
@@ -272,11 +276,14 @@ class AsyncStore:
             return fn(*args, **kwargs)
 
         what = (getattr(fn, "__name__", ""), args[0] if args else None)
+        # (the key in the words: the line names what failed, and failures of
+        # other keys are lines of their own, not repeats log_once drops)
+        where = f"{self.url}: {what[0]} {what[1]}" if what[1] is not None else f"{self.url}: {what[0]}"
         failed = None if _speculative else self._unanswered.get(what)
         if failed is not None:
             if time.monotonic() - failed < min(self.FAIL_FAST, self.timeout):
                 bump(self.backend.counters, "errors")
-                raise Unavailable(f"{self.url}: no answer a moment ago; not asking again yet")
+                raise Unavailable(f"{where}: no answer a moment ago; not asking again yet", what[1])
             del self._unanswered[what]
         started = time.monotonic()
         try:
@@ -293,7 +300,7 @@ class AsyncStore:
                 return result
             if scope.cancelled_caught:
                 bump(self.backend.counters, "errors")  # worker threads bump concurrently
-                raise Unavailable(f"{self.url}: no answer within {self.timeout:g}s")
+                raise Unavailable(f"{where}: no answer within {self.timeout:g}s", what[1])
             raise AssertionError("unreachable")  # pragma: no cover
         except Unavailable:
             if not _speculative:

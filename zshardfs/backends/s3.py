@@ -157,6 +157,8 @@ class S3Backend:
     problems (bad endpoint URL, unknown profile) surface as StoreError from
     :meth:`check` like every other mount-time problem."""
 
+    keeps_empty_dirs = False  # a prefix exists while an object is below it
+
     def __init__(
         self,
         bucket: str,
