@@ -207,6 +207,9 @@ class View:
         # lookup found).  All of its content came through this mount.
         self.born_here: set[str] = set()
         self.written_dirs: set[str] = set()
+        # ...and those it removed there since: gone, though storage may list
+        # them until the deletions below are flushed
+        self.removed_dirs: set[str] = set()
         # key -> etag of the version this mount stored last: a reader pinned
         # to an older version reads on in this one (the mount's own writes
         # are visible at once, 2.5), not EIO as for another client's
@@ -386,7 +389,7 @@ class View:
             return None
         if isinstance(entry, DirEntry):
             if (dataset.root in self.born_here and path not in self.written_dirs
-                    and not await self._listed(dataset, rel)):
+                    and (path in self.removed_dirs or not await self._listed(dataset, rel))):
                 return None  # (made here: as in a directory store, not there until made or stored)
             return Node(path, True, 0, entry.mtime or self.started, dataset=dataset, rel=rel)
         return self._chunk_node(path, dataset, rel, entry, target)
@@ -622,6 +625,7 @@ class View:
             path = _parent(node.path)
             for _ in node.rel[:-1]:
                 self.written_dirs.add(path)
+                self.removed_dirs.discard(path)
                 path = _parent(path)
 
     async def open(self, node: Node, *, write: bool, truncate: bool) -> Handle:
@@ -955,6 +959,7 @@ class View:
             if dataset is None or not dataset.claims((name,)):
                 await self.store.make_dir(join_key(parent.key, name))
         self.new_dirs.setdefault(parent.path, set()).add(name)
+        self.removed_dirs.discard(join_key(parent.path, name))
         node = await self.lookup(parent, name)
         if node is None:  # e.g. a name the dataset claims but that cannot be a directory
             self.new_dirs[parent.path].discard(name)
@@ -973,6 +978,10 @@ class View:
             raise ViewError(errno.ENOTEMPTY, f"{node.path}: directory not empty")
         self.new_dirs.get(parent.path, set()).discard(name)
         self.written_dirs.discard(node.path)
+        if node.dataset is not None and node.dataset.root in self.born_here:
+            if len(self.removed_dirs) > 65536:  # (bounded: forgetting one only lets storage answer)
+                self.removed_dirs.clear()
+            self.removed_dirs.add(node.path)
         if node.key is not None:
             # chunks removed through the view leave their shards to be deleted
             # at the next flush: now, so the stored directory is empty
