@@ -129,3 +129,54 @@ def test_a_probe_overlapping_the_mounts_own_zarr_json_is_not_kept(tmp_path):
     # c.0 is the name of the chunk and of its shard (2 chunks per shard):
     # stored sharded, it is the chunk's byte plus an index of 2 entries
     assert (tmp_path / "new" / "c.0").stat().st_size == 1 + 2 * 16 + 4
+
+
+def test_a_precomputed_flush_that_loses_a_race_reading_minishards_merges_again(tmp_path):
+    """Another client replaces a precomputed shard after the flush read its
+    shard index and before it read the minishard indexes: the flush starts
+    over from the new version (both writers' keys kept), rather than failing."""
+    import os
+
+    from zshardfs.layouts.precomputed_format import ShardingSpec, encode_shard, parse_shard
+
+    sharding = {"@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity",
+                "minishard_bits": 1, "shard_bits": 0, "minishard_index_encoding": "raw", "data_encoding": "raw"}
+    spec = ShardingSpec.from_json(sharding)
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "info").write_text(json.dumps({"@type": "neuroglancer_skeletons", "sharding": sharding}))
+    shard = tmp_path / "kv" / "0.shard"
+    shard.write_bytes(encode_shard({1: b"one", 2: b"two"}, spec))
+    theirs = encode_shard({1: b"one", 2: b"two", 3: b"three"}, spec)
+
+    class RacingStore(SlowStore):
+        gets = 0
+
+        def _count(self, key):
+            if key == "kv/0.shard":
+                self.gets += 1
+                if self.gets == 2:  # the flush's first minishard read: the other client wins
+                    tmp = shard.with_name("0.shard.theirs")
+                    tmp.write_bytes(theirs)
+                    os.replace(tmp, shard)
+
+        def get(self, key, *args, **kwargs):
+            self._count(key)
+            return super().get(key, *args, **kwargs)
+
+        def get_nowait(self, *args, **kwargs):
+            return None  # every read asks the file (as S3 does): a replaced version fails its If-Match
+
+    store = RacingStore(str(tmp_path))
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=False), store)
+
+    async def main():
+        kv = await view.resolve("kv")
+        h = await view.create(kv, "4")
+        await view.write(h, 0, b"four")
+        await view.release(h)
+        store.gets = 0
+        await view.writeback.flush("kv/0.shard")
+
+    trio.run(main)
+    ids, offsets, sizes, _ = parse_shard(shard.read_bytes(), spec)
+    assert sorted(ids.tolist()) == [1, 2, 3, 4]
