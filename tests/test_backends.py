@@ -311,12 +311,13 @@ def test_delete(store):
     b.delete("d/keep")
     assert b.stat("d/keep") is None
     # a directory left empty stays (it may be a user's), unless asked to go
-    # (a shard's: the write-back deletes shards with prune_dirs)
+    # (a dataset's shard directories: the write-back deletes shards with
+    # prune_below=the dataset's directory, which stays, as do those above)
     assert b.list("").dirs == (["d"] if store.kind == "local" else [])
-    b.put("e/f/x", b"1")
-    b.delete("e/f/x", prune_dirs=True)
-    assert not b.is_dir("e/f") and not b.is_dir("e")
-    assert b.list("").dirs == (["d"] if store.kind == "local" else [])
+    b.put("g/e/f/x", b"1")
+    b.delete("g/e/f/x", prune_below="g")
+    assert not b.is_dir("g/e/f") and not b.is_dir("g/e")
+    assert b.list("").dirs == (["d", "g"] if store.kind == "local" else [])
 
 
 def test_counters(store):

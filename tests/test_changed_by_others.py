@@ -30,10 +30,10 @@ class Storage:
     def __init__(self, kind: str, root: Path | None = None, server=None, bucket: str | None = None):
         self.kind, self.root, self.server, self.bucket = kind, root, server, bucket
 
-    def mount(self, mount, *opts: str):
+    def mount(self, mount, *opts: str, mode: str = "ro"):
         if self.kind == "local":
-            return mount(self.root, "ro", *opts)
-        return mount(f"s3://{self.bucket}/{PREFIX}", "ro", *opts, extra=["--endpoint-url", self.server.endpoint_url])
+            return mount(self.root, mode, *opts)
+        return mount(f"s3://{self.bucket}/{PREFIX}", mode, *opts, extra=["--endpoint-url", self.server.endpoint_url])
 
     def put(self, key: str, data: bytes) -> None:
         if self.kind == "local":
@@ -397,11 +397,13 @@ def test_a_file_replaced_after_the_mounts_own_write_is_read_in_the_later_version
     assert (m / "big.bin").read_bytes() == b"O" * (3 << 20)
 
 
-def test_a_chunk_read_in_pieces_while_its_shard_is_replaced_is_one_version(storage, mount, tmp_path):
+@pytest.mark.parametrize("own_write", [False, True], ids=["", "own_write_of_another_chunk"])
+def test_a_chunk_read_in_pieces_while_its_shard_is_replaced_is_one_version(storage, mount, tmp_path, own_write):
     """A chunk larger than ``open_fill`` is read in pieces; another client
     replaces its shard between them with one of the same layout (same
     sizes, other bytes). The reader gets one version whole, never the first
-    MiB of one and the rest of the other."""
+    MiB of one and the rest of the other; also when this mount meanwhile
+    writes another chunk of that shard."""
     versions = []
     for v in (1, 2):
         a = zarr.create_array(str(tmp_path / f"v{v}"), shape=(2048, 1024), chunks=(1024, 1024),
@@ -411,11 +413,13 @@ def test_a_chunk_read_in_pieces_while_its_shard_is_replaced_is_one_version(stora
     assert len(versions[0]) == len(versions[1])
     storage.put("a/zarr.json", (tmp_path / "v1" / "zarr.json").read_bytes())
     storage.put("a/c/0/0", versions[0])
-    m = storage.mount(mount)
+    m = storage.mount(mount, mode="rw" if own_write else "ro")
     with open(m / "a" / "c" / "0" / "0", "rb", buffering=0) as f:
         first = f.read(1 << 20)
         storage.put("a/c/0/0", versions[1])
         time.sleep(1.3)  # past index_ttl: the mount knows of the new version
+        if own_write:
+            (m / "a" / "c" / "1" / "0").write_bytes(versions[0][:4 << 20])
         rest = b""
         while piece := f.read(1 << 20):
             rest += piece

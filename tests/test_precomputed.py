@@ -1037,9 +1037,11 @@ def test_a_sharded_volume_copied_into_the_view_keeps_its_shards(tmp_path, mount)
                 create=True).result()
     t.write(np.full(t.shape, 7, np.uint8)).result()
     (tmp_path / "src").mkdir()
-    m = mount(tmp_path / "src")
+    m = mount(tmp_path / "src", "flush_delay=inf")
     (m.path / "vol").mkdir()
     shutil.copy(orig / "info", m.path / "vol" / "info")
+    (m.path / "vol" / "s0").mkdir()
+    (m.path / "vol" / "s0" / "0-16_0-16_0-16").write_bytes(bytes(16 ** 3))  # not flushed: older than the copy
     subprocess.run(["cp", "-r", str(orig / "s0"), str(m.path / "vol")], check=True)
     assert len(os.listdir(m.path / "vol" / "s0")) == 8  # its chunks, listed from the shard at once
     assert (m.path / "vol" / "s0" / "0-16_0-16_0-16").read_bytes() == bytes([7]) * 16 ** 3
@@ -1065,3 +1067,31 @@ def test_a_chunk_larger_than_the_chunk_cache_is_read_once(tmp_path, mount):
     stats = m.stats()
     assert stats["kernel"]["reads"] >= 8  # (read in pieces: what this is about)
     assert stats["bytes"]["read"] < 2 * len(value), stats["bytes"]
+
+
+def test_an_info_moved_away_and_written_again_keeps_the_sharding(tmp_path, mount):
+    """An editor's save of a volume's ``info`` through the mount (rename the
+    old one away, write the view's text anew): the scales keep their chunk
+    files meanwhile, and the new ``info`` is stored with its sharding back."""
+    orig = tmp_path / "src" / "vol"
+    t = ts.open({"driver": "neuroglancer_precomputed", "kvstore": {"driver": "file", "path": str(orig) + "/"},
+                 "multiscale_metadata": {"type": "image", "data_type": "uint8", "num_channels": 1},
+                 "scale_metadata": {"key": "s0", "size": [32, 32, 32], "chunk_size": [16, 16, 16],
+                                    "resolution": [1, 1, 1], "encoding": "raw", "sharding": {
+                                        "@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0,
+                                        "hash": "identity", "minishard_bits": 1, "shard_bits": 0,
+                                        "minishard_index_encoding": "raw", "data_encoding": "raw"}}},
+                create=True).result()
+    t.write(np.full(t.shape, 9, np.uint8)).result()
+    m = mount(tmp_path / "src")
+    view = (m.path / "vol" / "info").read_bytes()
+    assert b"sharding" not in view
+    os.rename(m.path / "vol" / "info", m.path / "vol" / "info~")
+    assert len(os.listdir(m.path / "vol" / "s0")) == 8  # still its chunk files
+    (m.path / "vol" / "info").write_bytes(view)
+    assert (m.path / "vol" / "s0" / "0-16_0-16_0-16").read_bytes() == bytes([9]) * 16 ** 3
+    m.umount()
+    stored = json.loads((orig / "info").read_bytes())
+    assert stored["scales"][0]["sharding"]["@type"] == "neuroglancer_uint64_sharded_v1"
+    got = ts.open({"driver": "neuroglancer_precomputed", "kvstore": {"driver": "file", "path": str(orig) + "/"}})
+    assert np.all(np.asarray(got.result().read().result()) == 9)

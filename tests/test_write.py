@@ -924,7 +924,8 @@ def test_arrays_are_removed_as_from_a_directory_store(store, mount, tmp_path):
     deleted do not keep their directories from being removed, and an array
     whose zarr.json went first keeps its chunk files until they are gone."""
     data = np.arange(1600, dtype="<i4").reshape(40, 40) + 1
-    for name, sep in (("slash", "/"), ("dot", "."), ("tree", "/"), ("group/member", "/"), ("ow", "/"), ("tomove", ".")):
+    for name, sep in (("slash", "/"), ("dot", "."), ("tree", "/"), ("group/member", "/"), ("ow", "/"), ("tomove", "."),
+                      ("plain/arr", "/")):
         seed_array(store, tmp_path, name, (40, 40), (10, 10), (20, 20), "<i4", data=data, sep=sep)
     seed_array(store, tmp_path, "sparse", (512, 512), (32, 32), (128, 128), "<i4",
                data=np.pad(np.ones((170, 170), "<i4"), ((0, 342), (0, 342))))
@@ -932,9 +933,10 @@ def test_arrays_are_removed_as_from_a_directory_store(store, mount, tmp_path):
     m = mount(store.source, "flush_delay=60", extra=store.extra)
     names = os.listdir(m / "dot")
     assert "zarr.json" in names and len(names) == 17
-    for name in ("slash", "dot", "sparse"):
+    for name in ("slash", "dot", "sparse", "plain/arr"):
         subprocess.run(["rm", "-r", str(m / name)], check=True, capture_output=True)
         assert not (m / name).exists()
+    zs("sync", m.path)
     import shutil
 
     shutil.rmtree(m / "tree")
@@ -948,15 +950,16 @@ def test_arrays_are_removed_as_from_a_directory_store(store, mount, tmp_path):
     m.umount()
     gone = ("slash/", "dot/", "sparse/", "tree/", "group/member/", "tomove/")
     assert not [k for k in store.keys() if k.startswith(gone)]
-    if store.kind == "local":  # no directory of theirs is left behind either
-        assert sorted(os.listdir(store.root)) == ["group", "moved", "ow"]
+    if store.kind == "local":  # no directory of theirs is left behind, and none above them goes
+        assert sorted(os.listdir(store.root)) == ["group", "moved", "ow", "plain"]
+        assert os.listdir(store.root / "plain") == []
         assert os.listdir(store.root / "group") == ["zarr.json"]
     stored = store.local_copy(tmp_path / "copy")
     np.testing.assert_array_equal(zarr.open_array(str(stored / "moved"), mode="r")[:], data)
     np.testing.assert_array_equal(zarr.open_array(str(stored / "ow"), mode="r")[:], new)
 
 
-@pytest.mark.parametrize("how", ["editor", "rm_and_restore", "mv_away_and_back"])
+@pytest.mark.parametrize("how", ["editor", "rm_and_restore", "mv_away_and_back", "shell_redirect"])
 def test_zarr_json_removed_and_written_again_keeps_the_array(store, mount, tmp_path, how):
     """An editor's save (rename zarr.json to zarr.json~, write a new
     zarr.json), a copy put back after rm, and a move away and back: the
@@ -978,8 +981,18 @@ def test_zarr_json_removed_and_written_again_keeps_the_array(store, mount, tmp_p
         os.unlink(doc)
         assert sorted(os.listdir(m / "a" / "c" / "3")) == ["0", "1", "2", "3"]
         doc.write_bytes(saved)
+    elif how == "shell_redirect":  # rm zarr.json; cat saved > zarr.json
+        saved = doc.read_bytes()
+        os.unlink(doc)
+        fd = os.open(doc, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        child = os.dup(fd)
+        os.close(fd)  # the shell's copy closes first: an empty zarr.json is flushed
+        os.write(child, saved)
+        os.close(child)
     else:
         os.rename(doc, m / "a" / "zarr.json.bak")
+        # stored under its new name at once, never in memory only
+        assert json.loads(store.get("a/zarr.json.bak"))["codecs"][0]["name"] == "sharding_indexed"
         assert [p.name for p in (m / "a" / "c").rglob("*") if p.is_file()]  # listed meanwhile
         os.rename(m / "a" / "zarr.json.bak", doc)
     assert (m / "a" / "c" / "0" / "0").read_bytes() == chunk
@@ -1028,6 +1041,19 @@ def test_plain_directories_are_removed_as_on_a_file_system(store, mount):
     assert not (m / "e").exists()
     m.umount()
     assert not [k for k in store.keys() if k.startswith(("t/", "e/"))]
+
+
+def test_a_new_array_where_a_removed_one_left_nothing_is_new(store, mount, tmp_path):
+    """Once every chunk of an array is removed along with its zarr.json, the
+    directory holds nothing of it: a different array written there is
+    stored as written, not mapped back onto the removed one."""
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=np.ones((8, 8), "<i4"))
+    m = mount(store.source, extra=store.extra)
+    for p in sorted((m / "arr").rglob("*"), reverse=True):
+        (os.rmdir if p.is_dir() else os.unlink)(p)
+    zarr.create_array(str(m / "arr"), shape=(6,), chunks=(3,), dtype="uint8", fill_value=0)[:] = 4
+    m.umount()
+    np.testing.assert_array_equal(zarr.open_array(str(store.local_copy(tmp_path / "copy") / "arr"))[:], 4)
 
 
 def test_made_directories_are_remembered_only_while_empty(store, mount):

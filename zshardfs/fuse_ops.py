@@ -321,8 +321,8 @@ class Operations(pyfuse3.Operations):
         i = start_id
         while True:
             while i >= len(handle.entries) and not handle.done:
-                if handle.failed is not None:
-                    raise handle.failed
+                if handle.failed is not None:  # (a fresh error: re-raising one object grows its traceback)
+                    raise pyfuse3.FUSEError(getattr(handle.failed, "errno", None) or errno.EIO)
                 try:
                     handle.entries.append(await handle.source.__anext__())
                 except StopAsyncIteration:

@@ -114,8 +114,8 @@ class Handle:
     buffer: FileBuffer | None = None  # passthrough / scratch writes
     chunk: object = None  # writeback.DirtyChunk for chunk writes
     # a stored chunk read in pieces: the version its first piece came from
-    # (bytes, and View.chunk_changes then), so the rest is never another's
-    seen: tuple[bytes, int] | None = None
+    # (bytes, and View._chunk_version of it then), so the rest is never another's
+    seen: tuple[bytes, tuple] | None = None
 
 
 class _TTLCache:
@@ -148,12 +148,14 @@ class _TTLCache:
         return None if item is None else item[0]
 
 
+#: the largest file written through the view (or ``max_dirty``, if larger)
+MAX_FILE = 1 << 30
+#: bytes of removed metadata documents kept to map a new one back (View.orphans)
+REMOVED_DOCUMENTS_BYTES = 64 << 20
+
 #: what parsing a malformed metadata document can raise, beyond the layouts'
 #: own checks (a list where an object belongs, a document nested 100000
 #: deep, ...): the document is then shown as stored, with one warning
-#: the largest file written through the view (or ``max_dirty``, if larger)
-MAX_FILE = 1 << 30
-
 METADATA_ERRORS = (TypeError, AttributeError, KeyError, IndexError, ValueError, RecursionError, OverflowError)
 
 
@@ -217,21 +219,27 @@ class View:
         self._moving = False  # a rename's unlink of its source: its writers move, not detach
         self.readers: dict[str, set[Handle]] = {}  # path -> read-only handles of chunk files
         self.document_writes = 0  # metadata documents this mount stored or removed
-        self.chunk_changes = 0  # chunk writes and unlinks through this mount: visible at once (2.5)
+        # (shard key, chunk id) -> writes and unlinks of that chunk through
+        # this mount (visible at once, 2.5: they end a reader's pin); bounded,
+        # with an epoch so that forgetting them all never looks like no change
+        self._chunk_changes: dict[tuple[str, int], int] = {}
+        self._chunk_epoch = 0
         # ...and when it last did: nodes made before then may name a dataset
         # that is no more (the kernel holds them), so they are looked up again
         # (:meth:`_fresh`), once per path and change
         self._documents_changed_at = float("-inf")
         self._fresh_nodes: dict[str, Node] = {}
         # Datasets whose metadata document this mount removed (unlink, or a
-        # rename away) while chunks were still stored below it: dir key ->
-        # (dataset, the removed document's stored bytes).  As on a directory
-        # store, the chunk files stay (listable, readable, removable) until
-        # removed, and a document stored there again is mapped back onto the
-        # removed one, as a rewrite would be.  Without this, ``rm -r`` (which
-        # may remove zarr.json first) and an editor's save (rename the old
-        # file away, write a new one) would meet raw shards.
-        self.orphans: OrderedDict[str, tuple[Dataset, bytes]] = OrderedDict()
+        # rename away): dir key -> (dataset, the document's key), and that
+        # document's stored bytes by key.  As on a directory store, the chunk
+        # files stay (listable, readable, removable), and a document stored
+        # there again while chunks remain is mapped back onto the removed
+        # one, as a rewrite would be.  Without this, ``rm -r`` (which may
+        # remove zarr.json first) and an editor's save (rename the old file
+        # away, write a new one) would meet raw shards.  Bounded: 1024
+        # datasets, REMOVED_DOCUMENTS_BYTES of documents.
+        self.orphans: OrderedDict[str, tuple[Dataset, str]] = OrderedDict()
+        self.removed_documents: OrderedDict[str, bytes] = OrderedDict()
 
     # -- datasets -----------------------------------------------------------
 
@@ -249,11 +257,11 @@ class View:
             if self.document_writes == writes:
                 break
         else:
-            return dataset
-        if dataset is None and dir_key in self.orphans:
-            dataset = self.orphans[dir_key][0]
-        elif dataset is not None:
-            self.orphans.pop(dir_key, None)  # a document is stored there again
+            return dataset or self._orphan_at(dir_key)
+        if dataset is None:
+            dataset = self._orphan_at(dir_key)
+        else:
+            self._forget_orphan(dir_key)  # a document is there again (another client's)
         if (dataset is not None and previous is not None and type(previous) is type(dataset)
                 and dataset.version and previous.version == dataset.version):
             dataset = previous  # made of the same documents: keep what it has learnt
@@ -281,12 +289,14 @@ class View:
             return node
         fresh = self._fresh_nodes.get(node.path)
         if fresh is None:
+            writes = self.document_writes
             fresh = await self.resolve(node.path) if node.path else self.root()
             if fresh is None:
                 return node
-            if len(self._fresh_nodes) > 4096:
-                self._fresh_nodes.clear()
-            self._fresh_nodes[node.path] = fresh
+            if self.document_writes == writes:  # (else resolved partly before another change)
+                if len(self._fresh_nodes) > 4096:
+                    self._fresh_nodes.clear()
+                self._fresh_nodes[node.path] = fresh
         return fresh
 
     async def _probe(self, dir_key: str) -> Dataset | None:
@@ -558,6 +568,16 @@ class View:
             return bytes(dirty.data)
         return await node.dataset.read(t)
 
+    def _chunk_version(self, t: ChunkTarget) -> tuple:
+        return self._chunk_epoch, self._chunk_changes.get((t.shard_key, t.chunk_id), 0)
+
+    def _chunk_changed(self, t: ChunkTarget) -> None:
+        if len(self._chunk_changes) > 65536:
+            self._chunk_changes.clear()
+            self._chunk_epoch += 1
+        k = (t.shard_key, t.chunk_id)
+        self._chunk_changes[k] = self._chunk_changes.get(k, 0) + 1
+
     def handed_to_kernel(self, node: Node) -> None:
         """All of ``node``'s bytes are in the kernel's page cache now."""
         if node.is_chunk:
@@ -579,7 +599,10 @@ class View:
             return bytes(chunk.data[offset: offset + size])
         if node.is_chunk:
             seen = handle.seen if isinstance(handle, Handle) else None
-            if seen is not None and seen[1] == self.chunk_changes:
+            if seen is not None and seen[1] == self._chunk_version(node.target):
+                if expect_size is not None and len(seen[0]) != expect_size:
+                    # the kernel was told of another size since: neither version cut to it
+                    raise Changed(f"{node.path}: replaced by another client while open; open it again", node.path)
                 return seen[0][offset: offset + size]
             data = await self.content(node)
             if expect_size is not None and len(data) != expect_size and self.in_memory(node) is None:
@@ -589,7 +612,7 @@ class View:
                 # read in pieces: the rest from this version, even if another
                 # client replaces the shard meanwhile (its chunk cache entry
                 # may go; the bytes stay with the handle until it is closed)
-                handle.seen = (data, self.chunk_changes)
+                handle.seen = (data, self._chunk_version(node.target))
             return data[offset: offset + size]
         if node.document is not None:
             return node.document[offset: offset + size]
@@ -643,11 +666,11 @@ class View:
             self._check_chunk_writable(node)
             initial = b"" if truncate else await self.content(node)
             chunk = self.writeback.open_chunk(t.shard_key, node.dataset.shard_format, t.shard_ctx, t.chunk_id,
-                                              initial, t.capacity)
+                                              initial, t.capacity, node.dataset.shard_home)
             if truncate and len(chunk.data):
                 del chunk.data[:]
                 self.writeback.changed(t.shard_key, chunk)
-                self.chunk_changes += 1
+                self._chunk_changed(t)
             self._remember_new_chunk(node)
             return self._writer(Handle(node, True, chunk=chunk))
         buf = self.buffers.get(node.path)
@@ -744,7 +767,7 @@ class View:
             handle.buffer.changed()
         else:
             self.writeback.changed(handle.node.target.shard_key, handle.chunk)
-            self.chunk_changes += 1
+            self._chunk_changed(handle.node.target)
         return len(data)
 
     def _check_size(self, node: Node, size: int) -> None:
@@ -771,7 +794,7 @@ class View:
             own.buffer.changed()
         else:
             self.writeback.changed(node.target.shard_key, own.chunk)
-            self.chunk_changes += 1
+            self._chunk_changed(node.target)
         if own is not handle:
             await self.flush(own)
             await self.release(own)
@@ -805,7 +828,10 @@ class View:
         for layout in LAYOUTS:
             if layout.is_document(buf.key) and hasattr(layout, "accept_document"):
                 stored = await self.store.get_or_none(buf.key)
-                stored = stored.data if stored is not None else self._orphan_document(buf.key)
+                # (an empty or absent document: the one this mount removed, if
+                # its chunks remain; ``> zarr.json`` stores an empty one first)
+                stored = stored.data if stored is not None and stored.data.strip() else \
+                    await self._removed_document(buf.key)
                 # a layout that needs to read storage to decide (members'
                 # documents, what the directory already holds) offers an
                 # async variant
@@ -836,11 +862,14 @@ class View:
             listing = await self.store.list(root)
             if not listing.dirs and not any(_could_be_chunk(f.key.rsplit("/", 1)[-1]) for f in listing.files):
                 self.born_here.add(root)
-        info = await self.store.put(buf.key, data)
-        self.shards.forget(buf.key)  # (a shard written as is: its chunks show at once)
+        # (a shard written as is: newer than the chunk writes pending for it,
+        # and its chunks show at once)
+        info = await self.writeback.superseding(buf.key, functools.partial(self.store.put, buf.key, data))
+        self.shards.forget(buf.key)
         if self._is_dataset_document(buf.key):
             self._document_changed(buf.key)
-            self.orphans.pop(_parent(buf.key), None)
+            if data.strip():  # (not the empty file of an O_TRUNC open: the text is still to come)
+                self._forget_removed(buf.key)
         self.own_versions[buf.key] = (info.etag, time.monotonic())
         self.own_versions.move_to_end(buf.key)
         if len(self.own_versions) > 4096:
@@ -855,9 +884,48 @@ class View:
         self.datasets.pop(_parent(buf.key))
         self.datasets.pop(buf.key)
 
-    def _orphan_document(self, key: str) -> bytes | None:
-        orphan = self.orphans.get(_parent(key))
-        return orphan[1] if orphan is not None and self._is_dataset_document(key) else None
+    def _orphan_at(self, dir_key: str) -> Dataset | None:
+        orphan = self.orphans.get(dir_key)
+        return orphan[0] if orphan is not None else None
+
+    def _forget_orphan(self, dir_key: str) -> None:
+        orphan = self.orphans.pop(dir_key, None)
+        if orphan is not None and not any(k == orphan[1] for _, k in self.orphans.values()):
+            self.removed_documents.pop(orphan[1], None)
+
+    def _forget_removed(self, key: str) -> None:
+        """A document is at ``key`` again: its removed predecessor is past."""
+        self.removed_documents.pop(key, None)
+        for dir_key in [d for d, (_, k) in self.orphans.items() if k == key]:
+            del self.orphans[dir_key]
+
+    def _orphan(self, key: str, stored: bytes, datasets: list[tuple[str, Dataset]]) -> None:
+        """Keep ``datasets`` (made of the document ``key``, just removed)."""
+        for dir_key, dataset in datasets:
+            self.orphans[dir_key] = (dataset, key)
+            self.orphans.move_to_end(dir_key)
+        self.removed_documents[key] = stored
+        self.removed_documents.move_to_end(key)
+        while len(self.orphans) > 1024:
+            self._forget_orphan(next(iter(self.orphans)))
+        while sum(map(len, self.removed_documents.values())) > REMOVED_DOCUMENTS_BYTES:
+            self._forget_removed(next(iter(self.removed_documents)))
+
+    async def _removed_document(self, key: str) -> bytes | None:
+        """The stored bytes of the document this mount removed from ``key``,
+        if a dataset made of it still holds chunks (a new document there is
+        then that dataset's, mapped back); None if nothing of it is left."""
+        data = self.removed_documents.get(key)
+        if data is None:
+            return None
+        dirs = [d for d, (_, k) in self.orphans.items() if k == key]
+        for dir_key in dirs:
+            if await self._holds_chunks(Node(dir_key, True, key=dir_key)):
+                return data
+        for dir_key in dirs:  # all gone: their shards' deletions are stored before a new document
+            await self.writeback.flush_below(dir_key)
+        self._forget_removed(key)  # ...which is new
+        return None
 
     @staticmethod
     def _is_dataset_document(key: str) -> bool:
@@ -916,36 +984,39 @@ class View:
         if node.is_chunk:
             await self._keep_for_readers(node)
             t = node.target
-            self.writeback.delete(t.shard_key, node.dataset.shard_format, t.shard_ctx, t.chunk_id)
-            self.chunk_changes += 1
+            self.writeback.delete(t.shard_key, node.dataset.shard_format, t.shard_ctx, t.chunk_id,
+                                  node.dataset.shard_home)
+            self._chunk_changed(t)
             return
         if buf is not None and (buf.key is None or not buf.in_store):
             return  # scratch, or a new file not stored yet: nothing in storage to remove
         if node.key is not None:
             dir_key = _parent(node.key)
-            dataset = stored = None
+            made_of: list[tuple[str, Dataset]] = []  # the datasets this document describes
+            stored = b""
             if self._is_dataset_document(node.key):
-                dataset = await self.dataset_at(dir_key)
-                stored = await self._stored_bytes(node) if dataset is not None else None
+                stored = await self._stored_bytes(node)
+                for d in dict.fromkeys(d for layout in LAYOUTS if layout.is_document(node.key)
+                                       for d in layout.dataset_dirs(node.key, stored)):
+                    if (dataset := await self.dataset_at(d)) is not None:
+                        made_of.append((d, dataset))
             try:
                 await self.store.delete(node.key)
             except NotFound:
                 if buf is None:
                     raise
             if self._is_dataset_document(node.key):
+                # (no await from here on: a lookup in between would find
+                # neither the document nor the orphan, and cache that)
                 self._document_changed(node.key)
+                if made_of:
+                    self._orphan(node.key, stored, made_of)
             self.datasets.pop(dir_key)
             if not self.store.keeps_empty_dirs and parent.path and not self._in_dataset(parent):
                 # (S3) the last file's going would take its directory along,
                 # under a tool about to rmdir it (rm -r): it stays, in memory,
                 # while empty, as a directory made with mkdir does
                 self.new_dirs.setdefault(_parent(parent.path), set()).add(parent.name)
-            if dataset is not None and await self._probe(dir_key) is None:
-                listing = await self.store.list(dir_key)
-                if listing.dirs or listing.files:  # chunks (or shards) still below it
-                    self.orphans[dir_key] = (dataset, stored)
-                    while len(self.orphans) > 1024:
-                        self.orphans.popitem(last=False)
 
     async def mkdir(self, parent: Node, name: str) -> Node:
         self._check_writable()
@@ -987,7 +1058,14 @@ class View:
             # at the next flush: now, so the stored directory is empty
             await self.writeback.flush_below(node.key)
             await self.store.remove_dir(node.key)
-            self.orphans.pop(node.key, None)
+            self._forget_orphan(node.key)
+
+    async def _holds_chunks(self, node: Node) -> bool:
+        """A chunk file somewhere below ``node`` (plain files do not count)."""
+        async for child in self.listdir(node):
+            if child.is_chunk or (child.is_dir and child.dataset is not None and await self._holds_chunks(child)):
+                return True
+        return False
 
     async def _empty(self, node: Node) -> bool:
         """No file below ``node``: a directory store's rmdir test.  Chunk
@@ -1016,7 +1094,14 @@ class View:
         handle = await self.create(new_parent, new_name)
         try:
             await self.write(handle, 0, data)
-            await self.flush(handle)
+            if handle.buffer is not None and handle.buffer.key is not None and node.key is not None \
+                    and (buf is None or buf.in_store):
+                # a stored file renamed: stored under its new name before the
+                # old one goes, whatever the new name (a zarr.json renamed to
+                # zarr.json~ must never be in memory only)
+                await self._store_buffer(handle.buffer)
+            else:
+                await self.flush(handle)
         finally:
             await self.release(handle)
         if buf is not None and buf.key is None:

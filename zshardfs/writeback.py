@@ -33,7 +33,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 import trio
 
@@ -53,6 +53,8 @@ MAX_GAP = 64 << 10  # kept chunks closer than this are read in one range
 #: still fails, or go on as soon as it works again
 PRESSURE_RETRY = 1.0
 
+
+T = TypeVar("T")
 
 #: shards flushed at once by sync, unmount and the background flusher
 FLUSH_PARALLEL = 8
@@ -79,6 +81,9 @@ class DirtyShard:
     fmt: ShardFormat
     ctx: Any
     capacity: int | None  # chunks a full shard holds (None: unknown/unbounded)
+    # the dataset's directory: those between it and the shard hold only
+    # shards, and go when the last one is deleted (None: none go)
+    home: str | None = None
     chunks: dict[int, DirtyChunk] = field(default_factory=dict)
     since: float = field(default_factory=time.monotonic)
     touched: float = field(default_factory=time.monotonic)
@@ -136,10 +141,11 @@ class WriteBack:
         chunks = sum(1 for s in self.dirty.values() for c in s.chunks.values() if c.clean != c.version)
         return chunks, sum(1 for s in self.dirty.values() if any(c.clean != c.version for c in s.chunks.values()))
 
-    def shard(self, key: str, fmt: ShardFormat, ctx: Any, capacity: int | None = None) -> DirtyShard:
+    def shard(self, key: str, fmt: ShardFormat, ctx: Any, capacity: int | None = None,
+              home: str | None = None) -> DirtyShard:
         shard = self.dirty.get(key)
         if shard is None:
-            shard = self.dirty[key] = DirtyShard(key, fmt, ctx, capacity)
+            shard = self.dirty[key] = DirtyShard(key, fmt, ctx, capacity, home=home)
         return shard
 
     def pending(self, key: str, chunk_id: int) -> DirtyChunk | None:
@@ -152,10 +158,10 @@ class WriteBack:
         return dict(shard.chunks) if shard else {}
 
     def open_chunk(self, key: str, fmt: ShardFormat, ctx: Any, chunk_id: int, initial: bytes | None,
-                   capacity: int | None = None) -> DirtyChunk:
+                   capacity: int | None = None, home: str | None = None) -> DirtyChunk:
         """A chunk opened for writing: its buffer, starting from ``initial``
         (the current content) unless it is dirty already."""
-        shard = self.shard(key, fmt, ctx, capacity)
+        shard = self.shard(key, fmt, ctx, capacity, home)
         chunk = shard.chunks.get(chunk_id)
         if chunk is None or chunk.data is None:
             chunk = shard.chunks[chunk_id] = DirtyChunk(bytearray(initial or b""),
@@ -190,13 +196,30 @@ class WriteBack:
         shard.chunks[chunk_id] = DirtyChunk(bytearray(data), (old.version + 1) if old else 0)
         self.touch(shard)
 
-    def delete(self, key: str, fmt: ShardFormat, ctx: Any, chunk_id: int) -> None:
-        shard = self.shard(key, fmt, ctx)
+    def delete(self, key: str, fmt: ShardFormat, ctx: Any, chunk_id: int, home: str | None = None) -> None:
+        shard = self.shard(key, fmt, ctx, home=home)
         linked = getattr(fmt, "deleted_with", None)
         for cid in linked(chunk_id) if linked else (chunk_id,):
             old = shard.chunks.get(cid)
             shard.chunks[cid] = DirtyChunk(None, (old.version + 1) if old else 0)
         self.touch(shard)
+
+    async def superseding(self, key: str, put: Callable[[], Awaitable[T]]) -> T:
+        """``put()``, which replaces shard ``key`` whole (a shard file written
+        as is), with the shard's flushes held off; then the chunk writes
+        pending for it are older, and dropped (those still open for writing
+        go on: their next flush merges onto the new shard)."""
+        shard = self.dirty.get(key)
+        if shard is None:
+            return await put()
+        async with shard.lock:
+            result = await put()
+            for cid, chunk in list(shard.chunks.items()):
+                if not chunk.writers:
+                    del shard.chunks[cid]
+            if not shard.chunks and self.dirty.get(key) is shard:
+                del self.dirty[key]
+        return result
 
     def touch(self, shard: DirtyShard) -> None:
         shard.touched = time.monotonic()
@@ -278,7 +301,7 @@ class WriteBack:
                             chunk.clean = version
                         else:
                             del shard.chunks[cid]
-                if not shard.chunks:
+                if not shard.chunks and self.dirty.get(key) is shard:
                     del self.dirty[key]
         async with self._room:
             self._room.notify_all()  # waiting writers judge every outcome
@@ -310,7 +333,7 @@ class WriteBack:
             try:
                 if not merged:
                     if index is not None:
-                        await self.store.delete(shard.key, if_match=index.info.etag, prune_dirs=True)
+                        await self.store.delete(shard.key, if_match=index.info.etag, prune_below=shard.home)
                 else:
                     data = await off_loop(functools.partial(fmt.encode, merged, ctx),
                                           sum(map(len, merged.values())))
@@ -363,8 +386,9 @@ class WriteBack:
     async def flush_below(self, prefix: str) -> None:
         """Flush every dirty shard whose key is below directory ``prefix``."""
         below = prefix + "/" if prefix else ""
-        for key in [k for k in self.dirty if k.startswith(below)]:
-            await self.flush(key)
+        errors = await self._flush_many([k for k in self.dirty if k.startswith(below)])
+        if errors:
+            raise errors[0]
 
     async def sync_all(self) -> list[StoreError]:
         """Flush every dirty shard (sync, unmount, SIGTERM); returns failures."""

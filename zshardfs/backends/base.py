@@ -173,10 +173,11 @@ class Backend(Protocol):
         given and the current etag differs (or the object is gone), or when
         ``if_none_match`` is set and the object exists."""
 
-    def delete(self, key: str, *, if_match: str | None = None, prune_dirs: bool = False) -> None:
+    def delete(self, key: str, *, if_match: str | None = None, prune_below: str | None = None) -> None:
         """Remove the object (absent is not an error unless if_match given).
-        ``prune_dirs``: also remove the directories this leaves empty (local;
-        S3 has none), for shards, whose directories exist only to hold them."""
+        ``prune_below``: also remove the directories this leaves empty, up to
+        but not including that one (local; S3 has none): a dataset's shard
+        directories, which exist only to hold its shards."""
 
     def make_dir(self, key: str) -> None:
         """Create an (empty) directory where the store has such a thing
@@ -466,9 +467,9 @@ class AsyncStore:
         finally:
             self._changed(key)
 
-    async def delete(self, key: str, *, if_match: str | None = None, prune_dirs: bool = False) -> None:
+    async def delete(self, key: str, *, if_match: str | None = None, prune_below: str | None = None) -> None:
         try:
-            return await self._run(self.backend.delete, key, if_match=if_match, prune_dirs=prune_dirs)
+            return await self._run(self.backend.delete, key, if_match=if_match, prune_below=prune_below)
         finally:
             self._changed(key)
 

@@ -384,7 +384,7 @@ class LocalBackend:
         bump(self.counters, "bytes_written", len(data))
         return self._info(key, st)
 
-    def delete(self, key, *, if_match=None, prune_dirs=False) -> None:
+    def delete(self, key, *, if_match=None, prune_below=None) -> None:
         path = self._path(key)
         try:
             if if_match is not None:
@@ -402,8 +402,11 @@ class LocalBackend:
         self._forget_fds(key)
         # Otherwise directories left empty stay, as in zarr-python's LocalStore:
         # they may be a user's (made with mkdir through the mount: real at once).
+        if prune_below is None:
+            return
+        stop = self._path(prune_below)
         parent = os.path.dirname(path)
-        while prune_dirs and parent != self.root and parent.startswith(self.root + os.sep):
+        while parent != stop and parent.startswith(stop + os.sep):
             try:
                 os.rmdir(parent)  # fails unless empty
             except OSError:

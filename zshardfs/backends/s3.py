@@ -504,7 +504,7 @@ class S3Backend:
         # PutObject does not return LastModified; "now" is close enough.
         return ObjectInfo(key, len(data), resp.get("ETag", ""), time.time())
 
-    def delete(self, key, *, if_match=None, prune_dirs=False) -> None:
+    def delete(self, key, *, if_match=None, prune_below=None) -> None:
         params = {"Key": self._obj(key)}
         if if_match is not None:
             params["IfMatch"] = if_match

@@ -3,6 +3,8 @@
 - ``probe(ctx, dir_key) -> Dataset | None``
 - ``is_document(key) -> bool``: cheap name test for metadata it may rewrite
 - ``rewrite_document(key, data) -> bytes | None``
+- ``dataset_dirs(key, data) -> list[str]``: the directories whose datasets
+  the document at ``key`` (stored bytes ``data``) describes
 
 and optionally ``accept_document(key, new, stored, shard_option)`` (what to
 store when a document is written through the view) and its variant with

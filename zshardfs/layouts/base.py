@@ -140,6 +140,12 @@ class Dataset(ABC):
 
     shard_format = None  # set by subclasses (a shards.ShardFormat)
 
+    @property
+    def shard_home(self) -> str:
+        """The storage directory the shards' keys are below: directories
+        between it and a shard hold only shards (pruned with the last)."""
+        return self.root
+
 
 _warned: set[str] = set()
 
@@ -160,7 +166,11 @@ def warn_once(logger: logging.Logger, message: str) -> None:
 
 
 def load_json(data: bytes, what: str) -> dict | None:
-    """Parse a metadata document; None (and one log line) if it is not a JSON object."""
+    """Parse a metadata document; None (and one log line) if it is not a JSON object.
+    An empty one is None without a word: a tool writing the file (O_TRUNC)
+    shows it empty for a moment."""
+    if not data.strip():
+        return None
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:

@@ -69,6 +69,7 @@ empties the fragment data.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -763,6 +764,20 @@ def parse_info(doc: dict, what: str) -> list[Part]:
 
 def is_document(key: str) -> bool:
     return key.rsplit("/", 1)[-1] == "info"
+
+
+def dataset_dirs(key: str, data: bytes) -> list[str]:
+    """The directories whose datasets the ``info`` at ``key`` describes: its
+    own (a key-value directory) and those of its sharded parts (scales,
+    annotation indexes)."""
+    base = key.rpartition("/")[0]
+    try:
+        doc = json.loads(data)
+        parts = [k for holder, k, _, _ in _candidates(doc) if isinstance(doc, dict) and "sharding" in holder
+                 and isinstance(k, str)]
+    except (ValueError, TypeError, AttributeError, RecursionError):
+        parts = []
+    return [base, *(join_key(base, k) for k in parts)]
 
 
 def rewrite_document(key: str, data: bytes) -> bytes | None:

@@ -280,6 +280,10 @@ class GridDataset(Dataset):
         self.keys = keys
         self.shard_format = fmt
 
+    @property
+    def shard_home(self) -> str:
+        return self.data_root
+
     def _key(self, rel_key: str) -> str:
         return f"{self.data_root}/{rel_key}" if self.data_root else rel_key
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -118,21 +119,28 @@ def _rewrite_array(doc: dict, what: str) -> dict | None:
 # for a view that cannot call accept_document_async (which reads them).
 SHOWN_MAX = 4096
 _shown: OrderedDict[str, bytes] = OrderedDict()
+_shown_lock = threading.Lock()  # large documents are rewritten in worker threads (off_loop)
 
 
 def _remember(key: str, stored: bytes | None) -> None:
     """``stored`` is what ``key`` holds now (None: not a sharded array)."""
-    if stored is None:
-        _shown.pop(key, None)
-        return
-    _shown[key] = stored
-    _shown.move_to_end(key)
-    while len(_shown) > SHOWN_MAX:
-        _shown.popitem(last=False)
+    with _shown_lock:
+        if stored is None:
+            _shown.pop(key, None)
+            return
+        _shown[key] = stored
+        _shown.move_to_end(key)
+        while len(_shown) > SHOWN_MAX:
+            _shown.popitem(last=False)
 
 
 def is_document(key: str) -> bool:
     return key.rsplit("/", 1)[-1] == "zarr.json"
+
+
+def dataset_dirs(key: str, data: bytes) -> list[str]:
+    """The directory whose dataset a ``zarr.json`` describes: its own."""
+    return [key.rpartition("/")[0]]
 
 
 def rewrite_document(key: str, data: bytes) -> bytes | None:
@@ -277,7 +285,8 @@ def _accept_group(key: str, doc: dict, old: dict | None, members: dict | None) -
         if members is not None:  # read from storage now
             source = members.get(path)
         else:  # what this process showed of the member, else the stored snapshot
-            shown = _shown.get(join_key(base, path, "zarr.json"))
+            with _shown_lock:
+                shown = _shown.get(join_key(base, path, "zarr.json"))
             source = load_json(shown, path) if shown is not None else old_members.get(path)
         meta = _meta_or_none(source) if isinstance(source, dict) else None
         if meta is None:

@@ -43,6 +43,11 @@ def is_document(key: str) -> bool:
     return key.startswith(META_ROOT) and key.endswith(SUFFIX)
 
 
+def dataset_dirs(key: str, data: bytes) -> list[str]:
+    """``meta/root/<p>.array.json`` describes the array under ``data/root/<p>``."""
+    return [DATA_ROOT + key[len(META_ROOT):-len(SUFFIX)]]
+
+
 def rewrite_document(key: str, data: bytes) -> bytes | None:
     doc = load_json(data, key)
     if doc is None or _transformer(doc) is None:
