@@ -959,7 +959,8 @@ def test_arrays_are_removed_as_from_a_directory_store(store, mount, tmp_path):
     np.testing.assert_array_equal(zarr.open_array(str(stored / "ow"), mode="r")[:], new)
 
 
-@pytest.mark.parametrize("how", ["editor", "rm_and_restore", "mv_away_and_back", "shell_redirect"])
+@pytest.mark.parametrize("how", ["editor", "rm_and_restore", "mv_away_and_back", "shell_redirect",
+                                 "truncate_then_append"])
 def test_zarr_json_removed_and_written_again_keeps_the_array(store, mount, tmp_path, how):
     """An editor's save (rename zarr.json to zarr.json~, write a new
     zarr.json), a copy put back after rm, and a move away and back: the
@@ -981,6 +982,13 @@ def test_zarr_json_removed_and_written_again_keeps_the_array(store, mount, tmp_p
         os.unlink(doc)
         assert sorted(os.listdir(m / "a" / "c" / "3")) == ["0", "1", "2", "3"]
         doc.write_bytes(saved)
+    elif how == "truncate_then_append":  # truncate -s 0 zarr.json; (a chunk written); cat saved >> zarr.json
+        saved = doc.read_bytes()
+        os.truncate(doc, 0)
+        assert sorted(os.listdir(m / "a" / "c" / "0")) == ["0", "1", "2", "3"]  # chunk files all along
+        (m / "a" / "c" / "0" / "0").write_bytes(chunk)
+        with open(doc, "ab") as f:
+            f.write(saved)
     elif how == "shell_redirect":  # rm zarr.json; cat saved > zarr.json
         saved = doc.read_bytes()
         os.unlink(doc)
@@ -1041,6 +1049,35 @@ def test_plain_directories_are_removed_as_on_a_file_system(store, mount):
     assert not (m / "e").exists()
     m.umount()
     assert not [k for k in store.keys() if k.startswith(("t/", "e/"))]
+
+
+def test_an_o_trunc_open_empties_the_file(store, mount):
+    """``: > f`` empties f, even though nothing is written."""
+    m = mount(store.source, extra=store.extra)
+    (m / "f.txt").write_bytes(b"hello\n")
+    os.close(os.open(m / "f.txt", os.O_WRONLY | os.O_TRUNC))
+    assert (m / "f.txt").read_bytes() == b""
+    m.umount()
+    assert store.get("f.txt") == b""
+
+
+def test_a_sharded_document_restored_over_its_shards_is_stored(store, mount, tmp_path):
+    """After a crash in an editor's save (``zarr.json`` renamed to
+    ``zarr.json~``, nothing written yet), a remounted view restores it with
+    ``mv zarr.json~ zarr.json``: a sharded document over shards already
+    stored is a restore, not a new sharded array."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8) + 1
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    store.put("arr/zarr.json~", store.get("arr/zarr.json"))
+    if store.kind == "local":
+        (store.root / "arr" / "zarr.json").unlink()
+    else:
+        store.server.s3.delete_object(Bucket=store.bucket, Key=f"{PREFIX}/arr/zarr.json")
+    m = mount(store.source, extra=store.extra)
+    os.rename(m / "arr" / "zarr.json~", m / "arr" / "zarr.json")
+    np.testing.assert_array_equal(zarr.open_array(str(m / "arr"), mode="r")[:], data)
+    m.umount()
+    np.testing.assert_array_equal(zarr.open_array(str(store.local_copy(tmp_path / "copy") / "arr"))[:], data)
 
 
 def test_a_new_array_where_a_removed_one_left_nothing_is_new(store, mount, tmp_path):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -162,6 +163,14 @@ METADATA_ERRORS = (TypeError, AttributeError, KeyError, IndexError, ValueError, 
 def _not_understood(where: str, exc: Exception) -> None:
     log_once(log, logging.WARNING, f"{where}: metadata not understood ({type(exc).__name__}: {exc}); "
                                    "shown as stored")
+
+
+def _json_object(data: bytes) -> bool:
+    """Is ``data`` a JSON object (what any metadata document is)?"""
+    try:
+        return isinstance(json.loads(data), dict)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
 
 
 def _could_be_chunk(name: str) -> bool:
@@ -682,7 +691,7 @@ class View:
             buf = self.buffers.get(node.path)
             if buf is None:
                 buf = self.buffers[node.path] = FileBuffer(node.path, node.key, bytearray(data))
-        if truncate and buf.data:
+        if truncate and (buf.data or node.size):  # (``: > f`` empties f, written to or not)
             del buf.data[:]
             buf.changed()
         buf.handles += 1
@@ -807,6 +816,13 @@ class View:
             return
         if await self._is_scratch_in_dataset_root(buf):
             return  # stored at fsync/sync, or moved by a rename before that
+        if (buf.in_store or buf.key in self.removed_documents) and self._is_dataset_document(buf.key) \
+                and not buf.data.strip():
+            # an emptied metadata document (``> zarr.json``, ``truncate -s 0``):
+            # its text is about to follow, and the dataset, which the stored
+            # document still describes, keeps its chunk files meanwhile;
+            # stored empty only at fsync, sync or unmount
+            return
         await self._store_buffer(buf)
 
     async def _is_scratch_in_dataset_root(self, buf: FileBuffer) -> bool:
@@ -825,6 +841,7 @@ class View:
     async def _store_buffer_now(self, buf: FileBuffer) -> None:
         version, written = buf.version, bytes(buf.data)
         data = written
+        stored = None  # what the key holds now (or the document this mount removed there)
         for layout in LAYOUTS:
             if layout.is_document(buf.key) and hasattr(layout, "accept_document"):
                 stored = await self.store.get_or_none(buf.key)
@@ -864,10 +881,18 @@ class View:
                 self.born_here.add(root)
         # (a shard written as is: newer than the chunk writes pending for it,
         # and its chunks show at once)
+        made_of = []
+        if stored and self._is_dataset_document(buf.key) and not await off_loop(
+                functools.partial(_json_object, data), len(data)):
+            # no document any dataset can be made of, over one that was: as if
+            # removed (4.15), its datasets keep their chunk files
+            made_of = await self._datasets_made_of(buf.key, stored)
         info = await self.writeback.superseding(buf.key, functools.partial(self.store.put, buf.key, data))
         self.shards.forget(buf.key)
         if self._is_dataset_document(buf.key):
             self._document_changed(buf.key)
+            if made_of:
+                self._orphan(buf.key, stored, made_of)
             if data.strip():  # (not the empty file of an O_TRUNC open: the text is still to come)
                 self._forget_removed(buf.key)
         self.own_versions[buf.key] = (info.etag, time.monotonic())
@@ -898,6 +923,16 @@ class View:
         self.removed_documents.pop(key, None)
         for dir_key in [d for d, (_, k) in self.orphans.items() if k == key]:
             del self.orphans[dir_key]
+
+    async def _datasets_made_of(self, key: str, stored: bytes) -> list[tuple[str, Dataset]]:
+        """(dir key, dataset) of the datasets the document ``stored`` at
+        ``key`` describes (the layouts name their directories)."""
+        out = []
+        for d in dict.fromkeys(d for layout in LAYOUTS if layout.is_document(key)
+                               for d in layout.dataset_dirs(key, stored)):
+            if (dataset := await self.dataset_at(d)) is not None:
+                out.append((d, dataset))
+        return out
 
     def _orphan(self, key: str, stored: bytes, datasets: list[tuple[str, Dataset]]) -> None:
         """Keep ``datasets`` (made of the document ``key``, just removed)."""
@@ -996,10 +1031,7 @@ class View:
             stored = b""
             if self._is_dataset_document(node.key):
                 stored = await self._stored_bytes(node)
-                for d in dict.fromkeys(d for layout in LAYOUTS if layout.is_document(node.key)
-                                       for d in layout.dataset_dirs(node.key, stored)):
-                    if (dataset := await self.dataset_at(d)) is not None:
-                        made_of.append((d, dataset))
+                made_of = await self._datasets_made_of(node.key, stored)
             try:
                 await self.store.delete(node.key)
             except NotFound:

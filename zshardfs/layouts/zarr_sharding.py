@@ -302,7 +302,7 @@ def _accept_group(key: str, doc: dict, old: dict | None, members: dict | None) -
 
 
 def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
-                    members: dict | None = None, below=None) -> bytes | None:
+                    members: dict | None = None, below=None, stored_below=None) -> bytes | None:
     """What to store when a tool writes ``zarr.json`` through the view.
 
     - over a sharded array: the view's document mapped back onto the stored
@@ -334,6 +334,8 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
     old = load_json(stored, key) if stored is not None else None
     old_meta = _meta_or_none(old) if old is not None else None
     if stored is None and not _is_unsharded_array(doc) and _meta_or_none(doc) is not None:
+        if stored_below is not None and _chunk_names(doc, stored_below):
+            return None  # shards are stored there already: a document restored (as written)
         raise ValueError(NEW_SHARDED)
     if old_meta is not None:
         if _is_unsharded_array(doc):
@@ -368,7 +370,7 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
     ``pending``, the names the view holds there only in memory (directories
     made, files being written)."""
     doc = await off_loop(functools.partial(load_json, new, key), len(new)) if is_document(key) else None
-    members = below = None
+    members = below = stored_below = None
     if doc is not None and doc.get("node_type") == "group" and _consolidated(doc) is not None:
         base = key.rpartition("/")[0]
         paths = [p for p, m in _consolidated(doc)["metadata"].items() if _is_unsharded_array(m)]
@@ -379,8 +381,11 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
             if isinstance(answer, Exception):
                 raise answer
             members[path] = answer
-    elif doc is not None and doc.get("node_type") == "array" and shard_option and stored is None:
+    elif doc is not None and doc.get("node_type") == "array" and stored is None and (
+            shard_option or not _is_unsharded_array(doc)):
+        # (-o shard: chunks made before it; a sharded document: shards to restore it over)
         listing = await ctx.store.list(key.rpartition("/")[0])
-        below = {*listing.dirs, *(f.key.rsplit("/", 1)[-1] for f in listing.files), *pending}
+        stored_below = {*listing.dirs, *(f.key.rsplit("/", 1)[-1] for f in listing.files)}
+        below = stored_below | set(pending)
     return await off_loop(functools.partial(accept_document, key, new, stored, shard_option,
-                                            members=members, below=below), len(new))
+                                            members=members, below=below, stored_below=stored_below), len(new))
