@@ -840,13 +840,27 @@ def test_a_new_sharded_array_written_through_the_view_is_refused(store, mount, t
     shard objects under chunk names: the view would store them as chunks
     (corrupt data). Its zarr.json is refused instead (EPERM, one log line)
     and nothing is stored; an unsharded array is stored as usual."""
+    seed_array(store, tmp_path, "s", (8, 8), (2, 2), (4, 4), "<i4")
+    sharded_doc = store.get("s/zarr.json")
     m = mount(store.source, extra=store.extra)
     with pytest.raises(PermissionError):
         zarr.create_array(str(m / "x"), shape=(8, 8), chunks=(2, 2), shards=(4, 4), dtype="<i4")
     zarr.create_array(str(m / "y"), shape=(8, 8), chunks=(2, 2), dtype="<i4")[:] = 5
+    # neither an empty chunk directory (rsync makes c/ first) nor plain chunk
+    # objects below make it a restore: only shards of that document do
+    os.makedirs(m / "w" / "c" / "0")
+    zarr.create_array(str(m / "z"), shape=(8, 8), chunks=(2, 2), dtype="<i4")[:] = 6
+    zs("sync", m.path)
+    os.unlink(m / "z" / "zarr.json")
+    for name in ("w", "z"):
+        with pytest.raises(PermissionError):
+            (m / name / "zarr.json").write_bytes(sharded_doc)
     m.umount()
     assert not [k for k in store.keys() if k.startswith("x/")]
-    assert m.log_text().count("refused to store x/zarr.json: a new sharded array written through the view") == 1
+    assert store.get("w/zarr.json") is None and store.get("z/zarr.json") is None
+    log = m.log_text()
+    for name in ("x", "w", "z"):
+        assert log.count(f"refused to store {name}/zarr.json: a new sharded array written through the view") == 1
     np.testing.assert_array_equal(zarr.open_array(str(store.local_copy(tmp_path / "copy") / "y"))[:], 5)
 
 
@@ -960,7 +974,7 @@ def test_arrays_are_removed_as_from_a_directory_store(store, mount, tmp_path):
 
 
 @pytest.mark.parametrize("how", ["editor", "rm_and_restore", "mv_away_and_back", "shell_redirect",
-                                 "truncate_then_append"])
+                                 "truncate_then_append", "garbage_then_restore", "emptied_synced_removed_restored"])
 def test_zarr_json_removed_and_written_again_keeps_the_array(store, mount, tmp_path, how):
     """An editor's save (rename zarr.json to zarr.json~, write a new
     zarr.json), a copy put back after rm, and a move away and back: the
@@ -981,6 +995,16 @@ def test_zarr_json_removed_and_written_again_keeps_the_array(store, mount, tmp_p
         saved = doc.read_bytes()
         os.unlink(doc)
         assert sorted(os.listdir(m / "a" / "c" / "3")) == ["0", "1", "2", "3"]
+        doc.write_bytes(saved)
+    elif how == "garbage_then_restore":  # echo oops > zarr.json; cp saved zarr.json
+        saved = doc.read_bytes()
+        doc.write_bytes(b"oops\n")
+        doc.write_bytes(saved)
+    elif how == "emptied_synced_removed_restored":  # : > zarr.json; sync; rm zarr.json; cp saved zarr.json
+        saved = doc.read_bytes()
+        os.close(os.open(doc, os.O_WRONLY | os.O_TRUNC))
+        zs("sync", m.path)
+        os.unlink(doc)
         doc.write_bytes(saved)
     elif how == "truncate_then_append":  # truncate -s 0 zarr.json; (a chunk written); cat saved >> zarr.json
         saved = doc.read_bytes()
@@ -1054,11 +1078,13 @@ def test_plain_directories_are_removed_as_on_a_file_system(store, mount):
 def test_an_o_trunc_open_empties_the_file(store, mount):
     """``: > f`` empties f, even though nothing is written."""
     m = mount(store.source, extra=store.extra)
-    (m / "f.txt").write_bytes(b"hello\n")
-    os.close(os.open(m / "f.txt", os.O_WRONLY | os.O_TRUNC))
-    assert (m / "f.txt").read_bytes() == b""
+    (m / "g").mkdir()
+    for name in ("f.txt", "info", "g/zarr.json"):  # (documents of no dataset: plain files)
+        (m / name).write_bytes(b'{"zarr_format": 3, "node_type": "group"}' if name.endswith("json") else b"hi\n")
+        os.close(os.open(m / name, os.O_WRONLY | os.O_TRUNC))
+        assert (m / name).read_bytes() == b""
+        assert store.get(name) == b""  # stored at close
     m.umount()
-    assert store.get("f.txt") == b""
 
 
 def test_a_sharded_document_restored_over_its_shards_is_stored(store, mount, tmp_path):

@@ -816,14 +816,21 @@ class View:
             return
         if await self._is_scratch_in_dataset_root(buf):
             return  # stored at fsync/sync, or moved by a rename before that
-        if (buf.in_store or buf.key in self.removed_documents) and self._is_dataset_document(buf.key) \
-                and not buf.data.strip():
+        if self._is_dataset_document(buf.key) and not buf.data.strip() and await self._describes_datasets(buf):
             # an emptied metadata document (``> zarr.json``, ``truncate -s 0``):
             # its text is about to follow, and the dataset, which the stored
             # document still describes, keeps its chunk files meanwhile;
             # stored empty only at fsync, sync or unmount
             return
         await self._store_buffer(buf)
+
+    async def _describes_datasets(self, buf: FileBuffer) -> bool:
+        """Does the document ``buf`` replaces describe datasets (stored, or
+        removed by this mount while chunks of it remain)?"""
+        if buf.key in self.removed_documents:
+            return await self._removed_document(buf.key) is not None
+        stored = await self._stored_document(buf.key) if buf.in_store else None
+        return bool(stored) and bool(await self._datasets_made_of(buf.key, stored))
 
     async def _is_scratch_in_dataset_root(self, buf: FileBuffer) -> bool:
         # asked of the dataset, not of the probe cache: a temporary held open
@@ -847,8 +854,9 @@ class View:
                 stored = await self.store.get_or_none(buf.key)
                 # (an empty or absent document: the one this mount removed, if
                 # its chunks remain; ``> zarr.json`` stores an empty one first)
-                stored = stored.data if stored is not None and stored.data.strip() else \
-                    await self._removed_document(buf.key)
+                stored = stored.data if stored is not None and await off_loop(
+                    functools.partial(_json_object, stored.data), len(stored.data)) else \
+                    (await self._removed_document(buf.key) or (stored.data if stored is not None else None))
                 # a layout that needs to read storage to decide (members'
                 # documents, what the directory already holds) offers an
                 # async variant
@@ -882,8 +890,9 @@ class View:
         # (a shard written as is: newer than the chunk writes pending for it,
         # and its chunks show at once)
         made_of = []
-        if stored and self._is_dataset_document(buf.key) and not await off_loop(
-                functools.partial(_json_object, data), len(data)):
+        a_document = self._is_dataset_document(buf.key) and await off_loop(
+            functools.partial(_json_object, data), len(data))
+        if stored and self._is_dataset_document(buf.key) and not a_document:
             # no document any dataset can be made of, over one that was: as if
             # removed (4.15), its datasets keep their chunk files
             made_of = await self._datasets_made_of(buf.key, stored)
@@ -893,7 +902,7 @@ class View:
             self._document_changed(buf.key)
             if made_of:
                 self._orphan(buf.key, stored, made_of)
-            if data.strip():  # (not the empty file of an O_TRUNC open: the text is still to come)
+            if a_document:  # (not an empty or broken file: the text may be still to come)
                 self._forget_removed(buf.key)
         self.own_versions[buf.key] = (info.etag, time.monotonic())
         self.own_versions.move_to_end(buf.key)
@@ -924,12 +933,21 @@ class View:
         for dir_key in [d for d, (_, k) in self.orphans.items() if k == key]:
             del self.orphans[dir_key]
 
+    async def _stored_document(self, key: str) -> bytes | None:
+        """The stored document at ``key`` (None: absent, or over the size a
+        document may have: then it describes no dataset either)."""
+        try:
+            return (await self.store.get_document(key)).data
+        except (NotFound, TooLarge):
+            return None
+
     async def _datasets_made_of(self, key: str, stored: bytes) -> list[tuple[str, Dataset]]:
         """(dir key, dataset) of the datasets the document ``stored`` at
         ``key`` describes (the layouts name their directories)."""
         out = []
-        for d in dict.fromkeys(d for layout in LAYOUTS if layout.is_document(key)
-                               for d in layout.dataset_dirs(key, stored)):
+        dirs = await off_loop(lambda: [d for layout in LAYOUTS if layout.is_document(key)
+                                       for d in layout.dataset_dirs(key, stored)], len(stored))
+        for d in dict.fromkeys(dirs):
             if (dataset := await self.dataset_at(d)) is not None:
                 out.append((d, dataset))
         return out
@@ -939,7 +957,9 @@ class View:
         for dir_key, dataset in datasets:
             self.orphans[dir_key] = (dataset, key)
             self.orphans.move_to_end(dir_key)
-        self.removed_documents[key] = stored
+        if _json_object(stored) or key not in self.removed_documents:
+            # (an empty or broken one never replaces the document it stands in for)
+            self.removed_documents[key] = stored
         self.removed_documents.move_to_end(key)
         while len(self.orphans) > 1024:
             self._forget_orphan(next(iter(self.orphans)))
@@ -1030,8 +1050,8 @@ class View:
             made_of: list[tuple[str, Dataset]] = []  # the datasets this document describes
             stored = b""
             if self._is_dataset_document(node.key):
-                stored = await self._stored_bytes(node)
-                made_of = await self._datasets_made_of(node.key, stored)
+                stored = await self._stored_document(node.key)
+                made_of = await self._datasets_made_of(node.key, stored) if stored else []
             try:
                 await self.store.delete(node.key)
             except NotFound:

@@ -213,9 +213,10 @@ class WriteBack:
         if shard is None:
             return await put()
         async with shard.lock:
+            before = {cid: chunk.version for cid, chunk in shard.chunks.items()}
             result = await put()
             for cid, chunk in list(shard.chunks.items()):
-                if not chunk.writers:
+                if not chunk.writers and before.get(cid) == chunk.version:  # (not written during the put)
                     del shard.chunks[cid]
             if not shard.chunks and self.dirty.get(key) is shard:
                 del self.dirty[key]

@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..backends.base import NotFound, TooLarge, join_key
+from ..backends.base import CorruptData, NotFound, TooLarge, join_key
 from ..together import off_loop, outcomes
 from .base import NEW_SHARDED, LayoutContext, dump_json, load_json, warn_once
 from .grids import GridError, ShardGrid, parse_chunk_grid
@@ -302,7 +302,7 @@ def _accept_group(key: str, doc: dict, old: dict | None, members: dict | None) -
 
 
 def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
-                    members: dict | None = None, below=None, stored_below=None) -> bytes | None:
+                    members: dict | None = None, below=None, restoring: bool = False) -> bytes | None:
     """What to store when a tool writes ``zarr.json`` through the view.
 
     - over a sharded array: the view's document mapped back onto the stored
@@ -334,8 +334,8 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
     old = load_json(stored, key) if stored is not None else None
     old_meta = _meta_or_none(old) if old is not None else None
     if stored is None and not _is_unsharded_array(doc) and _meta_or_none(doc) is not None:
-        if stored_below is not None and _chunk_names(doc, stored_below):
-            return None  # shards are stored there already: a document restored (as written)
+        if restoring:
+            return None  # its shards are stored there already: a document restored (as written)
         raise ValueError(NEW_SHARDED)
     if old_meta is not None:
         if _is_unsharded_array(doc):
@@ -370,7 +370,8 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
     ``pending``, the names the view holds there only in memory (directories
     made, files being written)."""
     doc = await off_loop(functools.partial(load_json, new, key), len(new)) if is_document(key) else None
-    members = below = stored_below = None
+    members = below = None
+    restoring = False
     if doc is not None and doc.get("node_type") == "group" and _consolidated(doc) is not None:
         base = key.rpartition("/")[0]
         paths = [p for p, m in _consolidated(doc)["metadata"].items() if _is_unsharded_array(m)]
@@ -385,7 +386,46 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
             shard_option or not _is_unsharded_array(doc)):
         # (-o shard: chunks made before it; a sharded document: shards to restore it over)
         listing = await ctx.store.list(key.rpartition("/")[0])
-        stored_below = {*listing.dirs, *(f.key.rsplit("/", 1)[-1] for f in listing.files)}
-        below = stored_below | set(pending)
+        below = {*listing.dirs, *(f.key.rsplit("/", 1)[-1] for f in listing.files), *pending}
+        if not _is_unsharded_array(doc):
+            restoring = await _its_shards_are_stored(ctx, key.rpartition("/")[0], doc, listing)
     return await off_loop(functools.partial(accept_document, key, new, stored, shard_option,
-                                            members=members, below=below, stored_below=stored_below), len(new))
+                                            members=members, below=below, restoring=restoring), len(new))
+
+
+async def _its_shards_are_stored(ctx: LayoutContext, dir_key: str, doc: dict, listing) -> bool:
+    """Does the first stored object below ``dir_key`` named as a chunk key of
+    the sharded array ``doc`` read as one of its shards (its index loads)?
+    Then ``doc`` written there restores the array (after a crash in an
+    editor's save), rather than starting one whose shards would come
+    through the view as chunks.  Plain chunks or empty directories: no."""
+    try:
+        meta = sharded_array_meta(doc)
+    except Unsupported:
+        return False
+    if meta is None:
+        return False
+    names = set(_chunk_names(doc, {*listing.dirs, *(f.key.rsplit("/", 1)[-1] for f in listing.files)}))
+    files = {f.key.rsplit("/", 1)[-1] for f in listing.files}
+    rel: list[str] = []
+    for _ in range(meta.grid.ndim + 1):  # down to the first object
+        name = next((n for n in sorted(names) if n in files), None)
+        if name is not None:
+            rel.append(name)
+            break
+        if not names:
+            return False
+        rel.append(sorted(names)[0])
+        listing = await ctx.store.list(join_key(dir_key, *rel))
+        names, files = {*listing.dirs, *(f.key.rsplit("/", 1)[-1] for f in listing.files)}, \
+            {f.key.rsplit("/", 1)[-1] for f in listing.files}
+    else:
+        return False
+    parsed = meta.keys.parse(tuple(rel))
+    if parsed is None or not parsed[1]:
+        return False
+    try:
+        return await meta.fmt.load_index(ctx.store, join_key(dir_key, *rel), meta.grid.shard_extent(parsed[0])) \
+            is not None
+    except (CorruptData, IndexError, ValueError):
+        return False
