@@ -1022,12 +1022,10 @@ def test_an_info_written_through_the_view_applies_at_once(tmp_path, mount):
     np.testing.assert_array_equal(np.asarray(got.read().result())[..., 0].transpose(2, 1, 0).ravel(), block)
 
 
-def test_a_sharded_volume_copied_into_the_view_keeps_its_shards(tmp_path, mount):
-    """``cp -r`` of a volume tensorstore wrote sharded, into a mount: the
-    shard files are the stored form of the view's directory, so they are
-    stored as written (at close), and their chunks show at once."""
-    orig = tmp_path / "orig"
-    t = ts.open({"driver": "neuroglancer_precomputed", "kvstore": {"driver": "file", "path": str(orig) + "/"},
+def small_sharded_volume(path: Path, value: int) -> None:
+    """A 32^3 uint8 volume of ``value``, one scale of 16^3 chunks in one
+    shard (2 minishards), written by tensorstore."""
+    t = ts.open({"driver": "neuroglancer_precomputed", "kvstore": {"driver": "file", "path": str(path) + "/"},
                  "multiscale_metadata": {"type": "image", "data_type": "uint8", "num_channels": 1},
                  "scale_metadata": {"key": "s0", "size": [32, 32, 32], "chunk_size": [16, 16, 16],
                                     "resolution": [1, 1, 1], "encoding": "raw", "sharding": {
@@ -1035,7 +1033,15 @@ def test_a_sharded_volume_copied_into_the_view_keeps_its_shards(tmp_path, mount)
                                         "hash": "identity", "minishard_bits": 1, "shard_bits": 0,
                                         "minishard_index_encoding": "raw", "data_encoding": "raw"}}},
                 create=True).result()
-    t.write(np.full(t.shape, 7, np.uint8)).result()
+    t.write(np.full(t.shape, value, np.uint8)).result()
+
+
+def test_a_sharded_volume_copied_into_the_view_keeps_its_shards(tmp_path, mount):
+    """``cp -r`` of a volume tensorstore wrote sharded, into a mount: the
+    shard files are the stored form of the view's directory, so they are
+    stored as written (at close), and their chunks show at once."""
+    orig = tmp_path / "orig"
+    small_sharded_volume(orig, 7)
     (tmp_path / "src").mkdir()
     m = mount(tmp_path / "src", "flush_delay=inf")
     (m.path / "vol").mkdir()
@@ -1074,15 +1080,7 @@ def test_an_info_moved_away_and_written_again_keeps_the_sharding(tmp_path, mount
     old one away, write the view's text anew): the scales keep their chunk
     files meanwhile, and the new ``info`` is stored with its sharding back."""
     orig = tmp_path / "src" / "vol"
-    t = ts.open({"driver": "neuroglancer_precomputed", "kvstore": {"driver": "file", "path": str(orig) + "/"},
-                 "multiscale_metadata": {"type": "image", "data_type": "uint8", "num_channels": 1},
-                 "scale_metadata": {"key": "s0", "size": [32, 32, 32], "chunk_size": [16, 16, 16],
-                                    "resolution": [1, 1, 1], "encoding": "raw", "sharding": {
-                                        "@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0,
-                                        "hash": "identity", "minishard_bits": 1, "shard_bits": 0,
-                                        "minishard_index_encoding": "raw", "data_encoding": "raw"}}},
-                create=True).result()
-    t.write(np.full(t.shape, 9, np.uint8)).result()
+    small_sharded_volume(orig, 9)
     m = mount(tmp_path / "src")
     view = (m.path / "vol" / "info").read_bytes()
     assert b"sharding" not in view
