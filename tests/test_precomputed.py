@@ -1093,3 +1093,20 @@ def test_an_info_moved_away_and_written_again_keeps_the_sharding(tmp_path, mount
     assert stored["scales"][0]["sharding"]["@type"] == "neuroglancer_uint64_sharded_v1"
     got = ts.open({"driver": "neuroglancer_precomputed", "kvstore": {"driver": "file", "path": str(orig) + "/"}})
     assert np.all(np.asarray(got.result().read().result()) == 9)
+
+
+def test_tensorstore_writes_a_sharded_volume_through_the_view(tmp_path, mount):
+    """tensorstore creating a *sharded* volume inside a mount writes each
+    shard to ``<n>.shard.__lock`` and renames it onto ``<n>.shard`` while
+    still open: stored as written (4.9), its chunks show through the view,
+    and tensorstore reads the stored volume."""
+    (tmp_path / "src").mkdir()
+    m = mount(tmp_path / "src")
+    small_sharded_volume(m.path / "vol", 1)
+    assert (m.path / "vol" / "s0" / "0-16_0-16_0-16").read_bytes() == bytes([1]) * 16 ** 3
+    m.umount()
+    assert sorted(os.listdir(tmp_path / "src" / "vol" / "s0")) == ["0.shard"]
+    got = ts.open({"driver": "neuroglancer_precomputed",
+                   "kvstore": {"driver": "file", "path": str(tmp_path / "src" / "vol") + "/"}}).result()
+    assert np.all(np.asarray(got.read().result()) == 1)
+    assert "Traceback" not in m.log_text()

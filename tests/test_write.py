@@ -850,16 +850,24 @@ def test_a_new_sharded_array_written_through_the_view_is_refused(store, mount, t
     # objects below make it a restore: only shards of that document do
     os.makedirs(m / "w" / "c" / "0")
     zarr.create_array(str(m / "z"), shape=(8, 8), chunks=(2, 2), dtype="<i4")[:] = 6
+    # (plain chunks larger than an index without a checksum: they "load" as one)
+    zarr.create_array(str(m / "u"), shape=(16, 16), chunks=(8, 8), dtype="<i4", compressors=None)[:] = 6
     zs("sync", m.path)
     os.unlink(m / "z" / "zarr.json")
-    for name in ("w", "z"):
+    os.unlink(m / "u" / "zarr.json")
+    no_crc = json.loads(sharded_doc)
+    no_crc["codecs"][0]["configuration"]["index_codecs"] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    (m / "t").mkdir()
+    (m / "t" / "zarr.json").touch()  # an empty file first (touch, or a tool's create then write)
+    for name, doc in (("w", sharded_doc), ("z", sharded_doc), ("u", json.dumps(no_crc).encode()),
+                      ("t", sharded_doc)):
         with pytest.raises(PermissionError):
-            (m / name / "zarr.json").write_bytes(sharded_doc)
+            (m / name / "zarr.json").write_bytes(doc)
     m.umount()
     assert not [k for k in store.keys() if k.startswith("x/")]
-    assert store.get("w/zarr.json") is None and store.get("z/zarr.json") is None
+    assert all(store.get(f"{n}/zarr.json") in (None, b"") for n in "wzut")
     log = m.log_text()
-    for name in ("x", "w", "z"):
+    for name in ("x", "w", "z", "u", "t"):
         assert log.count(f"refused to store {name}/zarr.json: a new sharded array written through the view") == 1
     np.testing.assert_array_equal(zarr.open_array(str(store.local_copy(tmp_path / "copy") / "y"))[:], 5)
 
@@ -1095,6 +1103,7 @@ def test_a_sharded_document_restored_over_its_shards_is_stored(store, mount, tmp
     data = np.arange(64, dtype="<i4").reshape(8, 8) + 1
     seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
     store.put("arr/zarr.json~", store.get("arr/zarr.json"))
+    store.put("arr/c/.DS_Store", b"junk")  # (names that are no shard's are passed over)
     if store.kind == "local":
         (store.root / "arr" / "zarr.json").unlink()
     else:

@@ -398,6 +398,10 @@ class View:
         return self._chunk_node(path, dataset, rel, entry, None)
 
     async def _dataset_child(self, path: str, dataset: Dataset, rel: tuple) -> Node | None:
+        as_is = dataset.stored_as_is(rel)
+        if as_is is not None:  # a shard by its name (written as is): the stored file
+            info = await self.store.stat(as_is, listed_ok=True)
+            return await self._stored_file(path, info) if info is not None else None
         # read-only: nothing is ever dirty, and the target (with its capacity
         # and writability, which only writes need) comes from the entry
         target = None if self.read_only else dataset.target(rel)
@@ -848,15 +852,17 @@ class View:
     async def _store_buffer_now(self, buf: FileBuffer) -> None:
         version, written = buf.version, bytes(buf.data)
         data = written
-        stored = None  # what the key holds now (or the document this mount removed there)
+        stored = None  # the document replaced: what the key holds now, or the one this mount removed there
         for layout in LAYOUTS:
             if layout.is_document(buf.key) and hasattr(layout, "accept_document"):
-                stored = await self.store.get_or_none(buf.key)
-                # (an empty or absent document: the one this mount removed, if
-                # its chunks remain; ``> zarr.json`` stores an empty one first)
-                stored = stored.data if stored is not None and await off_loop(
-                    functools.partial(_json_object, stored.data), len(stored.data)) else \
-                    (await self._removed_document(buf.key) or (stored.data if stored is not None else None))
+                blob = await self.store.get_or_none(buf.key)
+                # only a document stands for one (an empty or broken file there
+                # does not: ``> zarr.json`` stores an empty one first); then the
+                # one this mount removed there, if its chunks remain; else none:
+                # a new document, as layouts judge one
+                stored = blob.data if blob is not None and await off_loop(
+                    functools.partial(_json_object, blob.data), len(blob.data)) else \
+                    await self._removed_document(buf.key)
                 # a layout that needs to read storage to decide (members'
                 # documents, what the directory already holds) offers an
                 # async variant
@@ -1190,6 +1196,10 @@ class View:
         if not handles:
             return
         node = await self.lookup(new_parent, new_name)
+        if node is None:  # (cannot happen for a name just written; never a crash if it does)
+            self.writers[path] = set(handles)
+            self._detach_writers(path)
+            return
         for h in handles:
             moved = await self.open(node, write=True, truncate=False)
             self._not_writer(moved)

@@ -213,11 +213,12 @@ class WriteBack:
         if shard is None:
             return await put()
         async with shard.lock:
-            before = {cid: chunk.version for cid, chunk in shard.chunks.items()}
+            before = {cid: (chunk, chunk.version) for cid, chunk in shard.chunks.items()}
             result = await put()
             for cid, chunk in list(shard.chunks.items()):
-                if not chunk.writers and before.get(cid) == chunk.version:  # (not written during the put)
-                    del shard.chunks[cid]
+                was = before.get(cid)
+                if not chunk.writers and was is not None and was[0] is chunk and was[1] == chunk.version:
+                    del shard.chunks[cid]  # (untouched during the put: older than the shard)
             if not shard.chunks and self.dirty.get(key) is shard:
                 del self.dirty[key]
         return result

@@ -394,38 +394,50 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
 
 
 async def _its_shards_are_stored(ctx: LayoutContext, dir_key: str, doc: dict, listing) -> bool:
-    """Does the first stored object below ``dir_key`` named as a chunk key of
-    the sharded array ``doc`` read as one of its shards (its index loads)?
-    Then ``doc`` written there restores the array (after a crash in an
-    editor's save), rather than starting one whose shards would come
-    through the view as chunks.  Plain chunks or empty directories: no."""
+    """Does a stored object below ``dir_key``, named as a key of the sharded
+    array ``doc``, read as one of its shards (a plausible index)?  Then
+    ``doc`` written there restores the array (after a crash in an editor's
+    save), rather than starting one whose shards would come through the view
+    as chunks.  Plain chunks, junk or empty directories: no.  A few names
+    per level are tried, not the whole tree."""
     try:
         meta = sharded_array_meta(doc)
     except Unsupported:
         return False
     if meta is None:
         return False
-    names = set(_chunk_names(doc, {*listing.dirs, *(f.key.rsplit("/", 1)[-1] for f in listing.files)}))
-    files = {f.key.rsplit("/", 1)[-1] for f in listing.files}
-    rel: list[str] = []
-    for _ in range(meta.grid.ndim + 1):  # down to the first object
-        name = next((n for n in sorted(names) if n in files), None)
-        if name is not None:
-            rel.append(name)
-            break
-        if not names:
-            return False
-        rel.append(sorted(names)[0])
-        listing = await ctx.store.list(join_key(dir_key, *rel))
-        names, files = {*listing.dirs, *(f.key.rsplit("/", 1)[-1] for f in listing.files)}, \
-            {f.key.rsplit("/", 1)[-1] for f in listing.files}
-    else:
-        return False
-    parsed = meta.keys.parse(tuple(rel))
-    if parsed is None or not parsed[1]:
-        return False
+
+    async def look(rel: tuple[str, ...], listing, depth: int) -> bool | None:
+        for f in sorted(listing.files, key=lambda f: f.key)[:3]:
+            parsed = meta.keys.parse(rel + (f.key.rsplit("/", 1)[-1],))
+            if parsed is not None and parsed[1]:
+                return await _a_plausible_shard(ctx, meta, f.key, parsed[0])
+        if depth > meta.grid.ndim:
+            return None
+        for name in [n for n in sorted(listing.dirs) if meta.keys.parse(rel + (n,)) is not None][:3]:
+            found = await look(rel + (name,), await ctx.store.list(join_key(dir_key, *rel, name)), depth + 1)
+            if found is not None:
+                return found
+        return None
+
+    return bool(await look((), listing, 0))
+
+
+async def _a_plausible_shard(ctx: LayoutContext, meta: ShardedArrayMeta, key: str, shard) -> bool:
+    """Its index loads, holds at least one chunk, and every chunk lies in the
+    object outside the index (without a checksum, almost any bytes "load")."""
     try:
-        return await meta.fmt.load_index(ctx.store, join_key(dir_key, *rel), meta.grid.shard_extent(parsed[0])) \
-            is not None
-    except (CorruptData, IndexError, ValueError):
+        extent = meta.grid.shard_extent(shard)
+        index = await meta.fmt.load_index(ctx.store, key, extent)
+    except (CorruptData, NotFound, IndexError, ValueError):
         return False
+    if index is None:
+        return False
+    present = index.present_mask()
+    if not present.any() or index.damaged_mask().any():
+        return False
+    isize = meta.fmt.index_size(extent)
+    starts, sizes = index.table[present, 0], index.table[present, 1]
+    data_start, data_end = (isize, index.info.size) if meta.fmt.index_location == "start" else \
+        (0, index.info.size - isize)
+    return bool((sizes > 0).any() and (starts >= data_start).all() and (starts + sizes <= data_end).all())
