@@ -398,10 +398,6 @@ class View:
         return self._chunk_node(path, dataset, rel, entry, None)
 
     async def _dataset_child(self, path: str, dataset: Dataset, rel: tuple) -> Node | None:
-        as_is = dataset.stored_as_is(rel)
-        if as_is is not None:  # a shard by its name (written as is): the stored file
-            info = await self.store.stat(as_is, listed_ok=True)
-            return await self._stored_file(path, info) if info is not None else None
         # read-only: nothing is ever dirty, and the target (with its capacity
         # and writability, which only writes need) comes from the entry
         target = None if self.read_only else dataset.target(rel)
@@ -1195,8 +1191,8 @@ class View:
         handles = self.writers.pop(path, ())
         if not handles:
             return
-        node = await self.lookup(new_parent, new_name)
-        if node is None:  # (cannot happen for a name just written; never a crash if it does)
+        node = await self.lookup(new_parent, new_name) or await self._stored_as_is_node(new_parent, new_name)
+        if node is None:  # (a name just written: not expected; never a crash if it happens)
             self.writers[path] = set(handles)
             self._detach_writers(path)
             return
@@ -1210,6 +1206,20 @@ class View:
                 self.writeback.close_chunk(t.shard_key, t.chunk_id, h.chunk)
             h.node, h.buffer, h.chunk = moved.node, moved.buffer, moved.chunk
             self._writer(h)
+
+    async def _stored_as_is_node(self, parent: Node, name: str) -> Node | None:
+        """A shard written as is (a name the view hides: not looked up, not
+        listed), as a plain stored file: what a handle renamed onto it (as
+        tensorstore renames each shard into place while still open) goes on
+        writing to."""
+        parent = await self._fresh(parent)
+        dataset, rel = (parent.dataset, parent.rel + (name,)) if self._in_dataset(parent) else (
+            await self.dataset_at(parent.key), (name,))
+        key = dataset.stored_as_is(rel) if dataset is not None else None
+        if key is None:
+            return None
+        info = await self.store.stat(key)
+        return await self._stored_file(join_key(parent.path, name), info) if info is not None else None
 
     async def sync(self) -> list[StoreError]:
         """Store everything that is only in memory (sync, unmount, SIGTERM)."""
