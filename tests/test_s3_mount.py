@@ -618,6 +618,8 @@ def test_mount_errors(moto_server, iam_server, tmp_path):
     cases = [
         ("missing bucket", f"s3://zs-missing-{uuid.uuid4().hex[:12]}/x", moto_server.endpoint_url,
          ("does not exist",)),
+        ("invalid bucket name", "s3://Not_A_Bucket/x", moto_server.endpoint_url,
+         ("does not exist", "nor is it a valid S3 bucket name")),
         ("bad credentials", "s3://some-bucket/x", iam_server.endpoint_url, ("denied", "InvalidAccessKeyId")),
         ("unreachable endpoint", "s3://some-bucket/x", f"http://127.0.0.1:{free_port()}", ("Cannot reach",)),
     ]

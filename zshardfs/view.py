@@ -1101,18 +1101,20 @@ class View:
             raise ViewError(errno.ENOTDIR, f"{name}: not a directory")
         if not await self._empty(node):
             raise ViewError(errno.ENOTEMPTY, f"{node.path}: directory not empty")
+        if node.key is not None:
+            # chunks removed through the view leave their shards to be deleted
+            # at the next flush: now, so the stored directory is empty.  The
+            # view forgets the directory only after these succeeded, so a
+            # failed rmdir leaves it where it was.
+            await self.writeback.flush_below(node.key)
+            await self.store.remove_dir(node.key)
+            self._forget_orphan(node.key)
         self.new_dirs.get(parent.path, set()).discard(name)
         self.written_dirs.discard(node.path)
         if node.dataset is not None and node.dataset.root in self.born_here:
             if len(self.removed_dirs) > 65536:  # (bounded: forgetting one only lets storage answer)
                 self.removed_dirs.clear()
             self.removed_dirs.add(node.path)
-        if node.key is not None:
-            # chunks removed through the view leave their shards to be deleted
-            # at the next flush: now, so the stored directory is empty
-            await self.writeback.flush_below(node.key)
-            await self.store.remove_dir(node.key)
-            self._forget_orphan(node.key)
 
     async def _holds_chunks(self, node: Node) -> bool:
         """A chunk file somewhere below ``node`` (plain files do not count)."""

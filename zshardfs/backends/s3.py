@@ -78,6 +78,11 @@ _CREDENTIAL_ERRORS = (
     bce.CredentialRetrievalError,
     bce.UnknownCredentialError,
 )
+# Today's naming rules for new buckets (3-63 characters: lower-case letters,
+# digits, dots and hyphens, starting and ending with a letter or digit). Older
+# buckets and other services may use other names, so a name outside them is
+# only named in the message when the bucket is not found, never refused.
+_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _CONTENT_RANGE = re.compile(r"bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)")
 
 
@@ -537,7 +542,9 @@ class S3Backend:
             status, code = _status(exc)
             bump(self.counters, "errors")
             if code == "NoSuchBucket" or (status == 404 and code in ("", "404", "NotFound")):
-                raise NotFound(f"The S3 bucket {self.bucket!r} does not exist at {self._where}.") from None
+                hint = ("" if _BUCKET_NAME.fullmatch(self.bucket) else
+                        " (nor is it a valid S3 bucket name: 3-63 lower-case letters, digits, dots, hyphens)")
+                raise NotFound(f"The S3 bucket {self.bucket!r} does not exist at {self._where}{hint}.") from None
             if status == 403 or code in _DENIED_CODES:
                 raise AccessDenied(
                     f"Access to {self.url} was denied ({code or status}): check the AWS credentials, "

@@ -302,7 +302,8 @@ def _accept_group(key: str, doc: dict, old: dict | None, members: dict | None) -
 
 
 def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
-                    members: dict | None = None, below=None, restoring: bool = False) -> bytes | None:
+                    members: dict | None = None, below=None, restoring: bool = False,
+                    parsed: dict | None = None) -> bytes | None:
     """What to store when a tool writes ``zarr.json`` through the view.
 
     - over a sharded array: the view's document mapped back onto the stored
@@ -319,10 +320,13 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
       written later into chunk directories made before the document (to
       the view those are plain directories);
     - anything else, an existing unsharded array included: None (as written).
+
+    ``parsed``: ``new`` already parsed (a large consolidated document is
+    parsed once).
     """
     if not is_document(key):
         return None
-    doc = load_json(new, key)
+    doc = parsed if parsed is not None else load_json(new, key)
     if doc is None:
         return None
     if doc.get("node_type") == "group":
@@ -390,7 +394,8 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
         if not _is_unsharded_array(doc):
             restoring = await _its_shards_are_stored(ctx, key.rpartition("/")[0], doc, listing)
     return await off_loop(functools.partial(accept_document, key, new, stored, shard_option,
-                                            members=members, below=below, restoring=restoring), len(new))
+                                            members=members, below=below, restoring=restoring,
+                                            parsed=doc), len(new))
 
 
 async def _its_shards_are_stored(ctx: LayoutContext, dir_key: str, doc: dict, listing) -> bool:
