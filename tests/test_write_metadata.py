@@ -153,6 +153,26 @@ def test_existing_unsharded_array_stays_unsharded_in_a_shard_mount(store, mount,
     np.testing.assert_array_equal(b[8:], 0)
 
 
+def test_shard_factors_for_other_dimensions_store_the_array_as_written(store, mount, tmp_path):
+    """``-o shard=2x2x2`` names three factors: a 2-d array written into that
+    mount is stored unsharded, as written, with one log line (before, its
+    ``zarr.json`` was refused, and the tool failed)."""
+    m = mount(store.source, "shard=2x2x2", extra=store.extra)
+    a = zarr.create_array(str(m / "flat"), shape=(8, 8), chunks=(2, 2), dtype="<i4", fill_value=0,
+                          compressors=None)
+    a[...] = DATA
+    cube = zarr.create_array(str(m / "cube"), shape=(4, 4, 4), chunks=(2, 2, 2), dtype="u1", fill_value=0,
+                             compressors=None)
+    cube[...] = 7
+    m.umount()
+    assert m.log_text().count("-o shard has 3 factors but the array has 2 dimensions") == 1
+    root = store.local_copy(tmp_path / "copy")
+    flat, stored_cube = zarr.open_array(str(root / "flat"), mode="r"), zarr.open_array(str(root / "cube"), mode="r")
+    assert flat.shards is None and stored_cube.shards == (4, 4, 4)
+    np.testing.assert_array_equal(flat[...], DATA)
+    np.testing.assert_array_equal(stored_cube[...], 7)
+
+
 def _unsharded_source(tmp_path: Path) -> Path:
     src = tmp_path / "unsharded"
     zarr.create_array(str(src / "arr"), shape=(8, 8), chunks=(2, 2), dtype="<i4", fill_value=0,

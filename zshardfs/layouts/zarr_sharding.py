@@ -201,7 +201,7 @@ def _sharded_doc(doc: dict, factors: tuple[int, ...]) -> dict | None:
     if len(factors) == 1:
         factors = factors * len(inner)
     if len(factors) != len(inner):
-        raise ValueError(f"-o shard has {len(factors)} factors but the array has {len(inner)} dimensions")
+        return None  # (the caller says why)
     out = dict(doc)
     out["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [c * k for c, k in zip(inner, factors)]}}
     out["codecs"] = [{"name": SHARDING, "configuration": {
@@ -353,6 +353,10 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
             out = _sharded_doc(doc, tuple(shard_option))
             if out is not None and _meta_or_none(out) is None:
                 out = None  # (a key encoding the view cannot show sharded)
+            ndim = len(doc.get("shape") or [])
+            if out is None and len(shard_option) not in (1, ndim) and ndim:
+                log.warning("%s: stored unsharded, as written: -o shard has %d factors but the array has %d "
+                            "dimensions", key, len(shard_option), ndim)
     result = out if out is not None else doc
     _remember(key, dump_json(result) if _meta_or_none(result) else None)
     return dump_json(out) if out is not None else None
