@@ -799,6 +799,33 @@ def test_documents_of_the_wrong_shape_written_through_the_view(store, mount, tmp
     assert m.log_text().count("refused to store arr/zarr.json") == 1
 
 
+def test_sync_fails_when_it_refused_a_document(store, mount, tmp_path):
+    """A document still open for writing when ``zshardfs sync`` runs, whose
+    text the stored chunks cannot live with, is refused then: sync says so
+    (EPERM) instead of answering 0 while the daemon logs an ERROR;
+    everything else is stored, and the next sync succeeds."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8) + 1
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    write_file(m / "arr" / "c" / "0" / "1", raw_chunk(99))
+    view = json.loads((m / "arr" / "zarr.json").read_text())
+    stored_before = store.get("arr/zarr.json")
+    with open(m / "arr" / "zarr.json", "w") as f:
+        f.write(json.dumps({**view, "codecs": ["sharding_indexed"]}))
+        f.flush()
+        # what `zshardfs sync` asks, from this process: a child process
+        # would close its copy of the descriptor first, and that close
+        # (FLUSH) stores the document before the sync
+        with pytest.raises(PermissionError):
+            os.getxattr(m.path, "user.zshardfs.sync")
+    assert store.get("arr/zarr.json") == stored_before
+    assert stored_chunks(store, "arr", (2, 2))[(0, 1)] == raw_chunk(99)
+    zs("sync", m.path)
+    np.testing.assert_array_equal(zarr.open_array(str(m / "arr"), mode="r")[0:2, 0:2], [[1, 2], [9, 10]])
+    m.umount()
+    assert m.log_text().count("refused to store arr/zarr.json") == 1
+
+
 def test_closed_files_leave_no_handle_behind(store, mount, tmp_path):
     """Every open file's handle goes at its close: read-only opens of chunk
     files on a writable mount (which an unlink must know about while they
@@ -1441,6 +1468,51 @@ def test_transformer_documents_written_through_the_view_keep_their_sharding(stor
     for (i, j), data in chunks.items():
         assert (m / f"data/root/arr/c{i}/{j}").read_bytes() == data
     assert json.loads((m / "meta/root/arr.array.json").read_bytes())["attributes"] == {"note": "hello"}
+
+
+@pytest.mark.parametrize("how", ["garbage_then_restore", "emptied_synced_restored"])
+def test_a_transformer_document_emptied_and_restored_keeps_the_array(store, mount, tmp_path, how):
+    """``echo oops > meta/root/arr.array.json`` or ``: > ...; zshardfs sync``,
+    then the saved text written back: as with ``zarr.json`` (4.15), the chunk
+    files stay meanwhile and the document written again is mapped back onto
+    the sharded one.  Before, the emptied document was refused at sync (an
+    ERROR line, yet sync answered 0) and a garbage one with EPERM."""
+    ext = "https://purl.org/zarr/spec/storage_transformers/sharding/1.0"
+    store.put("zarr.json", json.dumps({
+        "zarr_format": "https://purl.org/zarr/spec/protocol/core/3.0",
+        "metadata_encoding": "https://purl.org/zarr/spec/protocol/core/3.0",
+        "metadata_key_suffix": ".json", "extensions": []}).encode())
+    store.put("meta/root/arr.array.json", json.dumps({
+        "shape": [4, 6], "data_type": "|u1",
+        "chunk_grid": {"type": "regular", "chunk_shape": [2, 3], "separator": "/"},
+        "chunk_memory_layout": "C", "fill_value": 0, "extensions": [], "attributes": {}, "compressor": None,
+        "storage_transformers": [{"extension": ext, "type": "indexed",
+                                  "configuration": {"chunks_per_shard": [2, 2]}}]}).encode())
+    m = mount(store.source, extra=store.extra)
+    chunks = {(i, j): bytes([10 * i + j + 1]) * 6 for i in range(2) for j in range(2)}
+    for (i, j), data in chunks.items():
+        os.makedirs(m / f"data/root/arr/c{i}", exist_ok=True)
+        (m / f"data/root/arr/c{i}/{j}").write_bytes(data)
+    zs("sync", m.path)
+    doc = m / "meta/root/arr.array.json"
+    saved = doc.read_bytes()
+    if how == "garbage_then_restore":
+        doc.write_bytes(b"oops\n")
+    else:
+        os.close(os.open(doc, os.O_WRONLY | os.O_TRUNC))
+    zs("sync", m.path)
+    assert store.get("meta/root/arr.array.json") in (b"oops\n", b"")
+    for (i, j), data in chunks.items():  # chunk files all along
+        assert (m / f"data/root/arr/c{i}/{j}").read_bytes() == data
+    doc.write_bytes(saved)
+    m.umount()
+    assert "refused" not in m.log_text()
+    stored = json.loads(store.get("meta/root/arr.array.json"))
+    assert stored["storage_transformers"][0]["configuration"]["chunks_per_shard"] == [2, 2]
+    m = mount(store.source, "ro", extra=store.extra)
+    assert (m / "meta/root/arr.array.json").read_bytes() == saved
+    for (i, j), data in chunks.items():
+        assert (m / f"data/root/arr/c{i}/{j}").read_bytes() == data
 
 
 @pytest.mark.parametrize("flags", [os.O_WRONLY, os.O_RDWR])

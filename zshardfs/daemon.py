@@ -171,9 +171,14 @@ class Mount:
         return True
 
     async def _sync(self) -> None:
-        errors = await self.view.sync()
+        """``zshardfs sync``: fails if anything could not be stored, or was
+        refused (a document the stored chunks cannot live with: EPERM)."""
+        refused = []
+        errors = await self.view.sync(refused)
         if errors:
             raise errors[0]
+        if refused:
+            raise refused[0]
 
     async def get(self, name: str) -> bytes | None:
         """Control reads (getxattr on the root).  ``zshardfs sync`` reads

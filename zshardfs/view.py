@@ -1223,15 +1223,18 @@ class View:
         info = await self.store.stat(key)
         return await self._stored_file(join_key(parent.path, name), info) if info is not None else None
 
-    async def sync(self) -> list[StoreError]:
-        """Store everything that is only in memory (sync, unmount, SIGTERM)."""
+    async def sync(self, refused: list[ViewError] | None = None) -> list[StoreError]:
+        """Store everything that is only in memory (sync, unmount, SIGTERM).
+        Documents refused for good (logged; their buffers are gone, so no
+        later round retries them) are added to ``refused``, if given."""
         errors = []
         for buf in list(self.buffers.values()):
             if buf.dirty and buf.key is not None:
                 try:
                     await self._store_buffer(buf)
-                except ViewError:
-                    pass  # refused for good (logged); the buffer is gone
+                except ViewError as exc:
+                    if refused is not None:
+                        refused.append(exc)
                 except StoreError as exc:
                     errors.append(exc)
                 except Exception as exc:  # a bug must not keep the shards below from being stored

@@ -74,7 +74,9 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option=Non
     transformer put back (attributes, fill value, shape may change; a change
     of the fields in ``_FIXED`` raises ValueError, refused with EPERM).
     A new transformer-sharded array is refused (ValueError): its shards
-    would come through the view as chunks.  Anything else: None (as written)."""
+    would come through the view as chunks.  Anything else, an emptied or
+    non-JSON document included: None (as written; the view orphans the
+    array, as when the document is removed)."""
     if not is_document(key):
         return None
     if stored is None:
@@ -87,7 +89,7 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option=Non
         return None
     doc = load_json(new, key)
     if doc is None:
-        raise ValueError("not a JSON object: the stored shards need their sharded document")
+        return None  # no document (emptied, or not JSON): as written; the view keeps the chunks (4.15)
     if _transformer(doc) is not None:
         return None  # the stored form itself, written back
     changed = [f for f in _FIXED if doc.get(f) != old.get(f)]
