@@ -1416,12 +1416,9 @@ def test_index_load_overlapping_a_flush_is_not_cached(tmp_path):
     trio.run(main)
 
 
-def test_transformer_documents_written_through_the_view_keep_their_sharding(store, mount, tmp_path):
-    """The v3-draft storage transformer: an array document rewritten through
-    the view (zarr-python 2.18 rewrites it whole to set attributes) is
-    stored with its sharding transformer put back, so the stored shards
-    still read as written; changing what the shards are laid out by
-    (chunk grid, data type, compressor) is refused with EPERM."""
+def _put_transformer_array(store) -> None:
+    """A v3-draft storage-transformer array ``arr`` (4x6 uint8, 2x3 chunks,
+    2x2 chunks per shard), its metadata only, as zarr-python 2.18 writes it."""
     ext = "https://purl.org/zarr/spec/storage_transformers/sharding/1.0"
     store.put("zarr.json", json.dumps({
         "zarr_format": "https://purl.org/zarr/spec/protocol/core/3.0",
@@ -1433,6 +1430,15 @@ def test_transformer_documents_written_through_the_view_keep_their_sharding(stor
         "chunk_memory_layout": "C", "fill_value": 0, "extensions": [], "attributes": {}, "compressor": None,
         "storage_transformers": [{"extension": ext, "type": "indexed",
                                   "configuration": {"chunks_per_shard": [2, 2]}}]}).encode())
+
+
+def test_transformer_documents_written_through_the_view_keep_their_sharding(store, mount, tmp_path):
+    """The v3-draft storage transformer: an array document rewritten through
+    the view (zarr-python 2.18 rewrites it whole to set attributes) is
+    stored with its sharding transformer put back, so the stored shards
+    still read as written; changing what the shards are laid out by
+    (chunk grid, data type, compressor) is refused with EPERM."""
+    _put_transformer_array(store)
     m = mount(store.source, "flush_delay=60", extra=store.extra)
     chunks = {(i, j): bytes([10 * i + j + 1]) * 6 for i in range(2) for j in range(2)}
     for (i, j), data in chunks.items():
@@ -1477,17 +1483,7 @@ def test_a_transformer_document_emptied_and_restored_keeps_the_array(store, moun
     files stay meanwhile and the document written again is mapped back onto
     the sharded one.  Before, the emptied document was refused at sync (an
     ERROR line, yet sync answered 0) and a garbage one with EPERM."""
-    ext = "https://purl.org/zarr/spec/storage_transformers/sharding/1.0"
-    store.put("zarr.json", json.dumps({
-        "zarr_format": "https://purl.org/zarr/spec/protocol/core/3.0",
-        "metadata_encoding": "https://purl.org/zarr/spec/protocol/core/3.0",
-        "metadata_key_suffix": ".json", "extensions": []}).encode())
-    store.put("meta/root/arr.array.json", json.dumps({
-        "shape": [4, 6], "data_type": "|u1",
-        "chunk_grid": {"type": "regular", "chunk_shape": [2, 3], "separator": "/"},
-        "chunk_memory_layout": "C", "fill_value": 0, "extensions": [], "attributes": {}, "compressor": None,
-        "storage_transformers": [{"extension": ext, "type": "indexed",
-                                  "configuration": {"chunks_per_shard": [2, 2]}}]}).encode())
+    _put_transformer_array(store)
     m = mount(store.source, extra=store.extra)
     chunks = {(i, j): bytes([10 * i + j + 1]) * 6 for i in range(2) for j in range(2)}
     for (i, j), data in chunks.items():
