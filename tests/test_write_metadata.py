@@ -234,3 +234,48 @@ def test_chunk_directories_of_a_new_array_can_be_made(store, mount, tmp_path):
     assert arr.shards == (4, 4)
     np.testing.assert_array_equal(arr[...], DATA)
     np.testing.assert_array_equal(zarr.open_array(str(root / "copy"), mode="r")[...], DATA)
+
+
+def test_peers_edit_each_others_arrays_through_the_view(store, mount, tmp_path):
+    """tensorstore stores ``chunk_key_encoding`` as ``{"name": "default"}``,
+    zarr-python writes the separator out: the same keys.  Each peer's edits of
+    the other's sharded array through the view (attributes, resize,
+    consolidation) map back, and the stored spelling is kept.  Before, the
+    two spellings compared unequal and every such write was refused (EPERM)."""
+    import tensorstore as ts
+
+    shard = {"name": "sharding_indexed", "configuration": {
+        "chunk_shape": [4, 4], "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}
+    seed = tmp_path / "seed"
+    t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{seed}/g/ts/"}, "create": True,
+                 "metadata": {"shape": [16, 16], "data_type": "uint16", "codecs": [shard],
+                              "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [8, 8]}}}}).result()
+    data = np.arange(256, dtype="uint16").reshape(16, 16)
+    t.write(data).result()
+    (seed / "g" / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
+    zarr.create_array(str(seed / "g" / "zp"), shape=(16, 16), chunks=(4, 4), shards=(8, 8), dtype="uint16",
+                      compressors=None, fill_value=0)[...] = data
+    assert "configuration" not in _doc(seed / "g/ts/zarr.json")["chunk_key_encoding"]
+    store.put_tree(seed / "g", "g")
+    m = mount(store.source, extra=store.extra)
+    a = zarr.open_array(str(m / "g/ts"), mode="r+")
+    a.attrs["note"] = "by zarr-python"
+    a.resize((24, 16))
+    _consolidate(m / "g")
+    view = f"{m / 'g/zp'}/"
+    ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": view}}).result().resize(
+        exclusive_max=[24, 16]).result()
+    assert "refused" not in m.log_text()
+    m.umount()
+    stored = json.loads(store.get("g/ts/zarr.json"))
+    assert stored["chunk_key_encoding"] == {"name": "default"}
+    assert stored["attributes"] == {"note": "by zarr-python"} and stored["shape"] == [24, 16]
+    assert stored["codecs"][0]["name"] == "sharding_indexed"
+    assert json.loads(store.get("g/zp/zarr.json"))["shape"] == [24, 16]
+    root = store.local_copy(tmp_path / "copy")
+    for name in ("ts", "zp"):
+        got = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{root}/g/{name}/"}}).result()
+        np.testing.assert_array_equal(got[:16].read().result(), data, err_msg=name)
+    members = _open_consolidated(root / "g").metadata.consolidated_metadata.metadata
+    assert members["ts"].shards == (8, 8)

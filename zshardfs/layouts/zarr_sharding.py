@@ -237,18 +237,34 @@ def _map_back(doc: dict, old: dict, old_meta: ShardedArrayMeta) -> dict:
     view = view_array_doc(old, old_meta)
     if doc == view:
         return old
-    for field_name in ("codecs", "chunk_grid", "data_type", "chunk_key_encoding"):
+    for field_name in ("codecs", "chunk_grid", "data_type"):
         if doc.get(field_name) != view.get(field_name):
             raise ValueError(f"changing {field_name} of a sharded array would make its stored chunks unreadable")
+    if not _same_key_encoding(doc.get("chunk_key_encoding"), view.get("chunk_key_encoding")):
+        raise ValueError("changing chunk_key_encoding of a sharded array would make its stored chunks unreadable")
     out = dict(doc)
     out["codecs"] = old["codecs"]
     out["chunk_grid"] = old["chunk_grid"]
+    if "chunk_key_encoding" in old:  # (the stored spelling kept)
+        out["chunk_key_encoding"] = old["chunk_key_encoding"]
     try:
         ShardGrid.build(out["shape"], parse_chunk_grid(out["chunk_grid"], out["shape"]),
                         old_meta.inner_chunk_shape)
     except (GridError, TypeError, KeyError) as exc:
         raise ValueError(f"the new shape does not fit the stored shard grid: {exc}") from None
     return out
+
+
+def _same_key_encoding(a, b) -> bool:
+    """Two ``chunk_key_encoding`` values that name the same keys, however
+    spelled: tensorstore writes ``{"name": "default"}`` where zarr-python
+    writes the separator ``/`` out, and each writes its own spelling back."""
+    if a == b:
+        return True
+    try:
+        return parse_separator(a) == parse_separator(b)
+    except (ValueError, AttributeError, TypeError):
+        return False
 
 
 def _chunk_names(doc: dict, names) -> list[str]:
