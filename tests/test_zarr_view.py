@@ -762,7 +762,8 @@ def test_hostile_metadata_is_shown_raw_and_costs_nothing(mount, tmp_path):
     or EIO: a regular grid of 10**9 shards is computed, not listed (a
     sparse array costs what is stored); a shard of 2*10**12 inner chunks,
     a variable grid of 10**10 edges, a configuration given as a list, and
-    a document nested 100000 deep are shown as stored, each with one
+    a document nested 100000 deep, and 2**64 - 1 chunks along one
+    dimension (a legal shape; a traceback and EIO before) are shown as stored, each with one
     warning, and their directories stay readable."""
     import time
 
@@ -788,6 +789,7 @@ def test_hostile_metadata_is_shown_raw_and_costs_nothing(mount, tmp_path):
     array("runs", lambda d: d.update(chunk_grid={"name": "rectilinear", "configuration": {
         "kind": "inline", "chunk_shapes": [[[1, 10**10]], [6]]}}))
     array("listconf", lambda d: d["codecs"][0].update(configuration=[1, 2]))
+    array("beyond", lambda d: d.update(shape=[2**64 - 1, 6]))  # legal, but 2**64 - 1 chunks along one edge
     (src / "plain").mkdir()
     (src / "plain/info").write_text("[" * 100_000 + "]" * 100_000)
     (src / "plain/readme.txt").write_text("fine")
@@ -800,7 +802,7 @@ def test_hostile_metadata_is_shown_raw_and_costs_nothing(mount, tmp_path):
     assert sorted(os.listdir(m.path / "huge/c/0")) == ["0", "1"]
     assert (m.path / "huge/c/0/1").read_bytes() == b"\x07" * 3
     assert zarr.open_array(str(m.path / "huge"), mode="r")[0, :].tolist() == [7] * 6
-    for name in ("absurd", "runs", "listconf"):
+    for name in ("absurd", "runs", "listconf", "beyond"):
         assert (m.path / name / "zarr.json").read_bytes() == (src / name / "zarr.json").read_bytes(), name
         assert (m.path / name / "c/0/0").read_bytes() == shard, name
     assert (m.path / "plain/readme.txt").read_text() == "fine"
@@ -808,7 +810,8 @@ def test_hostile_metadata_is_shown_raw_and_costs_nothing(mount, tmp_path):
     assert time.monotonic() - t0 < 20
     assert _daemon_rss_mb(m) - rss < 200
     log = m.log_text()
-    for name in ("absurd", "runs", "listconf", "plain/info"):
+    assert os.listdir(m.path / "beyond/c") == ["0"]
+    for name in ("absurd", "runs", "listconf", "beyond", "plain/info"):
         assert len([line for line in log.splitlines() if f"{name}" in line and "WARNING" in line]) == 1, (name, log)
     assert "Traceback" not in log and "ERROR" not in log
 

@@ -32,6 +32,9 @@ class GridError(ValueError):
 #: bytes each).  Arrays beyond them are shown as stored, with one warning.
 MAX_VARIABLE_EDGES = 1_000_000
 MAX_CHUNKS_PER_SHARD = 1 << 24
+#: chunks along one dimension: chunk coordinates are int64 in listings, and
+#: Python's ``len`` of a range stops at 2**63 (a shape of 2**64 - 1 is legal)
+MAX_CHUNKS_PER_DIM = 1 << 62
 
 
 def _expand_edges(spec, extent: int, dim: int) -> list[int]:
@@ -129,7 +132,11 @@ class ShardGrid:
             raise GridError(f"inner chunk_shape {list(inner)} does not fit shape {list(shape)}")
         if any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 for v in inner):
             raise GridError(f"bad inner chunk_shape {list(inner)}")
-        n_inner = tuple(math.ceil(s / c) for s, c in zip(shape, inner))
+        n_inner = tuple(-(-s // c) if isinstance(s, int) and s >= 0 else math.ceil(s / c)
+                        for s, c in zip(shape, inner))
+        for d, n in enumerate(n_inner):
+            if n > MAX_CHUNKS_PER_DIM:
+                raise GridError(f"{n} chunks along dimension {d} (at most 2**62 are supported)")
         if shard_grid and isinstance(shard_grid[0], int):  # regular
             cps = []
             for d, (s, c) in enumerate(zip(shard_grid, inner)):
@@ -159,7 +166,7 @@ class ShardGrid:
     def inner_counts(self) -> tuple[int, ...]:
         """Number of inner chunks along each dimension (the view's grid);
         computed once (asked on every lookup)."""
-        return tuple(math.ceil(s / c) for s, c in zip(self.shape, self.inner))
+        return tuple(-(-s // c) for s, c in zip(self.shape, self.inner))
 
     def contains(self, coords) -> bool:
         if len(coords) != len(self.shape):
