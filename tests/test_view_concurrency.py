@@ -180,3 +180,105 @@ def test_a_precomputed_flush_that_loses_a_race_reading_minishards_merges_again(t
     trio.run(main)
     ids, offsets, sizes, _ = parse_shard(shard.read_bytes(), spec)
     assert sorted(ids.tolist()) == [1, 2, 3, 4]
+
+
+def _small_array(root) -> None:
+    """arr: 8x8 uint8, shards of 4x4, inner chunks 2x2; shard (0, 0) holds
+    its 4 chunks, chunk i filled with bytes i + 1."""
+    from tests.handmade_zarr import array_doc, write_array_doc, write_shard
+
+    write_array_doc(root / "arr", array_doc((8, 8), (4, 4), (2, 2)))
+    write_shard(root / "arr", (0, 0), (2, 2), {i: bytes([i + 1]) * 4 for i in range(4)})
+
+
+def test_an_open_for_writing_that_writes_nothing_stores_nothing(tmp_path):
+    """``open("r+b")`` of a chunk, or ``touch``, with no write: its close
+    stores nothing.  Before, the content read at open was dirty, so its
+    shard was rewritten, and a chunk another mount replaced meanwhile (and
+    fsynced) was put back to the old bytes."""
+    _small_array(tmp_path)
+    a, a_store = _view(tmp_path)
+    b, _ = _view(tmp_path)
+
+    async def main():
+        held = await a.open(await a.resolve("arr/c/0/0"), write=True, truncate=False)
+        other = await b.open(await b.resolve("arr/c/0/0"), write=True, truncate=True)
+        await b.write(other, 0, b"NEW!")
+        await b.fsync(other)
+        await b.release(other)
+        await a.flush(held)
+        await a.release(held)
+        assert not await a.sync()
+        assert a_store.counters["put"] == 0
+        check, _ = _view(tmp_path)
+        assert await check.content(await check.resolve("arr/c/0/0")) == b"NEW!"
+
+    trio.run(main)
+
+
+def test_an_open_for_writing_starts_from_a_write_that_landed_while_it_read(tmp_path):
+    """An open for writing reads the chunk (a round trip on S3); a write of
+    the same mount that lands, is fsynced and closed meanwhile is what the
+    opener's buffer starts from.  Before, it started from the bytes read, so
+    its one-byte write undid the other write."""
+    _small_array(tmp_path)
+    view, store = _view(tmp_path)
+    view.store._nowait = None  # every chunk read goes through a worker thread, as on S3
+
+    async def main():
+        node = await view.resolve("arr/c/0/0")
+        store.get_delay = 0.3
+        held = {}
+
+        async def opener():
+            held["h"] = await view.open(node, write=True, truncate=False)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(opener)
+            await trio.sleep(0.05)
+            store.get_delay = 0.0
+            other = await view.open(node, write=True, truncate=True)
+            await view.write(other, 0, b"NEW!")
+            await view.fsync(other)
+            await view.release(other)
+        await view.write(held["h"], 3, b"X")
+        await view.release(held["h"])
+        assert not await view.sync()
+        check, _ = _view(tmp_path)
+        assert await check.content(await check.resolve("arr/c/0/0")) == b"NEWX"
+
+    trio.run(main)
+
+
+def test_a_file_unlinked_while_its_close_stores_it_stays_gone(tmp_path):
+    """``close`` stores a file (its PUT out) while another process unlinks
+    it: the unlink waits for that PUT and removes what it stored.  Before,
+    the unlink returned first and the PUT then brought the file back, in
+    storage and in the view; for a new file and a stored one alike."""
+    (tmp_path / "old.txt").write_bytes(b"old")
+    view, store = _view(tmp_path)
+
+    async def main():
+        root = await view.resolve("")
+        for name in ("new.txt", "old.txt"):
+            store.put_delay = 0.0
+            if name == "new.txt":
+                h = await view.create(root, name)
+            else:
+                h = await view.open(await view.resolve(name), write=True, truncate=True)
+            await view.write(h, 0, b"new content")
+            store.put_delay = 0.3
+
+            async def close(h=h):
+                await view.flush(h)
+                await view.release(h)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(close)
+                await trio.sleep(0.1)
+                await view.unlink(root, name)
+            assert not await view.sync()
+            assert not (tmp_path / name).exists(), name
+            assert await view.lookup(root, name) is None, name
+
+    trio.run(main)

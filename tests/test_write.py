@@ -668,6 +668,30 @@ def test_stop_flushes_dirty_data(store, mount, tmp_path, how):
     assert stored_chunks(store, "arr", (2, 2)) == {(i, j): raw_chunk(i * 10 + j + 1) for i, j in ((0, 0), (1, 3), (3, 3))}
 
 
+def test_an_unmount_from_outside_stores_what_needs_a_listing(store, mount, tmp_path):
+    """``fusermount3 -u`` (or root's ``umount``) ends the FUSE loop before
+    anything is stored: the final sync runs after the daemon's nursery has
+    closed.  Storing a document emptied after its removal (``rm zarr.json;
+    : > zarr.json``) lists the array, which with read-ahead on started work
+    in that closed nursery: the final sync failed, round after round, and
+    the daemon never exited."""
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=np.ones((8, 8), "<i4"))
+    m = mount(store.source, "flush_delay=60", "prefetch_ahead=1M", extra=store.extra)
+    pid = int(os.getxattr(m.path, "user.zshardfs.pid"))
+    os.unlink(m / "arr" / "zarr.json")
+    os.close(os.open(m / "arr" / "zarr.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
+    subprocess.run(["fusermount3", "-u", str(m.path)], check=True)
+    m.mounted = False
+    try:
+        wait_for(lambda: not process_running(pid), 30, "the daemon to exit")
+    finally:
+        if process_running(pid):
+            os.kill(pid, signal.SIGKILL)
+    log = m.log_text()
+    assert "not stored yet" not in log and "Traceback" not in log, log
+    assert store.get("arr/zarr.json") == b""
+
+
 # ---------------------------------------------------------------------------
 # flush failures
 

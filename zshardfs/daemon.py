@@ -210,6 +210,7 @@ class Mount:
             log.exception("main loop failed")
             raise
         finally:
+            self.shards.start(None)  # (its nursery is closed)
             await self._final_sync()
             pyfuse3.close(unmount=unmount)
             self.store.close()

@@ -496,8 +496,10 @@ class ShardCache:
         """:meth:`preload` in the background (see :meth:`soon`)."""
         self.soon(self.preload, fmt, shards, True)
 
-    def start(self, nursery: trio.Nursery) -> None:
-        """Where background read-ahead runs (the daemon's nursery)."""
+    def start(self, nursery: trio.Nursery | None) -> None:
+        """Where background read-ahead runs (the daemon's nursery); None
+        once that nursery is closed (the final sync at unmount reads without
+        read-ahead: a closed nursery takes no new tasks)."""
         self._nursery = nursery
 
     def _read_ahead(self) -> None:

@@ -673,9 +673,17 @@ class View:
             if t.capacity is None:
                 t = node.target = node.dataset.target(node.rel) or t
             self._check_chunk_writable(node)
-            initial = b"" if truncate else await self.content(node)
+            initial = b""
+            for _ in range(8) if not truncate else ():
+                # a write of this mount that lands while the content is read
+                # (and is flushed and closed meanwhile) must not be undone by
+                # a buffer made from what was there before it
+                before = self._chunk_version(t)
+                initial = await self.content(node)
+                if self._chunk_version(t) == before:
+                    break
             chunk = self.writeback.open_chunk(t.shard_key, node.dataset.shard_format, t.shard_ctx, t.chunk_id,
-                                              initial, t.capacity, node.dataset.shard_home)
+                                              initial, t.capacity, node.dataset.shard_home, stored=not truncate)
             if truncate and len(chunk.data):
                 del chunk.data[:]
                 self.writeback.changed(t.shard_key, chunk)
@@ -1045,6 +1053,11 @@ class View:
                                   node.dataset.shard_home)
             self._chunk_changed(t)
             return
+        if buf is not None and buf.storing.locked():
+            # a close is storing this file: its PUT lands first, then this
+            # delete (else the PUT would bring the file back after it)
+            async with buf.storing:
+                pass
         if buf is not None and (buf.key is None or not buf.in_store):
             return  # scratch, or a new file not stored yet: nothing in storage to remove
         if node.key is not None:

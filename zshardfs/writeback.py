@@ -158,14 +158,20 @@ class WriteBack:
         return dict(shard.chunks) if shard else {}
 
     def open_chunk(self, key: str, fmt: ShardFormat, ctx: Any, chunk_id: int, initial: bytes | None,
-                   capacity: int | None = None, home: str | None = None) -> DirtyChunk:
+                   capacity: int | None = None, home: str | None = None, stored: bool = False) -> DirtyChunk:
         """A chunk opened for writing: its buffer, starting from ``initial``
-        (the current content) unless it is dirty already."""
+        (the current content) unless it is dirty already.  ``stored``:
+        ``initial`` is what storage holds, so the chunk is clean until
+        written (an open that writes nothing, ``touch``, stores nothing, and
+        cannot put back a version another writer replaced meanwhile)."""
         shard = self.shard(key, fmt, ctx, capacity, home)
         chunk = shard.chunks.get(chunk_id)
         if chunk is None or chunk.data is None:
+            fresh = chunk is None and stored
             chunk = shard.chunks[chunk_id] = DirtyChunk(bytearray(initial or b""),
                                                          (chunk.version + 1) if chunk else 0)
+            if fresh:
+                chunk.clean = chunk.version
         chunk.writers += 1
         self.touch(shard)
         return chunk
