@@ -282,3 +282,40 @@ def test_a_file_unlinked_while_its_close_stores_it_stays_gone(tmp_path):
             assert await view.lookup(root, name) is None, name
 
     trio.run(main)
+
+
+def test_a_write_given_up_at_the_deadline_never_lands_over_a_newer_one(tmp_path):
+    """A PUT that outlives ``-o timeout`` fails (EIO) but its worker thread
+    goes on, and may land later.  The next write of that file waits for it:
+    the file ends with what was stored last.  Before, the late PUT of the
+    older text replaced the newer one after its fsync had returned 0."""
+
+    class FirstPutStuck(SlowStore):
+        puts = 0
+
+        def put(self, *args, **kwargs):
+            FirstPutStuck.puts += 1
+            if FirstPutStuck.puts == 1:
+                time.sleep(1.5)  # in transit longer than the 0.5 s deadline
+            return super().put(*args, **kwargs)
+
+    store = FirstPutStuck(str(tmp_path))
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=False,
+                                  timeout=0.5), store)
+
+    async def main():
+        h = await view.create(await view.resolve(""), "notes.txt")
+        await view.write(h, 0, b"version 1")
+        try:
+            await view.fsync(h)
+            raise AssertionError("the stuck PUT should have failed the fsync")
+        except Exception as exc:  # noqa: BLE001 - the view's error for EIO
+            assert "no answer within" in str(exc), exc
+        await view.write(h, 0, b"version 2")
+        await trio.sleep(0.6)  # past the moment of failing fast
+        await view.fsync(h)
+        await view.release(h)
+        await trio.sleep(1.2)  # the first PUT's thread has ended by now
+        assert (tmp_path / "notes.txt").read_bytes() == b"version 2"
+
+    trio.run(main)

@@ -261,6 +261,9 @@ class AsyncStore:
         self._list_generation = 0  # bumped by every write: a listing begun before it is not kept
         self._lists = SingleFlight()  # LISTs in flight, by prefix
         self._unanswered: OrderedDict[tuple, float] = OrderedDict()  # (operation, key) -> when it failed
+        # writes given up at the deadline whose worker thread may still land
+        # them, by key: the next write of that key waits for it (see _run)
+        self._landing: dict[str, threading.Event] = {}
         # small whole objects (metadata documents) read in the last list_ttl
         # seconds: a probe and the listing that shows the document share one GET
         self._documents: OrderedDict[str, tuple[Blob | None, float]] = OrderedDict()
@@ -269,17 +272,30 @@ class AsyncStore:
     def counters(self) -> Counter:
         return self.backend.counters
 
-    async def _run(self, fn: Callable[..., T], *args, _speculative: bool = False, **kwargs) -> T:
+    async def _run(self, fn: Callable[..., T], *args, _speculative: bool = False, _writes: bool = False,
+                   **kwargs) -> T:
         """``fn(*args, **kwargs)`` in a worker thread, within the deadline.
         ``_speculative``: work nobody waits for (read-ahead) neither fails
-        fast nor leaves a fail-fast mark on its key for the reader's call."""
+        fast nor leaves a fail-fast mark on its key for the reader's call.
+        ``_writes``: a write (PUT, DELETE) of key ``args[0]``.  A write given
+        up at the deadline goes on in its thread (a thread cannot be
+        stopped) and may land later: the next write of that key waits for it
+        first, so a late PUT never replaces a newer one (plain files and
+        documents are written without conditions)."""
+        done = threading.Event()
+
         def call():
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                done.set()
 
         what = (getattr(fn, "__name__", ""), args[0] if args else None)
         # (the key in the words: the line names what failed, and failures of
         # other keys are lines of their own, not repeats log_once drops)
         where = f"{self.url}: {what[0]} {what[1]}" if what[1] is not None else f"{self.url}: {what[0]}"
+        if _writes:
+            await self._after_landing(what[1], where)
         failed = None if _speculative else self._unanswered.get(what)
         if failed is not None:
             if time.monotonic() - failed < min(self.FAIL_FAST, self.timeout):
@@ -301,6 +317,8 @@ class AsyncStore:
                 return result
             if scope.cancelled_caught:
                 bump(self.backend.counters, "errors")  # worker threads bump concurrently
+                if _writes:
+                    self._landing[what[1]] = done
                 raise Unavailable(f"{where}: no answer within {self.timeout:g}s", what[1])
             raise AssertionError("unreachable")  # pragma: no cover
         except Unavailable:
@@ -309,6 +327,24 @@ class AsyncStore:
                 while len(self._unanswered) > 1024:
                     self._unanswered.popitem(last=False)
             raise
+
+    async def _after_landing(self, key: str, where: str) -> None:
+        """Wait (up to the deadline) for a write of ``key`` given up earlier
+        to end; Unavailable if it does not."""
+        earlier = self._landing.get(key)
+        if earlier is None:
+            return
+        with trio.move_on_after(self.timeout):
+            while not earlier.is_set():
+                await trio.sleep(0.02)
+        if not earlier.is_set():
+            bump(self.backend.counters, "errors")
+            raise Unavailable(f"{where}: an earlier write of it, given up, has not ended yet", key)
+        if self._landing.get(key) is earlier:
+            del self._landing[key]
+        if len(self._landing) > 1024:  # (keys never written again)
+            for k in [k for k, e in self._landing.items() if e.is_set()]:
+                del self._landing[k]
 
     @staticmethod
     def _trace(what: tuple, args: tuple, started: float, outcome: str = "") -> None:
@@ -463,13 +499,15 @@ class AsyncStore:
     async def put(self, key: str, data: bytes, *, if_match: str | None = None,
                   if_none_match: bool = False) -> ObjectInfo:
         try:
-            return await self._run(self.backend.put, key, data, if_match=if_match, if_none_match=if_none_match)
+            return await self._run(self.backend.put, key, data, if_match=if_match, if_none_match=if_none_match,
+                                   _writes=True)
         finally:
             self._changed(key)
 
     async def delete(self, key: str, *, if_match: str | None = None, prune_below: str | None = None) -> None:
         try:
-            return await self._run(self.backend.delete, key, if_match=if_match, prune_below=prune_below)
+            return await self._run(self.backend.delete, key, if_match=if_match, prune_below=prune_below,
+                                   _writes=True)
         finally:
             self._changed(key)
 
