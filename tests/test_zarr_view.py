@@ -860,3 +860,36 @@ def test_huge_metadata_documents_are_not_read(mount, tmp_path):
         lines = [line for line in log.splitlines() if name in line and "WARNING" in line]
         assert len(lines) == 1 and "64 MiB" in lines[0], (name, log)
     assert "Traceback" not in log and "ERROR" not in log
+
+
+def test_rewritten_documents_kept_are_bounded_by_bytes(tmp_path):
+    """The view keeps the documents it rewrote (keyed by version, so never
+    stale) within a byte budget, not only a count: arrays whose
+    ``zarr.json`` carry megabytes of attributes, listed one after another,
+    must not each stay in memory for an hour (40 of 4 MiB kept 160 MiB)."""
+    import trio
+
+    from tests.handmade_zarr import array_doc, write_array_doc
+    from zshardfs.backends.local import LocalBackend
+    from zshardfs.config import MountConfig
+    from zshardfs.daemon import build_view
+
+    for i in range(10):
+        doc = array_doc((8, 8), (4, 4), (2, 2))
+        doc["attributes"] = {"blob": "x" * (1 << 20)}
+        write_array_doc(tmp_path / f"a{i}", doc)
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt"),
+                      LocalBackend(str(tmp_path)))
+    view.documents.max_bytes = 4 << 20  # (the budget of a mount is 64 MiB)
+
+    async def main():
+        async for array in view.listdir(await view.resolve("")):
+            names = [child.name async for child in view.listdir(array)]
+            assert "zarr.json" in names
+            node = await view.lookup(array, "zarr.json")
+            assert json.loads(node.document)["attributes"]["blob"] == "x" * (1 << 20)
+
+    trio.run(main)
+    kept = [v[0] for v in view.documents._d.values() if v[0] is not None]
+    assert sum(map(len, kept)) <= 4 << 20
+    assert len(kept) >= 2  # (and it still keeps what fits)

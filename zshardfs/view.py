@@ -120,12 +120,19 @@ class Handle:
 
 
 class _TTLCache:
-    """Small LRU with expiry for probes and documents (bounded by count)."""
+    """Small LRU with expiry for probes and documents (bounded by count, and
+    by the bytes of its ``bytes`` values if ``max_bytes`` is given)."""
 
-    def __init__(self, max_items: int, ttl: float):
+    def __init__(self, max_items: int, ttl: float, max_bytes: int | None = None):
         self.max_items = max_items
         self.ttl = ttl
+        self.max_bytes = max_bytes
+        self.nbytes = 0  # of the bytes values kept
         self._d: OrderedDict = OrderedDict()
+
+    @staticmethod
+    def _size(item) -> int:
+        return len(item[0]) if isinstance(item[0], (bytes, bytearray)) else 0
 
     def get(self, key):
         item = self._d.get(key)
@@ -135,13 +142,17 @@ class _TTLCache:
         return item
 
     def put(self, key, value):
-        self._d[key] = (value, time.monotonic())
-        self._d.move_to_end(key)
-        while len(self._d) > self.max_items:
-            self._d.popitem(last=False)
+        self.pop(key)
+        item = self._d[key] = (value, time.monotonic())
+        self.nbytes += self._size(item)
+        while len(self._d) > self.max_items or (
+                self.max_bytes is not None and self.nbytes > self.max_bytes and len(self._d) > 1):
+            self.nbytes -= self._size(self._d.popitem(last=False)[1])
 
     def pop(self, key):
-        self._d.pop(key, None)
+        item = self._d.pop(key, None)
+        if item is not None:
+            self.nbytes -= self._size(item)
 
     def expired(self, key):
         """The value kept for ``key`` even if it expired (None if none)."""
@@ -151,6 +162,8 @@ class _TTLCache:
 
 #: the largest file written through the view (or ``max_dirty``, if larger)
 MAX_FILE = 1 << 30
+#: bytes of rewritten metadata documents kept (View.documents)
+DOCUMENTS_BYTES = 64 << 20
 #: bytes of removed metadata documents kept to map a new one back (View.orphans)
 REMOVED_DOCUMENTS_BYTES = 64 << 20
 
@@ -199,7 +212,9 @@ class View:
         self.shard_option = shard_option  # -o shard=K: store new arrays sharded
         self.ctx = LayoutContext(store, shards, read_only)
         self.datasets = _TTLCache(4096, metadata_ttl)
-        self.documents = _TTLCache(4096, 3600.0)  # keyed by (key, etag): never stale
+        # keyed by (key, etag): never stale; bounded by bytes too, since a
+        # rewritten document may be megabytes (consolidated metadata)
+        self.documents = _TTLCache(4096, 3600.0, max_bytes=DOCUMENTS_BYTES)
         self.started = time.time()
         # names that exist in the view but not (yet) in storage
         self.buffers: dict[str, FileBuffer] = {}  # path -> open/scratch file
