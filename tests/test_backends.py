@@ -12,6 +12,8 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import stat
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -344,6 +346,98 @@ def test_counters(store):
     assert b.stat("c/nope") is None
     assert c["precondition_failed"] == 1 and c["errors"] == 0
     assert c["bytes_written"] == 100 and c["bytes_read"] == 115
+
+
+# ---------------------------------------------------------------------------
+# local only: durability of directory changes
+
+
+def fsynced_dirs(monkeypatch) -> list[str]:
+    """Record the path of every directory ``os.fsync`` is called on."""
+    seen: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            seen.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return seen
+
+
+def test_local_directory_changes_are_fsynced(tmp_path, monkeypatch):
+    """A shard that put reported stored survives a power loss with the
+    directories put made for it: each new directory is fsynced into its
+    parent (from the deepest existing one down), and only those.  An unlink,
+    and the pruning of directories it emptied, fsync the directory still
+    there that changed; so do make_dir and remove_dir."""
+    root = tmp_path / "store"
+    root.mkdir()
+    b = LocalBackend(str(root))
+    seen = fsynced_dirs(monkeypatch)
+
+    def dirs_synced() -> set[str]:
+        got = {os.path.relpath(p, root) for p in seen}
+        seen.clear()
+        return got
+
+    b.put("arr/c/7/3", b"shard", if_none_match=True)
+    assert dirs_synced() == {".", "arr", "arr/c", "arr/c/7"}
+    b.put("arr/c/7/4", b"shard")  # an existing directory: nothing above it again
+    assert dirs_synced() == {"arr/c/7"}
+    b.put("arr/c/8/0", b"shard")
+    assert dirs_synced() == {"arr/c", "arr/c/8"}
+
+    b.delete("arr/c/7/3", if_match=b.stat("arr/c/7/3").etag)
+    assert dirs_synced() == {"arr/c/7"}
+    b.delete("arr/c/7/4", prune_below="arr")  # c/7 goes: c changed, c/7 is gone
+    assert not (root / "arr/c/7").exists() and (root / "arr/c").is_dir()
+    assert dirs_synced() == {"arr/c"}
+    b.delete("arr/c/8/0", prune_below="arr")  # c/8 and c go: arr changed
+    assert not (root / "arr/c").exists()
+    assert dirs_synced() == {"arr"}
+    b.delete("arr/c/8/0", prune_below="arr")  # nothing there: nothing changed
+    assert dirs_synced() == set()
+
+    b.make_dir("u/v")
+    assert dirs_synced() == {".", "u"}
+    b.remove_dir("u/v")
+    assert dirs_synced() == {"u"}
+    b.close()
+
+
+def test_local_directories_made_by_a_put_still_in_progress_are_fsynced_again(tmp_path, monkeypatch):
+    """Two puts into one new directory (a flush stores 8 shards at once): the
+    second finds the directories made but must not report its shard stored
+    before they are durable, so it fsyncs their parents itself rather than
+    trust the first put, which may not have got there yet."""
+    root = tmp_path / "store"
+    root.mkdir()
+    b = LocalBackend(str(root))
+    seen = fsynced_dirs(monkeypatch)
+    main = threading.get_ident()
+    made, go_on = threading.Event(), threading.Event()
+    fsync = os.fsync
+
+    def stalls_first_put(fd):
+        if threading.get_ident() != main:  # the put in the pool
+            made.set()
+            assert go_on.wait(10)  # the first put stalls in its first fsync
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", stalls_first_put)
+    with ThreadPoolExecutor(1) as pool:
+        stalled = pool.submit(b.put, "arr/c/0/0", b"shard")
+        assert made.wait(10)
+        other = len(seen)
+        b.put("arr/c/0/1", b"shard")
+        mine = {os.path.relpath(p, root) for p in seen[other:]}
+        go_on.set()
+        stalled.result()
+    assert {".", "arr", "arr/c", "arr/c/0"} <= mine, mine
+    assert (root / "arr/c/0/0").read_bytes() == (root / "arr/c/0/1").read_bytes() == b"shard"
+    b.close()
 
 
 # ---------------------------------------------------------------------------

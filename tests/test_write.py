@@ -1146,6 +1146,23 @@ def test_an_o_trunc_open_empties_the_file(store, mount):
     m.umount()
 
 
+def test_names_up_to_the_longest_legal_one_are_stored(store, mount):
+    """A file name of up to 255 bytes (NAME_MAX) is stored: the local
+    backend's temporary name (``.zshardfs-tmp-<pid>-<thread>-<name>``) is cut
+    to fit, so close and unmount succeed and the store holds the name."""
+    m = mount(store.source, extra=store.extra)
+    (m / "d").mkdir()
+    names = ["a" * 250, "b" * 255, "\u00e9" * 127, "d/" + "c" * 255]  # (127 two-byte characters: 254 bytes)
+    for i, name in enumerate(names):
+        (m / name).write_bytes(b"hello %d" % i)
+    zs("sync", m.path)
+    for i, name in enumerate(names):
+        assert store.get(name) == b"hello %d" % i, name
+        assert (m / name).read_bytes() == b"hello %d" % i
+    m.umount()
+    assert store.keys() == set(names)
+
+
 def test_a_sharded_document_restored_over_its_shards_is_stored(store, mount, tmp_path):
     """After a crash in an editor's save (``zarr.json`` renamed to
     ``zarr.json~``, nothing written yet), a remounted view restores it with

@@ -2,7 +2,10 @@
 
 Atomic replace: data goes to a temporary file in the same directory, is
 fsynced, renamed over the key, and the directory is fsynced.  A reader (or a
-crash) therefore sees the old or the new object, never a mix.  A put that
+crash) therefore sees the old or the new object, never a mix.  Directories
+a put makes are fsynced into their parents (:func:`_make_dirs`), and the
+directory an unlink or a directory's removal changed is fsynced, so what a
+put or delete reported done survives a power loss.  A put that
 fails removes its temporary file; one left by a writer that died (kill -9)
 is removed by the first put into its directory (or a listing of it) once
 no live process can be writing it (:func:`_writer_gone`) and it is
@@ -34,6 +37,10 @@ log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".zshardfs-tmp-"
 
+#: longest file name (bytes) local file systems take: a temporary name is cut
+#: to fit (:func:`_tmp_name`)
+NAME_MAX = 255
+
 #: a dead writer's temporary file is removed only once it is this old: a put
 #: in flight in another pid namespace sharing the store (whose pid means
 #: nothing here) has written it within moments
@@ -47,6 +54,73 @@ _writing_lock = threading.Lock()
 
 def _is_internal(name: str) -> bool:
     return name.startswith(TMP_PREFIX)
+
+
+def _tmp_name(basename: str) -> str:
+    """``.zshardfs-tmp-<pid>-<thread>-<basename>``, the basename cut so that
+    the name fits NAME_MAX: a key whose own name is legal must be storable.
+    The pid and thread make it unique (a thread writes one put at a time); the
+    pid is what :func:`_writer_gone` reads."""
+    head = f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-"
+    room = NAME_MAX - len(head)  # (ASCII)
+    tail = os.fsencode(basename)
+    if len(tail) <= room:
+        return head + basename
+    # cut: a character split at the end, or bytes that are no UTF-8, are left out
+    return head + tail[:room].decode("utf-8", "ignore")
+
+
+#: directories this process made whose entry may not be durable in their
+#: parent yet (made, parent not yet fsynced): a put into one fsyncs that
+#: parent itself rather than trust the maker's fsync to have happened
+_unsynced_dirs: set[str] = set()
+_unsynced_lock = threading.Lock()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, durably: each directory made
+    (from the deepest existing ancestor down) is fsynced into its parent.
+    Costs one ``stat`` when ``path`` exists (the common case)."""
+    missing = []
+    while True:
+        with _unsynced_lock:
+            unsynced = path in _unsynced_dirs
+        if not unsynced and os.path.isdir(path):
+            break
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        missing.append(path)
+        path = parent
+    for d in reversed(missing):
+        with _unsynced_lock:
+            _unsynced_dirs.add(d)
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            if not os.path.isdir(d):  # a file: as os.makedirs, EEXIST for the
+                with _unsynced_lock:  # path itself, ENOTDIR (the next mkdir) above it
+                    _unsynced_dirs.discard(d)
+                if d == missing[0]:
+                    raise
+                continue
+        except BaseException:
+            with _unsynced_lock:
+                _unsynced_dirs.discard(d)
+            raise
+        # (made here or by another writer just now: fsynced here either way;
+        # on failure it stays listed, so the next put into it tries again)
+        _fsync_dir(os.path.dirname(d))
+        with _unsynced_lock:
+            _unsynced_dirs.discard(d)
 
 
 def _writer_gone(path: str, name: str) -> bool:
@@ -338,17 +412,17 @@ class LocalBackend:
     def put(self, key, data, *, if_match=None, if_none_match=False) -> ObjectInfo:
         path = self._path(key)
         dirpath = os.path.dirname(path)
-        tmp = os.path.join(dirpath, f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{os.path.basename(path)}")
+        tmp = os.path.join(dirpath, _tmp_name(os.path.basename(path)))
         with _writing_lock:
             _writing.add(tmp)
         try:
-            os.makedirs(dirpath, exist_ok=True)
+            _make_dirs(dirpath)
             self._sweep(dirpath)
             try:
                 try:
                     f = open(tmp, "wb")
                 except FileNotFoundError:  # pruned meanwhile by the delete of its last shard
-                    os.makedirs(dirpath, exist_ok=True)
+                    _make_dirs(dirpath)
                     f = open(tmp, "wb")
                 with f:
                     f.write(data)
@@ -368,11 +442,7 @@ class LocalBackend:
                 except OSError:
                     pass
                 raise
-            dfd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            _fsync_dir(dirpath)
             st = os.stat(path)
         except OSError as exc:
             raise self._fail(key, exc) from None
@@ -386,6 +456,7 @@ class LocalBackend:
 
     def delete(self, key, *, if_match=None, prune_below=None) -> None:
         path = self._path(key)
+        changed = None  # the directory whose change must be made durable
         try:
             if if_match is not None:
                 with self._dir_lock(os.path.dirname(path)):
@@ -393,6 +464,7 @@ class LocalBackend:
                     os.unlink(path)
             else:
                 os.unlink(path)
+            changed = os.path.dirname(path)
         except FileNotFoundError:
             if if_match is not None:
                 raise PreconditionFailed(f"{key}: gone", key) from None
@@ -402,16 +474,30 @@ class LocalBackend:
         self._forget_fds(key)
         # Otherwise directories left empty stay, as in zarr-python's LocalStore:
         # they may be a user's (made with mkdir through the mount: real at once).
-        if prune_below is None:
-            return
-        stop = self._path(prune_below)
-        parent = os.path.dirname(path)
-        while parent != stop and parent.startswith(stop + os.sep):
-            try:
-                os.rmdir(parent)  # fails unless empty
-            except OSError:
-                break
-            parent = os.path.dirname(parent)
+        if prune_below is not None:
+            stop = self._path(prune_below)
+            parent = os.path.dirname(path)
+            while parent != stop and parent.startswith(stop + os.sep):
+                try:
+                    os.rmdir(parent)  # fails unless empty
+                except OSError:
+                    break
+                parent = os.path.dirname(parent)
+                changed = parent
+        # one fsync: the deepest directory still there that changed (those
+        # removed below it are gone with their entry in it)
+        if changed is not None:
+            self._sync_dir(key, changed)
+
+    def _sync_dir(self, key: str, dirpath: str) -> None:
+        """fsync a directory an unlink or rmdir changed; one removed meanwhile
+        (another writer pruning) took the change with it."""
+        try:
+            _fsync_dir(dirpath)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except OSError as exc:
+            raise self._fail(key, exc) from None
 
     def statfs(self) -> os.statvfs_result:
         """The file system holding the store (``df`` on the mount shows it)."""
@@ -422,7 +508,7 @@ class LocalBackend:
 
     def make_dir(self, key: str) -> None:
         try:
-            os.makedirs(self._path(key), exist_ok=True)
+            _make_dirs(self._path(key))
         except OSError as exc:
             raise self._fail(key, exc) from None
 
@@ -431,9 +517,10 @@ class LocalBackend:
         try:
             os.rmdir(path)
         except FileNotFoundError:
-            pass
+            return
         except OSError as exc:
             raise self._fail(key, exc) from None
+        self._sync_dir(key, os.path.dirname(path))
 
     def close(self) -> None:
         with self._fd_lock:
