@@ -111,7 +111,12 @@ def test_background_mount_returns_once_ready_and_keeps_serving(store, mnt):
     result = zs("mount", store.root, mnt, "-o", "ro")
     elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stderr
-    assert result.stderr == "" and result.stdout == ""
+    assert result.stdout == ""
+    if os.path.exists("/dev/log"):
+        assert result.stderr == ""
+    else:  # the log would go nowhere: one line says so
+        assert result.stderr.count("\n") == 1 and "no syslog socket" in result.stderr, result.stderr
+        assert "log_file=" in result.stderr
     # ready means ready: the very first access is answered by the view
     st = os.stat(mnt / name)
     assert st.st_size == len(data)
@@ -675,6 +680,17 @@ def test_mount_helper_as_mount8_calls_it(store, mnt):
     assert (mnt / name).read_bytes() == data
     assert "ro" in mounts_at(mnt)[0]["options"]
     assert zs("umount", mnt).returncode == 0
+    # what mount(8) adds: -v/-n/-s flags, atime and x-systemd options; -f
+    # ("fake": only record the mount) mounts nothing and returns at once
+    result = subprocess.run([str(helper), str(store.root), str(mnt), "-f", "-o", "ro"],
+                            capture_output=True, text=True, timeout=10)
+    assert result.returncode == 0 and mounts_at(mnt) == [], result.stderr
+    result = subprocess.run([str(helper), str(store.root), str(mnt), "-v", "-n", "-s", "-o",
+                             "ro,noatime,nodiratime,relatime,x-systemd.automount,comment=x", "-t", "zshardfs"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert (mnt / name).read_bytes() == data
+    assert zs("umount", mnt).returncode == 0
 
 
 def test_umount_of_a_busy_mount(store, mnt):
@@ -736,3 +752,135 @@ def test_endpoint_credentials_stay_off_the_daemon_command_line(moto_server, s3_b
         assert secret not in zs("stats", "--json", mnt).stdout
     finally:
         assert zs("umount", mnt).returncode == 0
+
+
+def test_umount_of_a_wedged_daemon_with_z_and_through_a_link(store, mnt, tmp_path):
+    """``umount -z`` is the escape hatch: it asks the daemon nothing, so a
+    wedged (stopped) daemon cannot make it hang; ``umount`` of a symbolic
+    link to the mount point unmounts the mount point."""
+    link = tmp_path / "link"
+    link.symlink_to(mnt)
+    run_mount(store.root, mnt, "ro")
+    result = zs("umount", link)
+    assert result.returncode == 0, result.stderr
+    assert mounts_at(mnt) == []
+    run_mount(store.root, mnt, "ro")
+    pid = daemon_pid(mnt)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        result = zs("umount", "-z", mnt, timeout=20)
+        assert result.returncode == 0, result.stderr
+        assert time.monotonic() - started < 10
+        assert mounts_at(mnt) == []
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert wait_for(lambda: not process_running(pid), timeout=20)
+
+
+def test_a_log_file_inside_the_mountpoint_is_refused(store, mnt):
+    """It would be hidden by the mount; before, it was made first, and the
+    mountpoint was then refused as "not empty", the file left behind."""
+    assert_one_line_error(zs("mount", store.root, mnt, "-o", f"ro,log_file={mnt / 'x.log'}"),
+                          "log file", "inside the mountpoint")
+    assert os.listdir(mnt) == []
+
+
+def test_exit_status_two_is_for_bad_options_only(store, tmp_path):
+    """A missing mountpoint whose name holds "option" is a failure (1), not
+    a usage error (2): the status no longer comes from the message text."""
+    result = zs("mount", store.root, tmp_path / "nooptions", "-o", "ro")
+    assert_one_line_error(result, "does not exist")
+    assert result.returncode == 1
+    assert zs("mount", store.root, tmp_path / "nooptions", "-o", "frobnicate").returncode == 2
+
+
+def test_sighup_never_ends_the_daemon(store, mnt, tmp_path):
+    """SIGHUP is ignored while serving and also while the final sync after
+    an unmount from outside retries storing (before, it ended the daemon
+    there, and the written data was lost without a log line); a rotated log
+    file is reopened by itself."""
+    log = tmp_path / "z.log"
+    run_mount(store.root, mnt, "flush_delay=60", log=log)
+    pid = daemon_pid(mnt)
+    name, _ = first_chunk(store)
+    (mnt / name).write_bytes(b"new bytes")
+    os.kill(pid, signal.SIGHUP)
+    os.rename(log, tmp_path / "z.log.1")  # logrotate's way: move, then the next line goes to a new file
+    shard_dir = store.root / "arr" / "c"
+    hidden = tmp_path / "c-hidden"
+    os.rename(shard_dir, hidden)
+    shard_dir.write_bytes(b"a file where the shard directory must go")  # storing fails now
+    subprocess.run(["fusermount3", "-uz", str(mnt)], check=True)
+    assert wait_for(lambda: log.exists() and "not stored yet" in log.read_text(), timeout=20)
+    os.kill(pid, signal.SIGHUP)
+    time.sleep(0.5)
+    assert process_running(pid)
+    shard_dir.unlink()
+    os.rename(hidden, shard_dir)
+    assert wait_for(lambda: not process_running(pid), timeout=60)
+    assert "stored everything after" in log.read_text()
+    assert "lost" not in log.read_text()
+
+
+def test_systemd_is_told_when_the_mount_is_ready(store, mnt, tmp_path):
+    """``Type=notify`` (systemd/zshardfs@.service): a foreground daemon sends
+    ``READY=1`` to ``$NOTIFY_SOCKET`` once the view is there, so units
+    ordered after it never find an empty directory."""
+    address = str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(address)
+        sock.settimeout(30)
+        proc = subprocess.Popen([*ZSHARDFS, "mount", "--foreground", str(store.root), str(mnt), "-o", "ro"],
+                                env={**os.environ, "NOTIFY_SOCKET": address},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert sock.recv(4096) == b"READY=1"
+            name, data = first_chunk(store)
+            assert (mnt / name).read_bytes() == data
+        finally:
+            zs("umount", mnt)
+            proc.wait(timeout=30)
+
+
+def _unit() -> dict[str, list[str]]:
+    unit = Path(__file__).resolve().parent.parent / "systemd" / "zshardfs@.service"
+    settings: dict[str, list[str]] = {}
+    for line in unit.read_text().splitlines():
+        if line and not line.startswith(("#", "[")) and "=" in line:
+            key, _, value = line.partition("=")
+            settings.setdefault(key.strip(), []).append(value.strip())
+    return settings
+
+
+def test_the_systemd_unit_mounts_on_the_host_and_clears_a_dead_mount(store, mnt):
+    """The unit: ``Type=notify`` (test_systemd_is_told_when_the_mount_is_ready),
+    no setting that gives the service a mount namespace of its own (the
+    mount would be invisible on the host), and its ExecStartPre removes a
+    dead mount a killed daemon left (so Restart= can start again) while it
+    leaves a live one alone."""
+    settings = _unit()
+    assert settings["Type"] == ["notify"]
+    namespaced = {"PrivateTmp", "ProtectSystem", "ProtectHome", "PrivateMounts", "PrivateDevices",
+                  "ReadOnlyPaths", "ReadWritePaths", "InaccessiblePaths", "TemporaryFileSystem",
+                  "BindPaths", "BindReadOnlyPaths", "ProtectKernelTunables", "ProtectControlGroups",
+                  "ProtectKernelModules", "ProtectKernelLogs", "ProtectClock", "ProtectHostname",
+                  "PrivateUsers", "RootDirectory", "RootImage", "MountAPIVFS", "ProtectProc"}
+    assert not namespaced & set(settings), namespaced & set(settings)
+    clear = [v for v in settings["ExecStartPre"] if "--if-dead" in v]
+    assert clear == ["/usr/local/bin/zshardfs umount --if-dead ${MOUNTPOINT}"], settings["ExecStartPre"]
+    assert settings["ExecStartPre"].index(clear[0]) == 0  # (mkdir -p fails on a dead mount)
+
+    assert zs("umount", "--if-dead", mnt).returncode == 0  # nothing mounted: nothing to do
+    run_mount(store.root, mnt, "ro")
+    name, _ = first_chunk(store)
+    os.stat(mnt / name)  # (the kernel now holds attributes that a stat of the dead mount would get)
+    assert zs("umount", "--if-dead", mnt).returncode == 0
+    assert len(mounts_at(mnt)) == 1  # live: left alone
+    pid = daemon_pid(mnt)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: not process_running(pid), timeout=20)
+    assert zs("umount", "--if-dead", mnt).returncode == 0
+    assert mounts_at(mnt) == []  # dead: removed, and the unit's ExecStart can mount again
+    run_mount(store.root, mnt, "ro")
+    assert zs("umount", mnt).returncode == 0

@@ -16,13 +16,14 @@ import logging.handlers
 import os
 import re
 import shutil
+import socket
 import stat
 import subprocess
 import tempfile
 import sys
 import time
 
-from .config import ConfigError, MountConfig, describe_options, parse_options
+from .config import ConfigError, MountConfig, OptionError, describe_options, parse_options
 
 log = logging.getLogger("zshardfs")
 
@@ -59,14 +60,19 @@ class _Formatter(logging.Formatter):
         return _SURROGATE.sub(_escape_surrogate, super().format(record))
 
 
+#: where a background daemon without ``-o log_file`` logs
+SYSLOG = "/dev/log"
+
+
 def _setup_logging(cfg: MountConfig, background: bool) -> None:
     root = logging.getLogger()
     root.handlers.clear()
     fmt = "%(asctime)s zshardfs[%(process)d] %(levelname)s %(name)s: %(message)s"
     if cfg.log_file:
-        handler: logging.Handler = logging.FileHandler(cfg.log_file, errors="backslashreplace")
-    elif background and os.path.exists("/dev/log"):
-        handler = logging.handlers.SysLogHandler("/dev/log")
+        # (reopened when logrotate moves the file away)
+        handler: logging.Handler = logging.handlers.WatchedFileHandler(cfg.log_file, errors="backslashreplace")
+    elif background and os.path.exists(SYSLOG):
+        handler = logging.handlers.SysLogHandler(SYSLOG)
         fmt = "zshardfs[%(process)d]: %(levelname)s %(name)s: %(message)s"
     else:
         handler = logging.StreamHandler(sys.stderr)
@@ -156,15 +162,25 @@ def _build_config(args) -> MountConfig:
     if not cfg.source.startswith("s3://") and "://" not in cfg.source:
         cfg.source = os.path.abspath(cfg.source)
     if cfg.log_file:
-        # the daemon runs in / (it must not keep the caller's directory busy),
-        # and a log it cannot open must fail here, not in a detached child
+        # the daemon runs in / (it must not keep the caller's directory busy)
         cfg.log_file = os.path.abspath(cfg.log_file)
-        try:
-            with open(cfg.log_file, "a"):
-                pass
-        except OSError as exc:
-            raise ConfigError(f"cannot write the log file {cfg.log_file!r}: {exc.strerror}") from None
     return cfg
+
+
+def check_log_file(cfg: MountConfig) -> None:
+    """A log the daemon cannot open must fail here, not in a detached child;
+    one inside the mountpoint would be hidden by the mount (and, made
+    first, make the mountpoint not empty)."""
+    if not cfg.log_file:
+        return
+    mnt = os.path.realpath(cfg.mountpoint)
+    if os.path.realpath(cfg.log_file).startswith(mnt.rstrip("/") + "/"):
+        raise ConfigError(f"the log file {cfg.log_file!r} is inside the mountpoint; put it elsewhere")
+    try:
+        with open(cfg.log_file, "a"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write the log file {cfg.log_file!r}: {exc.strerror}") from None
 
 
 def cmd_mount(args) -> int:
@@ -172,11 +188,17 @@ def cmd_mount(args) -> int:
         cfg = _build_config(args)
         check_mountpoint(cfg.mountpoint)
         check_not_inside_source(cfg.source, cfg.mountpoint)
+        check_log_file(cfg)
     except ConfigError as exc:
-        return _fail(str(exc), EXIT_USAGE if "option" in str(exc) else EXIT_FAIL)
+        return _fail(str(exc), EXIT_USAGE if isinstance(exc, OptionError) else EXIT_FAIL)
     if cfg.foreground:
         return _serve(cfg, args.ready_fd)
-    return _spawn(args, cfg)
+    code = _spawn(args, cfg)
+    if code == EXIT_OK and not cfg.log_file and not os.path.exists(SYSLOG):
+        # (the daemon's errors, a "lost" line included, would go nowhere)
+        print(f"zshardfs: warning: no syslog socket ({SYSLOG}): the background daemon's log is discarded; "
+              f"give -o log_file=PATH to keep it", file=sys.stderr)
+    return code
 
 
 def _redirect_std(path: str) -> None:
@@ -219,10 +241,14 @@ def _serve(cfg: MountConfig, ready_fd: int | None) -> int:
         if cfg.log_file:
             _redirect_std(cfg.log_file)
 
+    was_ready = []
+
     def ready() -> None:
         if background and not cfg.log_file:
             _redirect_std(os.devnull)
         tell("ok")
+        _sd_notify("READY=1")  # (systemd, Type=notify)
+        was_ready.append(True)
 
     try:
         stored_all = run(cfg, ready=ready)
@@ -233,13 +259,33 @@ def _serve(cfg: MountConfig, ready_fd: int | None) -> int:
         tell(f"error: cannot mount on {cfg.mountpoint}: {exc}")
         return _fail(f"cannot mount on {cfg.mountpoint}: {exc}")
     except KeyboardInterrupt:
-        return EXIT_OK
+        if was_ready:
+            return EXIT_OK
+        tell("error: interrupted before the mount was ready")
+        return _fail("interrupted before the mount was ready")
     except Exception as exc:  # a bug: one traceback in the log, one line for the user
         log.exception("the daemon failed")
         message = f"internal error: {type(exc).__name__}: {exc} (see the log)"
         tell(f"error: {message}")
         return _fail(message)
     return EXIT_OK if stored_all else EXIT_LOST
+
+
+def _sd_notify(message: str) -> None:
+    """Tell systemd (``Type=notify``) how the service is: ``READY=1`` once
+    the mount is there, so units ordered after it find the view.  Nothing
+    without ``$NOTIFY_SOCKET``."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):  # an abstract socket
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendall(message.encode())
+    except OSError as exc:
+        log.warning("cannot notify systemd (%s): %s", os.environ.get("NOTIFY_SOCKET"), exc.strerror)
 
 
 def _spawn(args, cfg: MountConfig) -> int:
@@ -369,7 +415,25 @@ def process_running(pid: int) -> bool:
 
 
 def cmd_umount(args) -> int:
-    mnt = os.path.abspath(args.mountpoint)
+    mnt = os.path.realpath(args.mountpoint)  # (fusermount3 wants the mount point itself, not a link)
+    if args.if_dead:  # (the systemd unit, before a start: a killed daemon's mount would refuse it)
+        if not _is_zshardfs_mount(mnt):
+            return EXIT_OK
+        try:
+            os.getxattr(mnt, "user.zshardfs.pid")  # (never cached by the kernel, unlike stat)
+            return EXIT_OK  # it answers: live
+        except OSError as exc:
+            if exc.errno not in DEAD:
+                return EXIT_OK
+        args.lazy = True
+    if args.lazy and _is_zshardfs_mount(mnt):
+        # the escape hatch: asks the daemon nothing (a wedged one would never
+        # answer), detaches at once; the daemon stores what it holds and ends
+        # when the last open file is closed
+        result = subprocess.run(["fusermount3", "-uz", mnt], capture_output=True, text=True)
+        if result.returncode != 0:
+            return _fail(f"cannot unmount {mnt}: {result.stderr.strip() or 'fusermount3 failed'}")
+        return EXIT_OK
     try:
         pid: int | None = int(_control(mnt, "user.zshardfs.pid"))
     except ConfigError as exc:
@@ -440,13 +504,14 @@ def cmd_fsck(args) -> int:
         if view_of is not None:  # what a mount shows is never damaged: its store may be
             try:
                 store = json.loads(_control(view_of, "user.zshardfs.stats"))["source"]
+                what = f"'zshardfs fsck {store}'"
             except (ConfigError, ValueError, KeyError):
-                store = "its source"
-            return _fail(f"{cfg.source!r} is in the view of a zshardfs mount; fsck checks a store: "
-                         f"'zshardfs fsck {store}'", EXIT_USAGE)
+                what = "give it the store that mount shows"
+            return _fail(f"{cfg.source!r} is in the view of a zshardfs mount; fsck checks a store: {what}",
+                         EXIT_USAGE)
         backend = open_backend(cfg)
     except ConfigError as exc:
-        return _fail(str(exc), EXIT_USAGE if "option" in str(exc) else EXIT_FAIL)
+        return _fail(str(exc), EXIT_USAGE if isinstance(exc, OptionError) else EXIT_FAIL)
     except StoreError as exc:
         return _fail(str(exc))
     try:
@@ -482,6 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("umount", help="unmount (waits until the daemon has finished)")
     u.add_argument("mountpoint")
     u.add_argument("-z", "--lazy", action="store_true", help="lazy unmount")
+    u.add_argument("--if-dead", action="store_true",
+                   help="only remove a dead mount (its daemon gone); a live one, or none, is left as it is")
     u.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the daemon to exit")
     u.set_defaults(func=cmd_umount)
     y = sub.add_parser("sync", help="store all written data now (what sync(1) cannot ask a FUSE daemon)")
@@ -531,10 +598,36 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def mount_helper(argv: list[str] | None = None) -> int:
-    """``mount.zshardfs SOURCE MOUNTPOINT [-o opts]`` as mount(8) calls it
-    for ``-t zshardfs`` (fstab type ``zshardfs``)."""
+    """``mount.zshardfs SOURCE MOUNTPOINT [-sfnv] [-N ns] [-o opts] [-t type]``
+    as mount(8) calls it for ``-t zshardfs`` (fstab type ``zshardfs``).
+    ``-f`` (fake: only record the mount) mounts nothing; ``-s``, ``-n``,
+    ``-v`` and ``-t`` change nothing here; ``-N`` (another namespace) is
+    refused."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return main(["mount", *argv])
+    positional, options, fake = [], [], False
+    it = iter(argv)
+    for arg in it:
+        if arg in ("-o", "-t", "-N"):
+            value = next(it, None)
+            if value is None:
+                return _fail(f"mount.zshardfs: {arg} needs a value", EXIT_USAGE)
+            if arg == "-o":
+                options.append(value)
+            elif arg == "-N":
+                return _fail("mount.zshardfs: -N (mounting in another namespace) is not supported", EXIT_USAGE)
+        elif arg.startswith("-o") and len(arg) > 2:
+            options.append(arg[2:])
+        elif arg.startswith("-") and len(arg) > 1 and set(arg[1:]) <= set("sfnv"):
+            fake = fake or "f" in arg
+        elif arg.startswith("-") and len(arg) > 1:
+            return _fail(f"mount.zshardfs: unknown flag {arg}", EXIT_USAGE)
+        else:
+            positional.append(arg)
+    if len(positional) != 2:
+        return _fail("usage: mount.zshardfs SOURCE MOUNTPOINT [-sfnv] [-o OPTIONS]", EXIT_USAGE)
+    if fake:
+        return EXIT_OK
+    return main(["mount", *[f"-o{o}" for o in options], "--", *positional])
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ class ConfigError(ValueError):
     """A bad option or source; the message is shown to the user as is."""
 
 
+class OptionError(ConfigError):
+    """A bad ``-o`` option: a usage error (exit status 2)."""
+
+
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgGtT]?)(i?[bB])?$")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -22,7 +26,7 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 def parse_size(text: str, name: str) -> int:
     m = _SIZE.match(text.strip())
     if not m:
-        raise ConfigError(f"option {name}: {text!r} is not a size (examples: 65536, 64M, 1G)")
+        raise OptionError(f"option {name}: {text!r} is not a size (examples: 65536, 64M, 1G)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -37,11 +41,11 @@ def parse_seconds(text: str, name: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise ConfigError(f"option {name}: {text!r} is not a number of seconds") from None
+        raise OptionError(f"option {name}: {text!r} is not a number of seconds") from None
     if math.isnan(value):
-        raise ConfigError(f"option {name}: {text!r} is not a number of seconds")
+        raise OptionError(f"option {name}: {text!r} is not a number of seconds")
     if value < 0:
-        raise ConfigError(f"option {name}: must not be negative")
+        raise OptionError(f"option {name}: must not be negative")
     return value
 
 
@@ -49,7 +53,7 @@ def parse_timeout(text: str, name: str) -> float:
     """A deadline: more than 0 and at most :data:`MAX_TIMEOUT` seconds."""
     value = parse_seconds(text, name)
     if not 0 < value <= MAX_TIMEOUT:
-        raise ConfigError(f"option {name}: must be more than 0 and at most {MAX_TIMEOUT:g} seconds")
+        raise OptionError(f"option {name}: must be more than 0 and at most {MAX_TIMEOUT:g} seconds")
     return value
 
 
@@ -57,9 +61,9 @@ def parse_int(text: str, name: str, minimum: int = 1) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise ConfigError(f"option {name}: {text!r} is not a whole number") from None
+        raise OptionError(f"option {name}: {text!r} is not a whole number") from None
     if value < minimum:
-        raise ConfigError(f"option {name}: must be at least {minimum}")
+        raise OptionError(f"option {name}: must be at least {minimum}")
     return value
 
 
@@ -136,13 +140,24 @@ def parse_shard(text: str, name: str) -> tuple[int, ...]:
     try:
         parts = tuple(int(p) for p in text.lower().split("x"))
     except ValueError:
-        raise ConfigError(f"option {name}: {text!r} is not K or K1xK2x... (whole numbers)") from None
+        raise OptionError(f"option {name}: {text!r} is not K or K1xK2x... (whole numbers)") from None
     if not parts or any(p < 1 for p in parts):
-        raise ConfigError(f"option {name}: every factor must be at least 1")
+        raise OptionError(f"option {name}: every factor must be at least 1")
     return parts
 
 
 OPTIONS["shard"] = ("shard", parse_shard, OPTIONS["shard"][2])
+
+
+#: fstab and mount(8) options that mean nothing to a FUSE view (the kernel
+#: keeps no atime for it; mount(8) handles ``user``, ``nofail`` and the like;
+#: ``x-*`` and ``comment=`` are for other tools, e.g. ``x-systemd.*``)
+IGNORED_OPTIONS = frozenset((
+    "defaults", "_netdev", "nofail", "auto", "noauto", "user", "users", "nouser", "owner", "group",
+    "nodev", "nosuid", "exec", "noexec", "dev", "suid",
+    "atime", "noatime", "relatime", "norelatime", "strictatime", "nostrictatime", "lazytime", "nolazytime",
+    "diratime", "nodiratime", "async",
+))
 
 
 def parse_options(cfg: MountConfig, opts: list[str]) -> MountConfig:
@@ -150,32 +165,31 @@ def parse_options(cfg: MountConfig, opts: list[str]) -> MountConfig:
     for group in opts:
         for item in filter(None, (s.strip() for s in group.split(","))):
             name, has_value, value = item.partition("=")
-            if name in ("defaults", "_netdev", "nofail", "auto", "noauto", "user", "users", "nodev", "nosuid", "exec",
-                        "noexec", "dev", "suid"):
+            if name in IGNORED_OPTIONS or name.startswith(("x-", "comment")):
                 continue  # fstab/mount(8) options that mean nothing to us
             spec = OPTIONS.get(name)
             if spec is None:
-                raise ConfigError(f"unknown option {name!r} (see 'zshardfs mount --help')")
+                raise OptionError(f"unknown option {name!r} (see 'zshardfs mount --help')")
             attr, parser, _ = spec
             if parser is None:
                 if has_value:
-                    raise ConfigError(f"option {name} takes no value")
+                    raise OptionError(f"option {name} takes no value")
                 setattr(cfg, attr, name != "rw" if attr == "read_only" else True)
             else:
                 if not has_value or value == "":
-                    raise ConfigError(f"option {name} needs a value ({name}=...)")
+                    raise OptionError(f"option {name} needs a value ({name}=...)")
                 setattr(cfg, attr, parser(value, name) if parser is not str else value)
     cfg.log_level = cfg.log_level.upper()
     if cfg.debug:
         cfg.log_level = "DEBUG"
     if cfg.log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise ConfigError(f"option log_level: {cfg.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
+        raise OptionError(f"option log_level: {cfg.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
     if cfg.prefetch not in ("on", "off"):
-        raise ConfigError(f"option prefetch: {cfg.prefetch!r} is not on or off")
+        raise OptionError(f"option prefetch: {cfg.prefetch!r} is not on or off")
     if cfg.shard is not None and cfg.read_only:
-        raise ConfigError("option shard: only makes sense on a read-write mount (add -o rw)")
+        raise OptionError("option shard: only makes sense on a read-write mount (add -o rw)")
     if cfg.index_cache < 1 << 16:
-        raise ConfigError("option index_cache: at least 64K is needed to hold one index")
+        raise OptionError("option index_cache: at least 64K is needed to hold one index")
     return cfg
 
 
@@ -183,4 +197,4 @@ def describe_options() -> str:
     return "\n".join(f"  {name:<16} {help}" for name, (_, _, help) in OPTIONS.items())
 
 
-__all__ = ["ConfigError", "MountConfig", "OPTIONS", "describe_options", "fields", "parse_options", "parse_size"]
+__all__ = ["ConfigError", "MountConfig", "OptionError", "OPTIONS", "describe_options", "fields", "parse_options", "parse_size"]

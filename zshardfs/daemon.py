@@ -296,6 +296,10 @@ def run(cfg: MountConfig, ready=None) -> bool:
     it exited without storing everything written (given up at a stop)."""
     backend = open_backend(cfg)
     mount = Mount(cfg, backend)
+    # SIGHUP (a closed terminal, a log rotation's habit) never ends the
+    # daemon, also not between its signal receivers (the final sync); the
+    # log file is reopened by itself when rotated (WatchedFileHandler)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     trio.run(mount.serve, ready)
     return not mount.lost
 
