@@ -1110,3 +1110,39 @@ def test_tensorstore_writes_a_sharded_volume_through_the_view(tmp_path, mount):
                    "kvstore": {"driver": "file", "path": str(tmp_path / "src" / "vol") + "/"}}).result()
     assert np.all(np.asarray(got.read().result()) == 1)
     assert "Traceback" not in m.log_text()
+
+
+def test_a_large_gzip_minishard_index_is_parsed_beside_the_loop(tmp_path, monkeypatch):
+    """A gzip minishard index is sized by what it decodes to (its trailer),
+    not its few compressed bytes: one of 100 000 chunks (2.4 MB decoded,
+    kilobytes stored) is decoded and parsed in a worker thread (4.16)."""
+    import threading
+
+    import trio
+
+    from zshardfs.backends.base import AsyncStore
+    from zshardfs.backends.local import LocalBackend
+    from zshardfs.layouts import precomputed
+    from zshardfs.layouts.precomputed_format import parse_minishard_index
+    from zshardfs.shards import ByteLRU
+
+    spec = ShardingSpec(preshift_bits=0, hash="identity", minishard_bits=0, shard_bits=0,
+                        minishard_index_encoding="gzip", data_encoding="raw")
+    (tmp_path / "0.shard").write_bytes(encode_shard({i: b"x" for i in range(100_000)}, spec))
+    stored_index = (tmp_path / "0.shard").stat().st_size - spec.shard_index_size - 100_000
+    assert stored_index < 256 << 10 < 24 * 100_000  # small stored, large decoded
+    threads = []
+
+    def parse(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return parse_minishard_index(*args, **kwargs)
+
+    monkeypatch.setattr(precomputed, "parse_minishard_index", parse)
+    fmt = precomputed.PrecomputedShardFormat(spec, ByteLRU(1 << 30))
+
+    async def main():
+        index = await fmt.load_index(AsyncStore(LocalBackend(str(tmp_path))), "0.shard")
+        return await index.locate(12345)
+
+    assert trio.run(main) == (spec.shard_index_size + 12345, 1)
+    assert threads and threading.get_ident() not in threads, threads

@@ -893,3 +893,83 @@ def test_rewritten_documents_kept_are_bounded_by_bytes(tmp_path):
     kept = [v[0] for v in view.documents._d.values() if v[0] is not None]
     assert sum(map(len, kept)) <= 4 << 20
     assert len(kept) >= 2  # (and it still keeps what fits)
+
+
+def _on_threads(monkeypatch, owner, name: str) -> list[int]:
+    """Thread ids ``owner.name`` (a function or method) is called on, from now on."""
+    import threading
+
+    calls, real = [], getattr(owner, name)
+
+    def recorded(*args, **kwargs):
+        calls.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recorded)
+    return calls
+
+
+def test_large_indexes_are_parsed_and_encoded_beside_the_loop(tmp_path, monkeypatch):
+    """A shard index of 32768 chunks (512 KiB, crc32c) is checked and
+    parsed, and a shard of that extent encoded by a flush, in a worker
+    thread even when it holds one small chunk: the work is the index's (4.16)."""
+    import threading
+
+    import trio
+
+    from zshardfs.backends.base import AsyncStore
+    from zshardfs.backends.local import LocalBackend
+    from zshardfs.layouts.zarr_common import ZarrShardFormat
+    from zshardfs.shards import ShardCache
+    from zshardfs.writeback import WriteBack
+
+    fmt, extent = ZarrShardFormat("end", "little", checksum=True), (32, 32, 32)
+    (tmp_path / "c").write_bytes(fmt.encode({7: b"chunk"}, extent))
+    parsed = _on_threads(monkeypatch, ZarrShardFormat, "parse_index")
+    encoded = _on_threads(monkeypatch, ZarrShardFormat, "encode")
+    store = AsyncStore(LocalBackend(str(tmp_path)))
+
+    async def main():
+        writeback = WriteBack(store, ShardCache(store))
+        writeback.put("c", fmt, extent, 9, b"more")
+        await writeback.flush("c")
+        return await fmt.load_index(store, "c", extent)
+
+    index = trio.run(main)
+    assert parsed and encoded and threading.get_ident() not in parsed + encoded, (parsed, encoded)
+    assert index.locate_now(7) == (0, 5) and index.locate_now(9) == (5, 4)
+    assert index._damaged is not None  # (the masks listings use: made there too)
+
+
+def test_a_large_document_is_parsed_beside_the_loop_when_probed(tmp_path, monkeypatch):
+    """Probing a directory whose zarr.json is large (a group with 3 MB of
+    consolidated metadata) parses it in a worker thread (4.16)."""
+    import threading
+
+    import trio
+
+    from zshardfs.config import MountConfig
+    from zshardfs.daemon import build_view, open_backend
+
+    member = {"zarr_format": 3, "node_type": "array", "shape": [10], "data_type": "uint8",
+              "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [10]}},
+              "chunk_key_encoding": {"name": "default"}, "fill_value": 0, "codecs": [{"name": "bytes"}],
+              "attributes": {}}
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "zarr.json").write_text(json.dumps({
+        "zarr_format": 3, "node_type": "group", "attributes": {},
+        "consolidated_metadata": {"kind": "inline", "must_understand": False,
+                                  "metadata": {f"a{i}": member for i in range(10000)}}}))
+    assert (tmp_path / "g" / "zarr.json").stat().st_size > 1 << 20
+    parsed, loads = [], json.loads
+
+    def recorded(data, *args, **kwargs):
+        if len(data) > 1 << 20:
+            parsed.append(threading.get_ident())
+        return loads(data, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", recorded)
+    cfg = MountConfig(source=str(tmp_path), mountpoint="")
+    view = build_view(cfg, open_backend(cfg))
+    assert trio.run(view.dataset_at, "g") is None
+    assert parsed and threading.get_ident() not in parsed, parsed

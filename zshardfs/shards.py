@@ -67,6 +67,9 @@ class ShardFormat(Protocol):
     def encode(self, chunks: dict[int, bytes], shard_ctx: Any) -> bytes:
         """A complete shard holding ``chunks`` (chunk_id -> stored bytes)."""
 
+    def index_size(self, shard_ctx: Any) -> int:
+        """Bytes of the index ``encode`` writes besides the chunks (its work too)."""
+
     #: False where decode_chunk is the identity (Zarr): no work to move off the loop
     decodes: bool
 

@@ -344,7 +344,7 @@ class WriteBack:
                         await self.store.delete(shard.key, if_match=index.info.etag, prune_below=shard.home)
                 else:
                     data = await off_loop(functools.partial(fmt.encode, merged, ctx),
-                                          sum(map(len, merged.values())))
+                                          sum(map(len, merged.values())) + fmt.index_size(ctx))
                     if index is None:
                         await self.store.put(shard.key, data, if_none_match=True)
                     else:

@@ -17,6 +17,7 @@ Paths below a dataset root are tuples of names (``rel``); ``()`` is the root.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from abc import ABC, abstractmethod
@@ -26,6 +27,7 @@ from typing import AsyncIterator
 
 from ..backends.base import AsyncStore
 from ..shards import ShardCache
+from ..together import off_loop
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +182,12 @@ def load_json(data: bytes, what: str) -> dict | None:
         warn_once(log, f"{what}: not a JSON object; shown unchanged")
         return None
     return doc
+
+
+async def load_json_async(data: bytes, what: str) -> dict | None:
+    """:func:`load_json` for the loop's callers (probes): a large document
+    (a consolidated group can be tens of MiB) is parsed beside the loop."""
+    return await off_loop(functools.partial(load_json, data, what), len(data))
 
 
 def dump_json(doc: dict) -> bytes:

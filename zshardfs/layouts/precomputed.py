@@ -80,8 +80,9 @@ from ..backends.base import AccessDenied, AsyncStore, CorruptData, NotFound, Obj
 from ..logonce import report_damage
 from ..shards import ByteLRU
 from ..singleflight import SingleFlight
-from ..together import first_error, outcomes
-from .base import ChunkEntry, ChunkTarget, Dataset, LayoutContext, dump_json, load_json, parse_index_name, warn_once
+from ..together import first_error, off_loop, outcomes
+from .base import (ChunkEntry, ChunkTarget, Dataset, LayoutContext, dump_json, load_json, load_json_async,
+                   parse_index_name, warn_once)
 from .precomputed_format import (
     U64_MAX,
     FormatError,
@@ -92,6 +93,7 @@ from .precomputed_format import (
     decoded_size,
     encode_data,
     encode_shard,
+    gzip_isize,
     morton_bits,
     morton_decode_many,
     multilod_fragment_data_range,
@@ -155,6 +157,14 @@ class Minishard:
         return i if i < len(self.ids) and int(self.ids[i]) == chunk_id else None
 
 
+def _decoded_bytes(raw: bytes, encoding: str) -> int:
+    """What a minishard index decodes to, as its gzip trailer says (a gzip
+    index of consecutive ids is a thousandth of its decoded size): the work
+    parsing it takes.  (A damaged trailer may say less; decoding stops at
+    MAX_MINISHARD_INDEX.)"""
+    return max(len(raw), gzip_isize(raw[-4:])) if encoding == "gzip" and len(raw) >= 4 else len(raw)
+
+
 class PrecomputedShardIndex:
     """One version of one shard: its fixed index, and access to its minishards."""
 
@@ -208,7 +218,9 @@ class PrecomputedShardIndex:
         blob = await self.store.get(self.info.key, lo, hi - lo, if_match=self.info.etag)
         if len(blob.data) != hi - lo:
             raise CorruptData(f"{self.info.key}: shard truncated at {lo + len(blob.data)}", self.info.key)
-        parsed = [self._parse(m, blob.data[s - lo: e - lo]) for m, (s, e) in zip(ms, ranges)]
+        raws = [blob.data[s - lo: e - lo] for s, e in ranges]
+        parsed = await off_loop(lambda: [self._parse(m, raw) for m, raw in zip(ms, raws)],
+                                sum(_decoded_bytes(raw, self.fmt.spec.minishard_index_encoding) for raw in raws))
         for m, p in zip(ms, parsed):
             self.fmt.cache.put((self.info.key, self.info.etag, m), p, p.nbytes)
         return parsed
@@ -371,6 +383,9 @@ class PrecomputedShardFormat:
         except FormatError as exc:
             raise CorruptData(f"{key}: {exc}", key) from None
         return PrecomputedShardIndex(self, store, blob.info, table, self.spec.parse_shard_key(key.rsplit("/", 1)[-1]))
+
+    def index_size(self, shard_ctx=None) -> int:
+        return self.spec.shard_index_size
 
     def encode(self, chunks: dict[int, bytes], shard_ctx=None) -> bytes:
         fragments = {}
@@ -826,7 +841,7 @@ async def _info(ctx: LayoutContext, key: str) -> tuple[dict, str] | None:
         blob = await ctx.store.get_document(key)
     except NotFound:
         return None
-    doc = load_json(blob.data, key)
+    doc = await load_json_async(blob.data, key)
     return None if doc is None else (doc, blob.info.etag)
 
 

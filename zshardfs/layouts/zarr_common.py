@@ -19,6 +19,7 @@ import trio
 from ..backends.base import AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo
 from ..logonce import log_once, report_damage
 from ..shards import EMPTY
+from ..together import off_loop
 from .base import ChunkEntry, ChunkTarget, Dataset, DirEntry, Entry, LayoutContext, parse_index_name
 from .grids import ShardGrid, linear_index
 
@@ -118,7 +119,15 @@ class ZarrShardFormat:
                 blob = await store.get(key, 0, size)
         except NotFound:
             return None
-        return self.parse_index(blob.data, blob.info, extent)
+
+        def parse() -> ZarrShardIndex:
+            index = self.parse_index(blob.data, blob.info, extent)
+            index.present_mask()  # (the masks listings use: made here too)
+            index.damaged_mask()
+            return index
+
+        # (up to 2**24 chunks a shard: a 256 MiB index to check and copy)
+        return await off_loop(parse, len(blob.data))
 
     def parse_index(self, raw: bytes, info: ObjectInfo, extent) -> ZarrShardIndex:
         size = self.index_size(extent)
@@ -126,7 +135,8 @@ class ZarrShardFormat:
             raise CorruptData(f"{info.key}: shard of {info.size} bytes is too short for its {size}-byte index", info.key)
         body = raw
         if self.checksum:
-            body, stored = raw[:-4], int.from_bytes(raw[-4:], "little")
+            # (a view: copying 256 MiB would hold the interpreter lock)
+            body, stored = memoryview(raw)[:-4], int.from_bytes(raw[-4:], "little")
             if crc32c.crc32c(body) != stored:
                 raise CorruptData(f"{info.key}: shard index checksum mismatch", info.key)
         table = np.frombuffer(body, dtype=self.dtype).reshape(-1, 2).astype(np.uint64)

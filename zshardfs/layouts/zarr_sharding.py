@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..backends.base import CorruptData, NotFound, TooLarge, join_key
 from ..together import off_loop, outcomes
-from .base import NEW_SHARDED, LayoutContext, dump_json, load_json, warn_once
+from .base import NEW_SHARDED, LayoutContext, dump_json, load_json, load_json_async, warn_once
 from .grids import GridError, ShardGrid, parse_chunk_grid
 from .zarr_common import ChunkKeys, GridDataset, ZarrShardFormat, parse_separator
 
@@ -175,7 +175,7 @@ async def probe(ctx: LayoutContext, dir_key: str) -> GridDataset | None:
         blob = await ctx.store.get_document(join_key(dir_key, "zarr.json"))
     except NotFound:
         return None
-    doc = load_json(blob.data, blob.info.key)
+    doc = await load_json_async(blob.data, blob.info.key)
     if doc is None:
         return None
     try:
@@ -383,7 +383,7 @@ async def _stored_document(ctx: LayoutContext, key: str) -> dict | None:
         blob = await ctx.store.get_document(key)
     except (NotFound, TooLarge):  # (too large: not read as metadata anywhere)
         return None
-    return load_json(blob.data, key)
+    return await load_json_async(blob.data, key)
 
 
 async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored: bytes | None,
@@ -393,7 +393,7 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
     for a new array under ``-o shard``, the listing of its directory plus
     ``pending``, the names the view holds there only in memory (directories
     made, files being written)."""
-    doc = await off_loop(functools.partial(load_json, new, key), len(new)) if is_document(key) else None
+    doc = await load_json_async(new, key) if is_document(key) else None
     members = below = None
     restoring = False
     if doc is not None and doc.get("node_type") == "group" and _consolidated(doc) is not None:

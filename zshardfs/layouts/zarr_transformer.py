@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 
 from ..backends.base import NotFound
-from .base import NEW_SHARDED, LayoutContext, dump_json, load_json, warn_once
+from .base import NEW_SHARDED, LayoutContext, dump_json, load_json, load_json_async, warn_once
 from .grids import GridError, ShardGrid
 from .zarr_common import ChunkKeys, GridDataset, ZarrShardFormat
 
@@ -138,7 +138,7 @@ async def probe(ctx: LayoutContext, dir_key: str) -> GridDataset | None:
         blob = await ctx.store.get_document(f"{META_ROOT}{path}{SUFFIX}")
     except NotFound:
         return None
-    doc = load_json(blob.data, blob.info.key)
+    doc = await load_json_async(blob.data, blob.info.key)
     params = _dataset_params(doc, blob.info.key) if doc is not None else None
     if params is None:
         return None
