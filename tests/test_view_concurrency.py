@@ -319,3 +319,34 @@ def test_a_write_given_up_at_the_deadline_never_lands_over_a_newer_one(tmp_path)
         assert (tmp_path / "notes.txt").read_bytes() == b"version 2"
 
     trio.run(main)
+
+
+def test_writes_during_a_rename_of_their_file_land_under_the_new_name(tmp_path):
+    """A write through a handle open on a file another request is renaming
+    (the rename copies the bytes, stores the new name, removes the old one,
+    then moves the open handles) waits until the handle has moved.  Before,
+    a write between the copy and the move went to the old name's buffer
+    and was lost; for plain files and chunks alike."""
+    _small_array(tmp_path)
+    (tmp_path / "f.txt").write_bytes(b"0123456789")
+
+    async def main(src, dst, offset, expected):
+        view, store = _view(tmp_path)
+        h = await view.open(await view.resolve(src), write=True, truncate=False)
+        await view.write(h, 0, b"AAAA")
+        store.put_delay = 0.3
+        parent = await view.resolve(src.rpartition("/")[0])
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(view.rename, parent, src.rpartition("/")[2], parent, dst.rpartition("/")[2])
+            await trio.sleep(0.1)  # the rename is storing the new name
+            await view.write(h, offset, b"ZZ")
+        await view.fsync(h)
+        await view.release(h)
+        assert not await view.sync()
+        check, _ = _view(tmp_path)
+        node = await check.resolve(dst)
+        got = await check.read(node, 0, 100) if not node.is_chunk else await check.content(node)
+        assert got == expected, (src, got)
+
+    trio.run(main, "f.txt", "g.txt", 4, b"AAAAZZ6789")
+    trio.run(main, "arr/c/0/0", "arr/c/0/1", 0, b"ZZAA")

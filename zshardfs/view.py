@@ -241,6 +241,9 @@ class View:
         # are visible at once, 2.5), not EIO as for another client's
         self.own_versions: OrderedDict[str, tuple[str, float]] = OrderedDict()  # key -> (etag, when stored)
         self._moving = False  # a rename's unlink of its source: its writers move, not detach
+        # files being renamed, by path: writes through their open handles
+        # wait until the handles have moved to the new name (see rename)
+        self._renaming: dict[str, trio.Event] = {}
         self.readers: dict[str, set[Handle]] = {}  # path -> read-only handles of chunk files
         self.document_writes = 0  # metadata documents this mount stored or removed
         # (shard key, chunk id) -> writes and unlinks of that chunk through
@@ -784,10 +787,12 @@ class View:
     async def write(self, handle: Handle, offset: int, data: bytes) -> int:
         if not handle.writable:
             raise ViewError(errno.EBADF, "not open for writing")
+        await self._while_renamed(handle)
         if handle.buffer is None:
             # back-pressure first: a write refused with a flush's error
             # leaves nothing behind to be stored later
             await self.writeback.wait_for_room()
+            await self._while_renamed(handle)  # (a rename may have begun meanwhile)
         self._check_size(handle.node, offset + len(data))
         target = handle.buffer.data if handle.buffer is not None else handle.chunk.data
         if target is None:  # the chunk was unlinked while open: keep writing into a fresh buffer
@@ -816,6 +821,9 @@ class View:
     async def truncate(self, node: Node, size: int, handle: Handle | None = None) -> Node:
         self._check_writable()
         self._check_size(node, size)
+        if handle is not None and handle.writable:
+            await self._while_renamed(handle)
+            node = handle.node  # (moved, if it was renamed meanwhile)
         own = handle if handle is not None and handle.writable else await self.open(node, write=True, truncate=False)
         data = own.buffer.data if own.buffer is not None else own.chunk.data
         if size < len(data):
@@ -1161,7 +1169,26 @@ class View:
         return True
 
     async def rename(self, parent: Node, name: str, new_parent: Node, new_name: str) -> None:
-        """Rename a file (directories: EXDEV, so tools copy instead)."""
+        """Rename a file (directories: EXDEV, so tools copy instead).  Writes
+        through the file's open handles wait while it moves (its bytes are
+        copied to the new name first): else one landing between the copy and
+        the move of the handles would go to the old name's buffer, and be lost."""
+        path = join_key(parent.path, name)
+        while (earlier := self._renaming.get(path)) is not None:
+            await earlier.wait()
+        done = self._renaming[path] = trio.Event()
+        try:
+            await self._rename(parent, name, new_parent, new_name)
+        finally:
+            del self._renaming[path]
+            done.set()
+
+    async def _while_renamed(self, handle: Handle) -> None:
+        """Wait while the file ``handle`` writes is being renamed (see rename)."""
+        while (renaming := self._renaming.get(handle.node.path)) is not None:
+            await renaming.wait()
+
+    async def _rename(self, parent: Node, name: str, new_parent: Node, new_name: str) -> None:
         node = await self._file_to_change(parent, name, errno.EXDEV)
         buf = self.buffers.get(node.path)
         data = bytes(buf.data) if buf is not None else (
