@@ -325,15 +325,14 @@ class WriteBack:
         for attempt in range(self.max_attempts):
             self.shards.forget(shard.key)
             index = await fmt.load_index(self.store, shard.key, ctx)
-            if index is not None and all(d is None for d in encoded.values()) \
-                    and not await self._any_stored(index, encoded):
-                return  # only unlinks of chunks never stored (made and removed here): no write
             kept: dict[int, bytes] = {}
             if index is not None:
-                try:  # (precomputed entries() read minishard indexes, pinned too)
+                try:  # (precomputed locate() and entries() read minishard indexes, pinned too)
+                    if all(d is None for d in encoded.values()) and not await self._any_stored(index, encoded):
+                        return  # only unlinks of chunks never stored (made and removed here): no write
                     entries = [e for e in await index.entries() if e[0] not in encoded]
                     kept = await self._read_kept(shard.key, index.info, entries)
-                except (PreconditionFailed, NotFound):
+                except (PreconditionFailed, NotFound):  # replaced meanwhile: read it again
                     await trio.sleep(_backoff(attempt))
                     continue
             merged = dict(kept)
