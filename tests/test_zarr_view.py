@@ -943,7 +943,8 @@ def test_large_indexes_are_parsed_and_encoded_beside_the_loop(tmp_path, monkeypa
 
 def test_a_large_document_is_parsed_beside_the_loop_when_probed(tmp_path, monkeypatch):
     """Probing a directory whose zarr.json is large (a group with 3 MB of
-    consolidated metadata) parses it in a worker thread (4.16)."""
+    consolidated metadata) parses it in a worker thread (4.16), and once
+    per version of it."""
     import threading
 
     import trio
@@ -973,3 +974,15 @@ def test_a_large_document_is_parsed_beside_the_loop_when_probed(tmp_path, monkey
     view = build_view(cfg, open_backend(cfg))
     assert trio.run(view.dataset_at, "g") is None
     assert parsed and threading.get_ident() not in parsed, parsed
+    # asked again after metadata_ttl, unchanged: not parsed again (json.loads
+    # holds the GIL in its thread too, so the loop would stop each time)
+    first = len(parsed)
+    view.datasets.pop("g")
+    assert trio.run(view.dataset_at, "g") is None
+    assert len(parsed) == first, parsed
+    doc = json.loads((tmp_path / "g" / "zarr.json").read_text())
+    doc["attributes"] = {"changed": True}
+    (tmp_path / "g" / "zarr.json").write_text(json.dumps(doc))
+    view.datasets.pop("g")
+    assert trio.run(view.dataset_at, "g") is None
+    assert len(parsed) > first  # a new version is parsed

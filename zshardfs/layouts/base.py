@@ -21,7 +21,8 @@ import functools
 import json
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import AsyncIterator
 
@@ -78,6 +79,31 @@ class LayoutContext:
     store: AsyncStore
     shards: ShardCache
     read_only: bool = True
+    #: what probes concluded from large documents, by (layout, key, etag):
+    #: parsing tens of MiB of JSON holds the interpreter (the GIL) even in a
+    #: worker thread, so an unchanged one is not parsed again at every probe
+    probed: OrderedDict = field(default_factory=OrderedDict)
+
+    #: documents smaller than this are parsed again (it costs less than a lookup)
+    PROBED_MIN = 256 << 10
+    PROBED_MAX_ITEMS = 256
+
+    def probed_get(self, layout: str, key: str, etag: str | None, size: int):
+        """(True, result) if a probe of this version concluded before; else (False, None)."""
+        if size < self.PROBED_MIN or etag is None:
+            return False, None
+        entry = self.probed.get((layout, key, etag))
+        if entry is None:
+            return False, None
+        self.probed.move_to_end((layout, key, etag))
+        return True, entry[0]
+
+    def probed_put(self, layout: str, key: str, etag: str | None, size: int, result) -> None:
+        if size < self.PROBED_MIN or etag is None:
+            return
+        self.probed[(layout, key, etag)] = (result,)
+        while len(self.probed) > self.PROBED_MAX_ITEMS:
+            self.probed.popitem(last=False)
 
 
 class Dataset(ABC):

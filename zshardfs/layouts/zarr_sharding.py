@@ -175,19 +175,28 @@ async def probe(ctx: LayoutContext, dir_key: str) -> GridDataset | None:
         blob = await ctx.store.get_document(join_key(dir_key, "zarr.json"))
     except NotFound:
         return None
-    doc = await load_json_async(blob.data, blob.info.key)
-    if doc is None:
-        return None
-    try:
-        meta = sharded_array_meta(doc)
-    except Unsupported:
-        return None  # rewrite_document logs the reason when the document is read
+    known, meta = ctx.probed_get(NAME, blob.info.key, blob.info.etag, len(blob.data))
+    if not known:
+        meta = await _sharded_meta(blob)
+        ctx.probed_put(NAME, blob.info.key, blob.info.etag, len(blob.data), meta)
     if meta is None:
         return None
     dataset = GridDataset(ctx, dir_key, dir_key, meta.grid, meta.keys, meta.fmt)
     dataset.layout = NAME
     dataset.version = ((blob.info.key, blob.info.etag),)
     return dataset
+
+
+async def _sharded_meta(blob) -> ShardedArrayMeta | None:
+    """What a probe needs of a stored ``zarr.json``: its sharding, if it is
+    a sharded array the view can show (None otherwise)."""
+    doc = await load_json_async(blob.data, blob.info.key)
+    if doc is None:
+        return None
+    try:
+        return sharded_array_meta(doc)
+    except Unsupported:
+        return None  # rewrite_document logs the reason when the document is read
 
 
 def _sharded_doc(doc: dict, factors: tuple[int, ...]) -> dict | None:
