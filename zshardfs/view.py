@@ -220,6 +220,7 @@ class View:
         self.buffers: dict[str, FileBuffer] = {}  # path -> open/scratch file
         self.new_chunks: dict[str, dict[str, tuple[Dataset, tuple, ChunkTarget]]] = {}  # dir -> name -> chunk
         self._new_chunks_pruned_at = 0
+        self._new_chunks_count = 0  # names in new_chunks (not summed per release: it runs per chunk written)
         self.new_dirs: dict[str, set[str]] = {}  # dir -> names of directories made here
         # path -> handles open for writing there: a rename moves them along
         self.writers: dict[str, set[Handle]] = {}
@@ -670,7 +671,9 @@ class View:
             raise ViewError(errno.EPERM, message)
 
     def _remember_new_chunk(self, node: Node) -> None:
-        self.new_chunks.setdefault(_parent(node.path), {})[node.name] = (node.dataset, node.rel, node.target)
+        names = self.new_chunks.setdefault(_parent(node.path), {})
+        self._new_chunks_count += node.name not in names
+        names[node.name] = (node.dataset, node.rel, node.target)
         if node.dataset.root in self.born_here:
             path = _parent(node.path)
             for _ in node.rel[:-1]:
@@ -1049,7 +1052,7 @@ class View:
             t = handle.node.target
             self.writeback.close_chunk(t.shard_key, t.chunk_id, handle.chunk)
             # bounded: prune once the table has doubled since the last prune
-            if sum(map(len, self.new_chunks.values())) > 2 * max(512, self._new_chunks_pruned_at):
+            if self._new_chunks_count > 2 * max(512, self._new_chunks_pruned_at):
                 self._prune_new_chunks()
 
     async def _file_to_change(self, parent: Node, name: str, dir_errno: int) -> Node:
@@ -1308,4 +1311,4 @@ class View:
                                if self.writeback.pending(c[2].shard_key, c[2].chunk_id) is not None}
                            for d, names in self.new_chunks.items()}
         self.new_chunks = {d: names for d, names in self.new_chunks.items() if names}
-        self._new_chunks_pruned_at = sum(len(n) for n in self.new_chunks.values())
+        self._new_chunks_pruned_at = self._new_chunks_count = sum(len(n) for n in self.new_chunks.values())

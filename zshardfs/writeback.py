@@ -23,6 +23,13 @@ Flush triggers: ``fsync`` of a chunk in the shard; ``sync_all`` (the
 ``zshardfs sync`` command, unmount, SIGTERM); a shard whose every chunk has
 been written (once no writer has it open); ``idle_delay`` seconds after its
 last write (once no writer has it open); and dirty-memory pressure.
+
+Bookkeeping is O(1) per change, never a walk of the dirty set: every chunk
+a shard holds is counted into its shard's totals and the mount's
+(``WriteBack._count``), at each place it joins or leaves a shard and after
+each change of it; ``dirty`` is kept in the order the shards were last
+touched, so the idle ones are its head.  ``WriteBack.check`` recounts it
+all from scratch (tests).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import functools
 import logging
 import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -73,6 +81,11 @@ class DirtyChunk:
     version: int = 0  # bumped on every change; a flush only clears what it wrote
     writers: int = 0  # open write handles
     clean: int = -1  # version already in storage (flushed while still open)
+    # the shard holding it (None: none, e.g. replaced while still open) and
+    # what it adds to that shard's totals, as last counted by WriteBack._count:
+    # (bytes not in storage, 1 if it has data, writers)
+    owner: DirtyShard | None = field(default=None, repr=False, compare=False)
+    counted: tuple[int, int, int] = field(default=(0, 0, 0), repr=False, compare=False)
 
 
 @dataclass
@@ -91,21 +104,26 @@ class DirtyShard:
     failures: int = 0
     failed_at: float = 0.0  # monotonic time of the last failed flush
     lock: trio.Lock = field(default_factory=trio.Lock)
+    # totals over ``chunks``, kept by WriteBack._count (never summed per call:
+    # that made every write cost time in proportion to all dirty chunks)
+    unstored_bytes: int = 0
+    present: int = 0  # chunks with data (not deleted)
+    writers: int = 0  # open write handles on its chunks
 
     @property
     def nbytes(self) -> int:
         """Bytes not in storage yet (a chunk flushed while still open is not
         dirty until it changes again: counting it would keep a writer waiting
         for room that no flush can make)."""
-        return sum(len(c.data) for c in self.chunks.values() if c.data is not None and c.clean != c.version)
+        return self.unstored_bytes
 
     @property
     def busy(self) -> bool:
-        return any(c.writers for c in self.chunks.values())
+        return self.writers > 0
 
     @property
     def full(self) -> bool:
-        return self.capacity is not None and sum(1 for c in self.chunks.values() if c.data is not None) >= self.capacity
+        return self.capacity is not None and self.present >= self.capacity
 
 
 class WriteBack:
@@ -118,7 +136,10 @@ class WriteBack:
         # conflicting writers of one shard: after this many lost races in a
         # row (about 6 s of backoff), fsync reports EIO; the data stays dirty
         self.max_attempts = max_attempts
-        self.dirty: dict[str, DirtyShard] = {}
+        # least recently touched first (``touch`` moves a shard to the end)
+        self.dirty: OrderedDict[str, DirtyShard] = OrderedDict()
+        self._dirty_bytes = 0  # the sum of every shard's nbytes
+        self._maybe_full: set[str] = set()  # shards full when last touched (_due checks them)
         self._wake = trio.Event()
         self._room = trio.Condition()
         self.flushes = 0
@@ -134,7 +155,87 @@ class WriteBack:
 
     @property
     def dirty_bytes(self) -> int:
-        return sum(s.nbytes for s in self.dirty.values())
+        return self._dirty_bytes
+
+    @staticmethod
+    def _counts(chunk: DirtyChunk) -> tuple[int, int, int]:
+        if chunk.owner is None:
+            return 0, 0, 0
+        return (len(chunk.data) if chunk.data is not None and chunk.clean != chunk.version else 0,
+                int(chunk.data is not None), chunk.writers)
+
+    def _count(self, chunk: DirtyChunk) -> None:
+        """Bring the totals of ``chunk``'s shard, and the mount's, up to date
+        with it: called after every change of its data, version, ``clean``
+        or writers (a chunk no shard holds counts nowhere)."""
+        new = self._counts(chunk)
+        old = chunk.counted
+        if new == old:
+            return
+        shard = chunk.owner
+        assert shard is not None
+        chunk.counted = new
+        shard.unstored_bytes += new[0] - old[0]
+        shard.present += new[1] - old[1]
+        shard.writers += new[2] - old[2]
+        self._dirty_bytes += new[0] - old[0]
+
+    def _uncount(self, chunk: DirtyChunk) -> None:
+        """``chunk`` left its shard: it counts nowhere now."""
+        shard = chunk.owner
+        if shard is None:
+            return
+        nbytes, present, writers = chunk.counted
+        shard.unstored_bytes -= nbytes
+        shard.present -= present
+        shard.writers -= writers
+        self._dirty_bytes -= nbytes
+        chunk.owner, chunk.counted = None, (0, 0, 0)
+
+    def _attach(self, shard: DirtyShard, chunk_id: int, chunk: DirtyChunk) -> None:
+        """``chunk`` is ``shard``'s chunk ``chunk_id`` now (replacing any)."""
+        old = shard.chunks.get(chunk_id)
+        if old is not None and old is not chunk:
+            self._uncount(old)
+        shard.chunks[chunk_id] = chunk
+        if chunk.owner is not shard:
+            self._uncount(chunk)
+            chunk.owner = shard
+        self._count(chunk)
+
+    def _detach(self, shard: DirtyShard, chunk_id: int) -> None:
+        self._uncount(shard.chunks.pop(chunk_id))
+
+    def _drop_shard(self, key: str) -> None:
+        """Forget shard ``key``, which holds no chunk."""
+        shard = self.dirty.pop(key)
+        assert not shard.chunks, key
+        self._maybe_full.discard(key)
+
+    def check(self) -> None:
+        """Recount everything from scratch and compare with the running
+        totals (tests: a mutation path that misses ``_count`` shows here)."""
+        total = 0
+        last = float("-inf")
+        for key, shard in self.dirty.items():
+            assert shard.key == key, (key, shard.key)
+            assert shard.touched >= last, f"{key}: out of touch order"
+            last = shard.touched
+            sums = [0, 0, 0]
+            for cid, chunk in shard.chunks.items():
+                assert chunk.owner is shard, f"{key}/{cid}: owner"
+                assert chunk.counted == self._counts(chunk), (key, cid, chunk.counted, self._counts(chunk))
+                for i, n in enumerate(chunk.counted):
+                    sums[i] += n
+            assert sums[0] == sum(len(c.data) for c in shard.chunks.values()
+                                  if c.data is not None and c.clean != c.version), key
+            assert sums[1] == sum(1 for c in shard.chunks.values() if c.data is not None), key
+            assert sums[2] == sum(c.writers for c in shard.chunks.values()), key
+            assert (shard.unstored_bytes, shard.present, shard.writers) == tuple(sums), (
+                key, (shard.unstored_bytes, shard.present, shard.writers), sums)
+            assert not shard.full or key in self._maybe_full, f"{key}: full, not in _maybe_full"
+            total += sums[0]
+        assert self._dirty_bytes == total, (self._dirty_bytes, total)
 
     def unstored(self) -> tuple[int, int]:
         """(chunks, shards) held in memory only."""
@@ -145,7 +246,7 @@ class WriteBack:
               home: str | None = None) -> DirtyShard:
         shard = self.dirty.get(key)
         if shard is None:
-            shard = self.dirty[key] = DirtyShard(key, fmt, ctx, capacity, home=home)
+            shard = self.dirty[key] = DirtyShard(key, fmt, ctx, capacity, home=home)  # (touched now: the end)
         return shard
 
     def pending(self, key: str, chunk_id: int) -> DirtyChunk | None:
@@ -167,29 +268,32 @@ class WriteBack:
         shard = self.shard(key, fmt, ctx, capacity, home)
         chunk = shard.chunks.get(chunk_id)
         if chunk is None or chunk.data is None:
-            fresh = chunk is None and stored
-            chunk = shard.chunks[chunk_id] = DirtyChunk(bytearray(initial or b""),
-                                                         (chunk.version + 1) if chunk else 0)
-            if fresh:
-                chunk.clean = chunk.version
+            new = DirtyChunk(bytearray(initial or b""), (chunk.version + 1) if chunk else 0)
+            if chunk is None and stored:
+                new.clean = new.version  # (before it is counted: clean bytes are not dirty)
+            self._attach(shard, chunk_id, new)
+            chunk = new
         chunk.writers += 1
+        self._count(chunk)
         self.touch(shard)
         return chunk
 
     def close_chunk(self, key: str, chunk_id: int, chunk: DirtyChunk) -> None:
         chunk.writers = max(0, chunk.writers - 1)
+        self._count(chunk)
         shard = self.dirty.get(key)
         if shard is None:
             return
         if not chunk.writers and chunk.clean == chunk.version and shard.chunks.get(chunk_id) is chunk:
-            del shard.chunks[chunk_id]  # flushed while open and unchanged since
+            self._detach(shard, chunk_id)  # flushed while open and unchanged since
             if not shard.chunks and not shard.lock.locked():
-                del self.dirty[key]
+                self._drop_shard(key)
             return
         self.touch(shard)
 
     def changed(self, key: str, chunk: DirtyChunk) -> None:
         chunk.version += 1
+        self._count(chunk)  # (its data changed too: the caller changed it in place)
         shard = self.dirty.get(key)
         if shard is not None:
             self.touch(shard)
@@ -199,7 +303,7 @@ class WriteBack:
         """Replace a whole chunk (e.g. a rename onto a chunk name)."""
         shard = self.shard(key, fmt, ctx, capacity)
         old = shard.chunks.get(chunk_id)
-        shard.chunks[chunk_id] = DirtyChunk(bytearray(data), (old.version + 1) if old else 0)
+        self._attach(shard, chunk_id, DirtyChunk(bytearray(data), (old.version + 1) if old else 0))
         self.touch(shard)
 
     def delete(self, key: str, fmt: ShardFormat, ctx: Any, chunk_id: int, home: str | None = None) -> None:
@@ -207,7 +311,7 @@ class WriteBack:
         linked = getattr(fmt, "deleted_with", None)
         for cid in linked(chunk_id) if linked else (chunk_id,):
             old = shard.chunks.get(cid)
-            shard.chunks[cid] = DirtyChunk(None, (old.version + 1) if old else 0)
+            self._attach(shard, cid, DirtyChunk(None, (old.version + 1) if old else 0))
         self.touch(shard)
 
     async def superseding(self, key: str, put: Callable[[], Awaitable[T]]) -> T:
@@ -224,13 +328,17 @@ class WriteBack:
             for cid, chunk in list(shard.chunks.items()):
                 was = before.get(cid)
                 if not chunk.writers and was is not None and was[0] is chunk and was[1] == chunk.version:
-                    del shard.chunks[cid]  # (untouched during the put: older than the shard)
+                    self._detach(shard, cid)  # (untouched during the put: older than the shard)
             if not shard.chunks and self.dirty.get(key) is shard:
-                del self.dirty[key]
+                self._drop_shard(key)
         return result
 
     def touch(self, shard: DirtyShard) -> None:
         shard.touched = time.monotonic()
+        if self.dirty.get(shard.key) is shard:
+            self.dirty.move_to_end(shard.key)  # (so ``dirty`` stays in touch order)
+        if shard.full:
+            self._maybe_full.add(shard.key)
         self._wake.set()
 
     async def wait_for_room(self) -> None:
@@ -281,6 +389,8 @@ class WriteBack:
             snapshot = {cid: (c.version, None if c.data is None else bytes(c.data))
                         for cid, c in shard.chunks.items() if c.clean != c.version}
             if not snapshot:
+                if not shard.chunks:  # (emptied while a flush held the lock)
+                    self._drop_shard(key)
                 return
             failed = None
             try:
@@ -307,10 +417,11 @@ class WriteBack:
                     if chunk is not None and chunk.version == version:
                         if chunk.writers:
                             chunk.clean = version
+                            self._count(chunk)
                         else:
-                            del shard.chunks[cid]
+                            self._detach(shard, cid)
                 if not shard.chunks and self.dirty.get(key) is shard:
-                    del self.dirty[key]
+                    self._drop_shard(key)
         async with self._room:
             self._room.notify_all()  # waiting writers judge every outcome
         if failed is not None:
@@ -429,16 +540,33 @@ class WriteBack:
     # -- background flusher ---------------------------------------------------
 
     def _due(self, now: float) -> list[str]:
+        """The shards to flush now, oldest first.  Under the cap this looks
+        only at the candidates (the idle head of ``dirty``, and the shards
+        that were full), not at every dirty shard: it runs after every write."""
         over = self.dirty_bytes > self.max_dirty_bytes
         pressed = over and self._waiting > 0
+        if over:
+            candidates = list(self.dirty.values())
+        else:
+            candidates = []
+            for shard in self.dirty.values():  # (least recently touched first)
+                if now - shard.touched < self.idle_delay:
+                    break
+                candidates.append(shard)
+            for key in list(self._maybe_full):
+                shard = self.dirty.get(key)
+                if shard is None or not shard.full:
+                    self._maybe_full.discard(key)
+                elif now - shard.touched < self.idle_delay:  # (else among the idle already)
+                    candidates.append(shard)
         due = []
         # over the cap, shards that did not fail go first: they make room
-        for key, shard in sorted(self.dirty.items(), key=lambda kv: (over and kv[1].error is not None, kv[1].since)):
+        for shard in sorted(candidates, key=lambda s: (over and s.error is not None, s.since)):
             if (shard.error is not None and now - shard.touched < min(30.0, 0.5 * 2 ** shard.failures)
                     and not (pressed and now - shard.failed_at >= PRESSURE_RETRY)):
                 continue  # back off after failures
             if over or (not shard.busy and (shard.full or now - shard.touched >= self.idle_delay)):
-                due.append(key)
+                due.append(shard.key)
         return due
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
