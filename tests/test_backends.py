@@ -883,3 +883,40 @@ def test_outcomes_keep_each_error_itself_in_call_order():
     assert results[0] == 1 and isinstance(results[1], NotFound) and results[2] == 3
     assert finished[-1] == "slow"  # the others did not wait for it
     assert first_error(results) is results[1] and first_error([1, None]) is None
+
+
+def test_a_write_given_up_before_it_began_never_blocks_its_key(tmp_path):
+    """A write that reaches the deadline while it still waits for a worker
+    (all of them stuck on a hung endpoint) never asked anything: it cannot
+    land later, so the next write of its key does not wait for it.  Before,
+    it was remembered as "may still land" for good: every later write of the
+    key waited the whole deadline and failed, until a remount."""
+    gate = threading.Event()
+
+    class Hung(LocalBackend):
+        def put(self, key, *args, **kwargs):
+            if key == "hang":
+                gate.wait()
+            return super().put(key, *args, **kwargs)
+
+    store = AsyncStore(Hung(str(tmp_path)), max_connections=1, timeout=0.5)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            async def hang():
+                with pytest.raises(Unavailable):
+                    await store.put("hang", b"x")
+
+            nursery.start_soon(hang)
+            await trio.sleep(0.05)
+            with pytest.raises(Unavailable):
+                await store.put("b", b"1")  # waits for the only worker, given up before it began
+        gate.set()  # the endpoint answers again
+        await trio.sleep(store.FAIL_FAST + 0.1)
+        started = time.monotonic()
+        await store.put("b", b"2")
+        assert time.monotonic() - started < 0.4
+        assert (tmp_path / "b").read_bytes() == b"2"
+        await store.delete("b")
+
+    trio.run(main)

@@ -350,3 +350,130 @@ def test_writes_during_a_rename_of_their_file_land_under_the_new_name(tmp_path):
 
     trio.run(main, "f.txt", "g.txt", 4, b"AAAAZZ6789")
     trio.run(main, "arr/c/0/0", "arr/c/0/1", 0, b"ZZAA")
+
+
+def test_a_close_during_a_rename_of_its_file_never_brings_the_old_name_back(tmp_path):
+    """close (FLUSH) or fsync through a handle on a file being renamed
+    waits, as a write does, until the handle has moved.  Before, one that
+    came after the rename removed the old name stored that name again."""
+    (tmp_path / "a.txt").write_bytes(b"old")
+
+    class SlowToFindTheNewName(SlowStore):
+        slow = False
+
+        def stat(self, key, *args, **kwargs):
+            if self.slow and key == "b.txt":
+                time.sleep(0.4)  # the rename's lookup of its new name, after it removed a.txt
+            return super().stat(key, *args, **kwargs)
+
+    store = SlowToFindTheNewName(str(tmp_path))
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=False), store)
+    view.store.list_ttl = 0
+
+    async def main():
+        root = await view.resolve("")
+        h = await view.open(await view.resolve("a.txt"), write=True, truncate=True)
+        await view.write(h, 0, b"new text")  # stored at close
+        store.slow = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(view.rename, root, "a.txt", root, "b.txt")
+            for _ in range(200):
+                await trio.sleep(0.005)
+                if not (tmp_path / "a.txt").exists():
+                    break
+            await view.flush(h)
+        await view.release(h)
+        assert not await view.sync()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["b.txt"]
+        assert (tmp_path / "b.txt").read_bytes() == b"new text"
+        assert await view.lookup(root, "a.txt") is None
+
+    trio.run(main)
+
+
+def test_an_unlink_after_a_store_given_up_at_the_deadline_removes_what_lands(tmp_path):
+    """A close whose PUT was given up at ``-o timeout`` (EIO) may still have
+    stored the file: an unlink then deletes it after that PUT has ended.
+    Before, the file counted as never stored, the unlink deleted nothing,
+    and the late PUT brought it back."""
+    view, store = _view(tmp_path, timeout=0.5)
+
+    async def main():
+        root = await view.resolve("")
+        h = await view.create(root, "new.txt")
+        await view.write(h, 0, b"data")
+        store.put_delay = 0.8
+        try:
+            await view.flush(h)
+            raise AssertionError("the slow PUT should have failed the close")
+        except Exception as exc:  # noqa: BLE001 - the view's error for EIO
+            assert "no answer within" in str(exc), exc
+        await view.release(h)
+        store.put_delay = 0.0
+        await trio.sleep(0.1)
+        await view.unlink(root, "new.txt")  # waits for the late PUT, then deletes
+        await trio.sleep(0.5)
+        assert not (tmp_path / "new.txt").exists()
+        assert await view.lookup(root, "new.txt") is None
+
+    trio.run(main)
+
+
+def test_an_unlink_during_an_unrelated_rename_detaches_its_writers(tmp_path):
+    """Whether an unlink moves its file's open handles (a rename's own
+    unlink) or detaches them (any other) is the unlink's own business.
+    Before, one flag for the whole view told an unrelated unlink, running
+    while a rename's unlink was out, to move them: a handle still open on
+    the removed file then stored it back at its close."""
+    (tmp_path / "a.txt").write_bytes(b"aaa")
+    (tmp_path / "x.txt").write_bytes(b"xxx")
+
+    class SlowDelete(SlowStore):
+        slow = False
+
+        def delete(self, key, *args, **kwargs):
+            if self.slow and key == "a.txt":
+                time.sleep(0.4)
+            return super().delete(key, *args, **kwargs)
+
+    store = SlowDelete(str(tmp_path))
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=False), store)
+
+    async def main():
+        root = await view.resolve("")
+        w = await view.open(await view.resolve("x.txt"), write=True, truncate=False)
+        await view.write(w, 0, b"XXX")
+        store.slow = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(view.rename, root, "a.txt", root, "b.txt")
+            await trio.sleep(0.2)  # the rename's unlink of a.txt is out
+            await view.unlink(root, "x.txt")
+        await view.write(w, 3, b"!")
+        await view.flush(w)
+        await view.release(w)
+        assert not (tmp_path / "x.txt").exists()
+        assert await view.lookup(root, "x.txt") is None
+
+    trio.run(main)
+
+
+def test_renames_onto_themselves_and_swapped_at_once_end(tmp_path):
+    """``rename(a, a)`` changes nothing; ``a -> b`` and ``b -> a`` at once
+    (two requests in different directories could overlap so) both end.
+    Before, each waited for itself, or for the other."""
+    (tmp_path / "a.txt").write_bytes(b"a")
+    (tmp_path / "b.txt").write_bytes(b"b")
+    view, store = _view(tmp_path)
+    store.get_delay = 0.2
+
+    async def main():
+        root = await view.resolve("")
+        with trio.fail_after(5):
+            await view.rename(root, "a.txt", root, "a.txt")
+            assert (tmp_path / "a.txt").read_bytes() == b"a"
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(view.rename, root, "a.txt", root, "b.txt")
+                nursery.start_soon(view.rename, root, "b.txt", root, "a.txt")
+        assert not view._renaming
+
+    trio.run(main)

@@ -33,7 +33,7 @@ from typing import AsyncIterator
 import trio
 
 from .backends.base import (AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed,
-                            StoreError, TooLarge, join_key)
+                            StoreError, TooLarge, Unavailable, join_key)
 from .layouts import LAYOUTS
 from .layouts.base import ChunkEntry, ChunkTarget, Dataset, DirEntry, LayoutContext
 from .shards import ShardCache
@@ -99,6 +99,9 @@ class FileBuffer:
     # in while its PUT was in flight (else that write would be lost)
     version: int = 0
     storing: trio.Lock = field(default_factory=trio.Lock)  # one store at a time: PUTs land in order
+    # a store of it was given up at the deadline: its PUT may still land
+    # (an unlink must then delete the key, see AsyncStore._run)
+    maybe_stored: bool = False
 
     def changed(self) -> None:
         self.dirty = True
@@ -241,7 +244,6 @@ class View:
         # to an older version reads on in this one (the mount's own writes
         # are visible at once, 2.5), not EIO as for another client's
         self.own_versions: OrderedDict[str, tuple[str, float]] = OrderedDict()  # key -> (etag, when stored)
-        self._moving = False  # a rename's unlink of its source: its writers move, not detach
         # files being renamed, by path: writes through their open handles
         # wait until the handles have moved to the new name (see rename)
         self._renaming: dict[str, trio.Event] = {}
@@ -787,15 +789,17 @@ class View:
         buf.handles += 1
         return self._writer(Handle(self._buffer_node(buf), True, buffer=buf))
 
-    async def write(self, handle: Handle, offset: int, data: bytes) -> int:
+    async def write(self, handle: Handle, offset: int, data: bytes, held_by_renames: bool = True) -> int:
         if not handle.writable:
             raise ViewError(errno.EBADF, "not open for writing")
-        await self._while_renamed(handle)
+        if held_by_renames:
+            await self._while_renamed(handle)
         if handle.buffer is None:
             # back-pressure first: a write refused with a flush's error
             # leaves nothing behind to be stored later
             await self.writeback.wait_for_room()
-            await self._while_renamed(handle)  # (a rename may have begun meanwhile)
+            if held_by_renames:
+                await self._while_renamed(handle)  # (a rename may have begun meanwhile)
         self._check_size(handle.node, offset + len(data))
         target = handle.buffer.data if handle.buffer is not None else handle.chunk.data
         if target is None:  # the chunk was unlinked while open: keep writing into a fresh buffer
@@ -843,8 +847,10 @@ class View:
             await self.release(own)
         return (await self.refresh(node)) or node
 
-    async def flush(self, handle: Handle) -> None:
+    async def flush(self, handle: Handle, held_by_renames: bool = True) -> None:
         """close(2): passthrough files are stored now (errors reach close)."""
+        if handle.writable and held_by_renames:
+            await self._while_renamed(handle)  # (else it would store the old name again)
         buf = handle.buffer
         if buf is None or not buf.dirty or buf.key is None:
             return
@@ -877,7 +883,11 @@ class View:
     async def _store_buffer(self, buf: FileBuffer) -> None:
         async with buf.storing:
             if buf.dirty and buf.key is not None:
-                await self._store_buffer_now(buf)
+                try:
+                    await self._store_buffer_now(buf)
+                except Unavailable:
+                    buf.maybe_stored = True
+                    raise
 
     async def _store_buffer_now(self, buf: FileBuffer) -> None:
         version, written = buf.version, bytes(buf.data)
@@ -1032,6 +1042,8 @@ class View:
         raise ViewError(errno.EPERM, f"{buf.key}: {reason}")
 
     async def fsync(self, handle: Handle) -> None:
+        if handle.writable:
+            await self._while_renamed(handle)
         if handle.buffer is not None:
             if handle.buffer.dirty and handle.buffer.key is not None:
                 await self._store_buffer(handle.buffer)
@@ -1067,8 +1079,12 @@ class View:
         return node
 
     async def unlink(self, parent: Node, name: str) -> None:
+        await self._unlink(parent, name)
+
+    async def _unlink(self, parent: Node, name: str, moving: bool = False) -> None:
+        """``moving``: a rename's unlink of its source, whose open handles
+        move to the new name (see rename) instead of being detached."""
         node = await self._file_to_change(parent, name, errno.EISDIR)
-        moving = self._moving  # (a rename moves these handles on; see rename)
         if not moving:
             self._detach_writers(node.path)
         buf = self.buffers.pop(node.path, None)
@@ -1084,7 +1100,7 @@ class View:
             # delete (else the PUT would bring the file back after it)
             async with buf.storing:
                 pass
-        if buf is not None and (buf.key is None or not buf.in_store):
+        if buf is not None and (buf.key is None or not (buf.in_store or buf.maybe_stored)):
             return  # scratch, or a new file not stored yet: nothing in storage to remove
         if node.key is not None:
             dir_key = _parent(node.key)
@@ -1177,6 +1193,9 @@ class View:
         copied to the new name first): else one landing between the copy and
         the move of the handles would go to the old name's buffer, and be lost."""
         path = join_key(parent.path, name)
+        if path == join_key(new_parent.path, new_name):
+            await self._file_to_change(parent, name, errno.EXDEV)  # (it must exist)
+            return
         while (earlier := self._renaming.get(path)) is not None:
             await earlier.wait()
         done = self._renaming[path] = trio.Event()
@@ -1207,7 +1226,9 @@ class View:
                 await self._keep_for_readers(existing)
         handle = await self.create(new_parent, new_name)
         try:
-            await self.write(handle, 0, data)
+            # (not held while its new name is itself being renamed: the
+            # renames of a->b and b->a at once would wait for each other)
+            await self.write(handle, 0, data, held_by_renames=False)
             if handle.buffer is not None and handle.buffer.key is not None and node.key is not None \
                     and (buf is None or buf.in_store):
                 # a stored file renamed: stored under its new name before the
@@ -1215,17 +1236,13 @@ class View:
                 # zarr.json~ must never be in memory only)
                 await self._store_buffer(handle.buffer)
             else:
-                await self.flush(handle)
+                await self.flush(handle, held_by_renames=False)
         finally:
             await self.release(handle)
         if buf is not None and buf.key is None:
             self.buffers.pop(node.path, None)  # scratch: nothing stored to remove
         else:
-            self._moving = True
-            try:
-                await self.unlink(parent, name)
-            finally:
-                self._moving = False
+            await self._unlink(parent, name, moving=True)
         await self._move_writers(node.path, new_parent, new_name)
 
     def _detach_writers(self, path: str) -> None:

@@ -263,7 +263,7 @@ class AsyncStore:
         self._unanswered: OrderedDict[tuple, float] = OrderedDict()  # (operation, key) -> when it failed
         # writes given up at the deadline whose worker thread may still land
         # them, by key: the next write of that key waits for it (see _run)
-        self._landing: dict[str, threading.Event] = {}
+        self._landing: dict[str, list[threading.Event]] = {}
         # small whole objects (metadata documents) read in the last list_ttl
         # seconds: a probe and the listing that shows the document share one GET
         self._documents: OrderedDict[str, tuple[Blob | None, float]] = OrderedDict()
@@ -283,8 +283,15 @@ class AsyncStore:
         first, so a late PUT never replaces a newer one (plain files and
         documents are written without conditions)."""
         done = threading.Event()
+        begun = threading.Lock()  # guards ``state``: begun, or given up before it began
+        state = {"begun": False, "given_up": False}
 
         def call():
+            with begun:
+                if state["given_up"]:  # (given up while waiting for a thread: never asks)
+                    done.set()
+                    return None
+                state["begun"] = True
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -317,8 +324,11 @@ class AsyncStore:
                 return result
             if scope.cancelled_caught:
                 bump(self.backend.counters, "errors")  # worker threads bump concurrently
-                if _writes:
-                    self._landing[what[1]] = done
+                with begun:
+                    state["given_up"] = True
+                    asked = state["begun"]
+                if _writes and asked:  # (one never begun cannot land)
+                    self._landing.setdefault(what[1], []).append(done)
                 raise Unavailable(f"{where}: no answer within {self.timeout:g}s", what[1])
             raise AssertionError("unreachable")  # pragma: no cover
         except Unavailable:
@@ -335,16 +345,15 @@ class AsyncStore:
         if earlier is None:
             return
         with trio.move_on_after(self.timeout):
-            while not earlier.is_set():
+            while not all(e.is_set() for e in earlier):
                 await trio.sleep(0.02)
-        if not earlier.is_set():
+        if not all(e.is_set() for e in earlier):
             bump(self.backend.counters, "errors")
             raise Unavailable(f"{where}: an earlier write of it, given up, has not ended yet", key)
         if self._landing.get(key) is earlier:
             del self._landing[key]
-        if len(self._landing) > 1024:  # (keys never written again)
-            for k in [k for k, e in self._landing.items() if e.is_set()]:
-                del self._landing[k]
+        for k in [k for k, events in self._landing.items() if all(e.is_set() for e in events)]:
+            del self._landing[k]  # (ended, of keys not written again)
 
     @staticmethod
     def _trace(what: tuple, args: tuple, started: float, outcome: str = "") -> None:
