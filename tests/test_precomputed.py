@@ -1095,6 +1095,30 @@ def test_an_info_moved_away_and_written_again_keeps_the_sharding(tmp_path, mount
     assert np.all(np.asarray(got.result().read().result()) == 9)
 
 
+def test_an_info_written_with_another_sharding_is_refused(tmp_path, mount):
+    """An ``info`` written through the view with a ``sharding`` of its own
+    (a sharding-aware tool) is accepted when it is the stored one, and
+    refused (EPERM, one log line) when it differs: the stored shards would
+    no longer read (every chunk gone, intact shards logged as damaged).
+    Before, it was stored as written."""
+    orig = tmp_path / "src" / "vol"
+    small_sharded_volume(orig, 9)
+    stored = json.loads((orig / "info").read_bytes())
+    m = mount(tmp_path / "src")
+    other = json.loads(json.dumps(stored))
+    other["scales"][0]["sharding"]["minishard_bits"] += 1
+    with pytest.raises(PermissionError):
+        (m.path / "vol" / "info").write_text(json.dumps(other))
+    same = dict(stored, type="image")  # the stored sharding, another field changed
+    (m.path / "vol" / "info").write_text(json.dumps(same))
+    assert len(os.listdir(m.path / "vol" / "s0")) == 8
+    m.umount()
+    assert m.log_text().count("changing the sharding would make the stored shards unreadable") == 1
+    assert json.loads((orig / "info").read_bytes()) == same
+    got = ts.open({"driver": "neuroglancer_precomputed", "kvstore": {"driver": "file", "path": str(orig) + "/"}})
+    assert np.all(np.asarray(got.result().read().result()) == 9)
+
+
 def test_tensorstore_writes_a_sharded_volume_through_the_view(tmp_path, mount):
     """tensorstore creating a *sharded* volume inside a mount writes each
     shard to ``<n>.shard.__lock`` and renames it onto ``<n>.shard`` while

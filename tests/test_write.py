@@ -1457,6 +1457,27 @@ def test_index_load_overlapping_a_flush_is_not_cached(tmp_path):
     trio.run(main)
 
 
+def test_a_sharded_zarr_json_with_another_sharding_is_refused(store, mount, tmp_path):
+    """A sharded ``zarr.json`` written through the view over a sharded
+    array (a sharding-aware tool, or a saved copy put back) is stored when it
+    lays the shards out as the stored one does, whatever its attributes or
+    shape; with other sharding (here the index at the start) it is refused
+    with EPERM: the stored shards would all read as damaged."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8) + 1
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    stored = json.loads(store.get("arr/zarr.json"))
+    m = mount(store.source, extra=store.extra)
+    other = json.loads(json.dumps(stored))
+    other["codecs"][0]["configuration"]["index_location"] = "start"
+    with pytest.raises(PermissionError):
+        (m / "arr" / "zarr.json").write_text(json.dumps(other))
+    (m / "arr" / "zarr.json").write_text(json.dumps(dict(stored, attributes={"kept": 1})))
+    np.testing.assert_array_equal(zarr.open_array(str(m / "arr"), mode="r")[:], data)
+    m.umount()
+    assert m.log_text().count("would make its stored shards unreadable") == 1
+    assert json.loads(store.get("arr/zarr.json")) == dict(stored, attributes={"kept": 1})
+
+
 def _put_transformer_array(store) -> None:
     """A v3-draft storage-transformer array ``arr`` (4x6 uint8, 2x3 chunks,
     2x2 chunks per shard), its metadata only, as zarr-python 2.18 writes it."""

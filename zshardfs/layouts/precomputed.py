@@ -811,7 +811,8 @@ def rewrite_document(key: str, data: bytes) -> bytes | None:
 def accept_document(key: str, new: bytes, stored: bytes | None, shard_option) -> bytes | None:
     """An ``info`` written through the view: the stored ``sharding`` objects
     are put back into the parts that lost them, so the shards stay readable.
-    Changing a sharded part's grid (its chunk ids) raises ValueError."""
+    Changing a sharded part's grid (its chunk ids), or writing another
+    ``sharding`` than the stored one, raises ValueError (EPERM)."""
     if not is_document(key) or stored is None:
         return None
     old, doc = load_json(stored, key), load_json(new, key)
@@ -821,9 +822,18 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option) ->
     changed = False
     for part in parse_info(old, key):
         found = fresh.get(part.key)
-        if found is None or "sharding" in found[0]:
-            continue  # the part is gone, or the tool wrote its sharding itself
+        if found is None:
+            continue  # the part is gone
         holder, _, where, naming = found
+        if "sharding" in holder:  # the tool wrote a sharding itself: the stored one, or refused
+            try:
+                same_sharding = ShardingSpec.from_json(holder["sharding"]) == part.spec
+            except (ValueError, TypeError, KeyError, AttributeError):
+                same_sharding = False
+            if not same_sharding:
+                raise ValueError(f"{where}: changing the sharding would make the stored shards unreadable "
+                                 "(to re-shard, rewrite the store itself)")
+            continue
         try:
             same = naming() == part.naming
         except (ValueError, TypeError):

@@ -264,6 +264,18 @@ def _map_back(doc: dict, old: dict, old_meta: ShardedArrayMeta) -> dict:
     return out
 
 
+def _same_sharding(doc: dict, old: dict) -> None:
+    """ValueError unless ``doc``, a sharded document written over the stored
+    sharded ``old``, lays out the stored shards as ``old`` does (codecs,
+    shard grid, data type, key encoding).  Attributes, fill value and shape
+    may change, as in the view's form (:func:`_map_back`)."""
+    for field_name in ("codecs", "chunk_grid", "data_type"):
+        if doc.get(field_name) != old.get(field_name):
+            raise ValueError(f"changing {field_name} of a sharded array would make its stored shards unreadable")
+    if not _same_key_encoding(doc.get("chunk_key_encoding"), old.get("chunk_key_encoding")):
+        raise ValueError("changing chunk_key_encoding of a sharded array would make its stored shards unreadable")
+
+
 def _same_key_encoding(a, b) -> bool:
     """Two ``chunk_key_encoding`` values that name the same keys, however
     spelled: tensorstore writes ``{"name": "default"}`` where zarr-python
@@ -369,6 +381,8 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
     if old_meta is not None:
         if _is_unsharded_array(doc):
             out = _map_back(doc, old, old_meta)
+        else:  # a sharded document (the stored form), over a sharded array: its shards' layout may not change
+            _same_sharding(doc, old)
     elif shard_option and stored is None and _is_unsharded_array(doc):
         found = _chunk_names(doc, below) if below is not None else None
         if found:
