@@ -843,8 +843,10 @@ class View:
             self.writeback.changed(node.target.shard_key, own.chunk)
             self._chunk_changed(node.target)
         if own is not handle:
-            await self.flush(own)
-            await self.release(own)
+            try:
+                await self.flush(own)
+            finally:
+                await self.release(own)  # (also when storing failed: no handle left behind)
         return (await self.refresh(node)) or node
 
     async def flush(self, handle: Handle, held_by_renames: bool = True) -> None:
