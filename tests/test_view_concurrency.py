@@ -477,3 +477,39 @@ def test_renames_onto_themselves_and_swapped_at_once_end(tmp_path):
         assert not view._renaming
 
     trio.run(main)
+
+
+def test_a_truncate_by_path_that_fails_to_store_leaves_no_handle(tmp_path):
+    """``truncate(2)`` of a path (no open file) opens, changes and stores
+    the file itself: when storing fails (EIO), its own handle is released
+    all the same.  Before, it stayed registered as a writer for good."""
+    from zshardfs.backends.base import StoreError
+
+    (tmp_path / "f.txt").write_bytes(b"0123456789")
+
+    class Failing(SlowStore):
+        fail = False
+
+        def put(self, *args, **kwargs):
+            if self.fail:
+                raise StoreError("f.txt: the disk is gone", "f.txt")
+            return super().put(*args, **kwargs)
+
+    store = Failing(str(tmp_path))
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=False), store)
+
+    async def main():
+        node = await view.resolve("f.txt")
+        store.fail = True
+        try:
+            await view.truncate(node, 4)
+            raise AssertionError("the truncate should have failed")
+        except StoreError:
+            pass
+        assert not view.writers, view.writers
+        assert all(b.handles == 0 for b in view.buffers.values())
+        store.fail = False
+        assert not await view.sync()
+        assert (tmp_path / "f.txt").read_bytes() == b"0123"
+
+    trio.run(main)
