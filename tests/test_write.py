@@ -1478,6 +1478,62 @@ def test_a_sharded_zarr_json_with_another_sharding_is_refused(store, mount, tmp_
     assert json.loads(store.get("arr/zarr.json")) == dict(stored, attributes={"kept": 1})
 
 
+#: a writer process: replaces ``argv[1]`` by temp + rename, as zarr-python's
+#: LocalStore writes chunks, with versions of varying size that name their
+#: own number and length, until killed
+REPLACE_FOREVER = """
+import os, sys
+path, k = sys.argv[1], 0
+while True:
+    k += 1
+    n = 64 + (k * 37) % 4000
+    with open(f"{path}.{k}.partial", "wb") as f:
+        f.write(k.to_bytes(4, "little") + n.to_bytes(4, "little") + bytes([k % 251]) * n)
+    os.replace(f"{path}.{k}.partial", path)
+"""
+
+
+def test_readers_of_a_file_replaced_by_rename_get_one_whole_version(mount, tmp_path):
+    """While another process replaces a chunk file (temp + rename) over and
+    over, every read of it is one whole version, as on a directory store.
+    Before, about one read in 300 came back as one version's bytes cut to
+    another's size: a reader's open of the file the rename had just
+    replaced got the new bytes, while the kernel held the old size (and a
+    lookup running across the rename could give the new file the old
+    size).  Such an open now answers ESTALE, on which the kernel looks the
+    name up again and opens the new file; twice in a row, rarely, the error
+    reaches the reader."""
+    (tmp_path / "src").mkdir()  # (the race is the kernel's and the view's: one store is enough)
+    m = mount(tmp_path / "src", "shard=4")
+    zarr.create_array(str(m / "arr"), shape=(64 * 16,), chunks=(64,), dtype="u1", compressors=None)[:] = 1
+    chunk = str(m / "arr" / "c" / "0")
+    writer = subprocess.Popen([sys.executable, "-c", REPLACE_FOREVER, chunk])
+    torn, whole, stale = [], 0, 0
+    try:
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            try:
+                with open(chunk, "rb") as f:
+                    data = f.read()
+            except OSError as exc:
+                assert exc.errno == errno.ESTALE, exc
+                stale += 1
+                continue
+            if len(data) == 64 and data == b"\x01" * 64:
+                continue  # the first version, zarr's
+            k, n = int.from_bytes(data[:4], "little"), int.from_bytes(data[4:8], "little")
+            if len(data) == 8 + n and data[8:] == bytes([k % 251]) * n:
+                whole += 1
+            else:
+                torn.append((len(data), n))
+    finally:
+        writer.kill()
+        writer.wait(30)
+    assert whole > 1000, (whole, stale, len(torn))
+    assert not torn, f"{len(torn)} of {whole + len(torn)} reads torn: {torn[:5]}"
+    assert stale <= whole // 100, (stale, whole)
+
+
 def _put_transformer_array(store) -> None:
     """A v3-draft storage-transformer array ``arr`` (4x6 uint8, 2x3 chunks,
     2x2 chunks per shard), its metadata only, as zarr-python 2.18 writes it."""

@@ -140,6 +140,10 @@ class _Inode:
     #: after they are made, so sharing them is safe)
     attrs: pyfuse3.EntryAttributes | None = None
     attrs_of: tuple | None = None
+    #: monotonic time a change made through this mount (rename, create) set
+    #: ``node``: a lookup or listing begun before then brings older news,
+    #: which must not replace it (see _inode_for)
+    changed: float = 0.0
 
 
 @dataclass
@@ -151,6 +155,7 @@ class _DirHandle:
     # the listing failed: later readdirs on this handle fail alike (a listing
     # that ended early would otherwise look complete)
     failed: Exception | None = None
+    opened: float = field(default_factory=time.monotonic)  # (its entries are news of then, or later)
 
 
 class Operations(pyfuse3.Operations):
@@ -197,7 +202,7 @@ class Operations(pyfuse3.Operations):
 
     # -- inode table --------------------------------------------------------
 
-    def _inode_for(self, node: Node) -> int:
+    def _inode_for(self, node: Node, since: float | None = None) -> int:
         """The inode of ``node``'s path, creating the entry if needed (count 0).
 
         Numbers are handed out in increasing order as paths are first seen,
@@ -206,7 +211,13 @@ class Operations(pyfuse3.Operations):
         walks shards in order instead of at random.  A path the kernel
         forgot gets its number back while it is among the last
         REMEMBERED_INODES forgotten ones (stable across forgets for find
-        -inum, git, backup tools), and no number ever names two paths."""
+        -inum, git, backup tools), and no number ever names two paths.
+
+        ``since``: when the lookup or listing that found ``node`` began.  If a
+        rename or create through this mount set the inode's node after that,
+        the node kept is that newer one: the kernel would otherwise be told
+        the old size for the new file (a reader then gets the new bytes cut
+        to the old size, or the reverse)."""
         ino = self.by_path.get(node.path)
         if ino is None:
             ino = self._forgotten.pop(node.path, None)
@@ -216,7 +227,9 @@ class Operations(pyfuse3.Operations):
             self.inodes[ino] = _Inode(node)
             self.by_path[node.path] = ino
         else:
-            self.inodes[ino].node = node
+            entry = self.inodes[ino]
+            if since is None or entry.changed <= since:
+                entry.node = node
         return ino
 
     def _drop_if_unused(self, ino: int) -> None:
@@ -270,12 +283,14 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def lookup(self, parent_inode, name, ctx=None):
         parent = self._node(parent_inode)
+        started = time.monotonic()
         node = await self.view.lookup(parent, os.fsdecode(name))
         if node is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
-        ino = self._inode_for(node)
-        self.inodes[ino].lookups += 1
-        return self._attrs(ino, node)
+        ino = self._inode_for(node, since=started)
+        entry = self.inodes[ino]
+        entry.lookups += 1
+        return self._attrs(ino, entry.node)
 
     async def forget(self, inode_list):
         for ino, nlookup in inode_list:
@@ -288,6 +303,11 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def getattr(self, inode, ctx=None):
         node = self._node(inode)
+        if not node.is_dir and self.by_path.get(node.path) != inode:
+            # a file replaced (rename onto its name) or unlinked while open:
+            # its descriptors read what it held, so its size stays that; the
+            # name's new file is another inode
+            return self._attrs(inode, node)
         if not node.is_dir:
             # Written data lives in memory: its size is known without I/O and
             # must not wait for the attribute TTL (the kernel asks right after
@@ -332,8 +352,8 @@ class Operations(pyfuse3.Operations):
                     raise
             if i >= len(handle.entries):
                 return
-            node = handle.entries[i]
-            ino = self._inode_for(node)
+            ino = self._inode_for(handle.entries[i], since=handle.opened)
+            node = self.inodes[ino].node
             if not pyfuse3.readdir_reply(token, os.fsencode(node.name), self._attrs(ino, node), i + 1):
                 self._drop_if_unused(ino)
                 return
@@ -374,6 +394,14 @@ class Operations(pyfuse3.Operations):
         node = self._node(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
+        if self.by_path.get(node.path) != inode:
+            # Replaced (a rename onto its name: temp+rename writers) since the
+            # kernel found it: what the view shows at that name is the new
+            # file, whose bytes this inode's size does not describe.  ESTALE
+            # makes the kernel look the name up afresh and open again (the
+            # VFS retries an open once with LOOKUP_REVAL), where a local file
+            # system would open the old file, which no longer exists here.
+            raise pyfuse3.FUSEError(errno.ESTALE)
         if node.created == _STALE:  # written through a handle since: what is it now?
             node = self.inodes[inode].node = (await self.view.refresh(node)) or node
         write = bool(flags & (os.O_WRONLY | os.O_RDWR))
@@ -552,6 +580,7 @@ class Operations(pyfuse3.Operations):
         self._forget_path(node.path)
         ino = self._inode_for(node)
         self.inodes[ino].lookups += 1
+        self.inodes[ino].changed = time.monotonic()
         return self._attrs(ino, node)
 
     @_translate
@@ -623,23 +652,35 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EINVAL)  # RENAME_EXCHANGE / NOREPLACE are not offered
         old_parent, new_parent = self._node(parent_inode_old), self._node(parent_inode_new)
         old, new = os.fsdecode(name_old), os.fsdecode(name_new)
-        await self.view.rename(old_parent, old, new_parent, new)
         old_path, new_path = f"{old_parent.path}/{old}".lstrip("/"), f"{new_parent.path}/{new}".lstrip("/")
+        # The file the new name held is no longer that name's from now on:
+        # descriptors open on it keep reading what it held, at its size (see
+        # getattr), while the view already shows the new bytes there.
+        self._forget_path(new_path)
+        await self.view.rename(old_parent, old, new_parent, new)
         # The kernel now shows the *source's* inode under the new name (it
         # moves the dentry, it does not look the name up again): that inode
         # must answer for the new path, or reads right after a tmp+rename
         # write (zarr-python, DirectoryStore) see the vanished temporary.
         ino = self.by_path.pop(old_path, None)
-        self._forget_path(new_path)
+        self._forget_path(new_path)  # (a lookup during the rename may have named it anew)
         if ino is not None and ino in self.inodes:
+            entry = self.inodes[ino]
+            self.by_path[new_path] = ino
+            entry.changed = time.monotonic()  # (lookups begun before bring older news)
             try:
                 node = await self.view.lookup(new_parent, new)
             except StoreError:
                 node = None
+            if self.by_path.get(new_path) != ino or ino not in self.inodes:
+                if self.by_path.get(new_path) == ino:
+                    del self.by_path[new_path]  # (forgotten by the kernel meanwhile)
+                return  # renamed or replaced again meanwhile
             if node is not None:
-                self.inodes[ino].node = node
-                self.by_path[new_path] = ino
+                entry.node = node
+                entry.changed = time.monotonic()
             else:
+                del self.by_path[new_path]
                 self._drop_if_unused(ino)
 
     async def _unsupported(self, *args, **kwargs):
