@@ -920,3 +920,35 @@ def test_a_write_given_up_before_it_began_never_blocks_its_key(tmp_path):
         await store.delete("b")
 
     trio.run(main)
+
+
+def test_own_writes_keep_listings_fresh_instead_of_dropping_them(tmp_path):
+    """A listing kept for ``list_ttl`` is brought up to date by the mount's
+    own writes: a file stored joins its directory's listing (and the new
+    directories those above), a file deleted leaves it.  So a tool writing
+    file after file into one directory (rsync, cp -r) has its lookups there
+    answered without a request; before, every write dropped the listing, and
+    each lookup then cost a LIST and a HEAD on S3."""
+    backend = LocalBackend(str(tmp_path))
+    store = AsyncStore(backend, timeout=30, list_ttl=60)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "old").write_bytes(b"1")
+
+    async def main():
+        assert [f.key for f in (await store.list("d")).files] == ["d/old"]
+        await store.list("")
+        await store.put("d/new", b"22")
+        await store.put("d/sub/x", b"333")
+        lists = backend.counters["list"]
+        listing = await store.list("d")
+        assert [f.key for f in listing.files] == ["d/new", "d/old"] and listing.dirs == ["sub"]
+        assert listing.file("d/new").size == 2
+        assert await store.stat("d/absent", listed_ok=True) is None
+        assert (await store.list("")).dirs == ["d"]
+        await store.delete("d/old")
+        assert [f.key for f in (await store.list("d")).files] == ["d/new"]
+        assert backend.counters["list"] == lists  # all of it answered by the kept listings
+        assert backend.counters["head"] == 0
+        assert [f.key for f in (await store.list("d")).files] == [f.key for f in backend.list("d").files]
+
+    trio.run(main)

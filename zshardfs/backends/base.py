@@ -17,6 +17,7 @@ writer's chunks.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import logging
 import threading
@@ -367,14 +368,39 @@ class AsyncStore:
             for observer in self.observers:
                 observer(info)
 
-    def _changed(self, key: str) -> None:
-        """A write to ``key``: listings of its ancestors are stale."""
+    def _changed(self, key: str, stored: ObjectInfo | None = None, deleted: bool = False) -> None:
+        """A write to ``key``: listings of its ancestors are stale, except
+        what this write itself tells.  ``stored``: it now holds that object,
+        so its directory's listing gets the entry and those above it the
+        directory (a tool writing file after file into one directory, as
+        rsync does, then looks names up in a listing that stays fresh rather
+        than listing again for each).  ``deleted``: it is gone (the listing
+        of its directory loses the entry; above, a directory may have gone
+        with it, so those listings are dropped)."""
         self._list_generation += 1
         self._documents.pop(key, None)
-        if self._listings:
-            parts = key.split("/")
-            for i in range(len(parts)):
-                self._listings.pop("/".join(parts[:i]), None)
+        if not self._listings:
+            return
+        parts = key.split("/")
+        ancestors = ["/".join(parts[:i]) for i in range(len(parts))]  # '', then down to the parent
+        for i, prefix in enumerate(ancestors):
+            cached = self._listings.get(prefix)
+            if cached is None:
+                continue
+            listing, when = cached
+            child = parts[i]
+            if stored is not None and prefix != ancestors[-1]:
+                if child not in listing.dirs:
+                    listing = Listing(sorted([*listing.dirs, child]), listing.files)
+            elif (stored is not None or deleted) and prefix == ancestors[-1]:
+                files = [f for f in listing.files if f.key != key]
+                if stored is not None:
+                    bisect.insort(files, stored, key=lambda f: f.key)
+                listing = Listing(listing.dirs, files)
+            else:
+                del self._listings[prefix]
+                continue
+            self._listings[prefix] = (listing, when)
 
     async def stat(self, key: str, *, listed_ok: bool = False) -> ObjectInfo | None:
         """Info of the object ``key``, asked now; with ``listed_ok``, from a
@@ -507,18 +533,21 @@ class AsyncStore:
 
     async def put(self, key: str, data: bytes, *, if_match: str | None = None,
                   if_none_match: bool = False) -> ObjectInfo:
+        info = None
         try:
-            return await self._run(self.backend.put, key, data, if_match=if_match, if_none_match=if_none_match,
+            info = await self._run(self.backend.put, key, data, if_match=if_match, if_none_match=if_none_match,
                                    _writes=True)
+            return info
         finally:
-            self._changed(key)
+            self._changed(key, stored=info)
 
     async def delete(self, key: str, *, if_match: str | None = None, prune_below: str | None = None) -> None:
+        done = False
         try:
-            return await self._run(self.backend.delete, key, if_match=if_match, prune_below=prune_below,
-                                   _writes=True)
+            await self._run(self.backend.delete, key, if_match=if_match, prune_below=prune_below, _writes=True)
+            done = prune_below is None  # (pruned directories: the listings above are dropped)
         finally:
-            self._changed(key)
+            self._changed(key, deleted=done)
 
     async def make_dir(self, key: str) -> None:
         try:
