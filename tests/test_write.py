@@ -1534,6 +1534,40 @@ def test_readers_of_a_file_replaced_by_rename_get_one_whole_version(mount, tmp_p
     assert stale <= whole // 100, (stale, whole)
 
 
+def test_mode_and_time_changes_on_a_written_file_keep_its_size(store, mount, tmp_path):
+    """``fchmod``/``futimens`` after writing (``cp -p``, ``cp -a``,
+    ``install``, vim) answer with the file's size as it is now, bytes not
+    yet stored included.  Before, the answer carried the size from before
+    the write, which the kernel believed: readers saw the file empty or cut,
+    and an append after ``cp -p`` landed at the old end, leaving zeros."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    (m / "notes.txt").write_bytes(b"0123456789")
+    (tmp_path / "short.txt").write_bytes(b"hello\n")
+    subprocess.run(["cp", "-p", str(tmp_path / "short.txt"), str(m / "notes.txt")], check=True)
+    with open(m / "notes.txt", "ab") as f:
+        f.write(b"world\n")
+    assert (m / "notes.txt").read_bytes() == b"hello\nworld\n"
+    for rel, body in (("arr/c/1/1", raw_chunk(42)), ("arr/zarr.json", (m / "arr" / "zarr.json").read_bytes()),
+                      ("plain.txt", b"x" * 100)):
+        fd = os.open(m / rel, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, body)
+            os.fchmod(fd, 0o644)
+            os.utime(fd, (1_000_000_000, 1_000_000_000))
+            assert os.fstat(fd).st_size == len(body), rel
+        finally:
+            os.close(fd)
+        assert os.stat(m / rel).st_size == len(body), rel
+        assert (m / rel).read_bytes() == body, rel
+    subprocess.run(["install", "-m", "644", str(tmp_path / "short.txt"), str(m / "arr" / "c" / "2" / "2")], check=True)
+    assert (m / "arr" / "c" / "2" / "2").read_bytes() == b"hello\n"
+    zs("sync", m.path)
+    assert store.get("notes.txt") == b"hello\nworld\n"
+
+
 def _put_transformer_array(store) -> None:
     """A v3-draft storage-transformer array ``arr`` (4x6 uint8, 2x3 chunks,
     2x2 chunks per shard), its metadata only, as zarr-python 2.18 writes it."""

@@ -620,10 +620,12 @@ class Operations(pyfuse3.Operations):
             handle = self._handle(fh) if fh is not None and fh in self._handles else None
             node = await self.view.truncate(node, attr.st_size, handle)
             self.inodes[inode].node = node
-        elif fields.update_mode or fields.update_uid or fields.update_gid:
-            # modes and owners are the mount's; accepted and ignored (cp -p, rsync)
-            self._writable()
-        return self._attrs(inode, node)
+            return self._attrs(inode, node)
+        # modes, owners and times are the mount's: accepted and ignored (cp -p,
+        # rsync, install, vim); the answer is the file's attributes as they
+        # are now, bytes written and not yet stored included (the kernel
+        # takes its size from this answer: an older one would cut the file)
+        return await self.getattr(inode)
 
     @_translate
     async def unlink(self, parent_inode, name, ctx):
