@@ -366,6 +366,22 @@ def test_random_single_chunks(mount, moto_server, bucket, array):
             assert client["bytes_read"] - metadata_bytes(reqs, array) == expect_bytes, (rel, client)
 
 
+def test_readers_of_one_chunk_at_once_share_one_get(mount, moto_server, bucket, array):
+    """32 processes reading one chunk at once (its index cached) cost one
+    GET of it: the first reader's fetch is shared.  Before, about a third of
+    them sent their own GET."""
+    m = s3_mount(mount, moto_server, bucket)
+    root = m.path / "arr"
+    rel = "c/3/4/1"
+    os.stat(root / rel)  # its shard's index is loaded, not the chunk
+    mark = moto_server.mark()
+    readers = [subprocess.Popen(["cat", str(root / rel)], stdout=subprocess.PIPE) for _ in range(32)]
+    outputs = [r.communicate(timeout=60)[0] for r in readers]
+    assert all(out == array.chunks[rel] for out in outputs)
+    gets = shard_gets(server_requests(moto_server, bucket, mark))
+    assert sum(gets.values()) == 1, gets
+
+
 def test_repeated_reads_come_from_the_cache(mount, moto_server, bucket, array):
     """Once read, a chunk costs no GET while cached: the kernel's page cache
     is dropped before every repeat, and the chunk cache's hits prove that

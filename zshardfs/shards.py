@@ -235,6 +235,7 @@ class ShardCache:
         # chunks read-ahead is fetching, by shard version: chunk id -> set
         # once that chunk is cached (or its fetch given up)
         self._coming: dict[tuple[str, str], dict[int, trio.Event]] = {}
+        self._fetching = SingleFlight()  # chunk GETs in flight, by (key, etag, chunk id): concurrent readers share one
         self.prefetches = 0
         # bytes per second a GET of chunk data achieved (an estimate that
         # errs low: see _observed), which sizes read-ahead's GETs; None: none timed yet
@@ -407,19 +408,25 @@ class ShardCache:
                     return data
                 if not self._current(key, index):
                     continue
-            try:
-                blob = await self._timed(key, offset, nbytes, index.info.etag)
-            except (PreconditionFailed, NotFound):
-                log.debug("%s changed while reading; reloading its index", key)
-                self.forget(key)
-                continue
-            if len(blob.data) != nbytes:
-                raise CorruptData(f"{key}: chunk {chunk_id} is truncated ({len(blob.data)} of {nbytes} bytes)", key)
-            data = await off_loop(functools.partial(fmt.decode_chunk, blob.data), _decoding(fmt, len(blob.data)))
-            self.chunks.put(ckey, data, len(data) + 64)
-            if len(data) + 64 > self.chunks.max_bytes:
-                self._oversized = (ckey, data)
-            return data
+            while await self._fetching.wait(ckey):  # another reader fetches this very chunk: share it
+                data = self.chunks.get(ckey)
+                if data is not None:
+                    return data
+            with self._fetching.loading(ckey):
+                try:
+                    blob = await self._timed(key, offset, nbytes, index.info.etag)
+                except (PreconditionFailed, NotFound):
+                    log.debug("%s changed while reading; reloading its index", key)
+                    self.forget(key)
+                    continue
+                if len(blob.data) != nbytes:
+                    raise CorruptData(f"{key}: chunk {chunk_id} is truncated ({len(blob.data)} of {nbytes} bytes)",
+                                      key)
+                data = await off_loop(functools.partial(fmt.decode_chunk, blob.data), _decoding(fmt, len(blob.data)))
+                self.chunks.put(ckey, data, len(data) + 64)
+                if len(data) + 64 > self.chunks.max_bytes:
+                    self._oversized = (ckey, data)
+                return data
         raise CorruptData(f"{key}: shard keeps changing while being read", key)
 
     def _scanning(self, key: str, chunk_id: int, offset: int, nbytes: int, hit: bool) -> bool:
