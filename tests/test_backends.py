@@ -952,3 +952,31 @@ def test_own_writes_keep_listings_fresh_instead_of_dropping_them(tmp_path):
         assert [f.key for f in (await store.list("d")).files] == [f.key for f in backend.list("d").files]
 
     trio.run(main)
+
+
+def test_only_small_fresh_listings_are_patched(tmp_path):
+    """Patching a listing copies it: only listings still within
+    ``list_ttl`` and of at most LIST_PATCH_ENTRIES entries are patched by a
+    write; others are dropped (listed again when asked), so writing many
+    files into a big directory costs no time per write that grows with it."""
+    backend = LocalBackend(str(tmp_path))
+    store = AsyncStore(backend, timeout=30, list_ttl=60)
+    store.LIST_PATCH_ENTRIES = 5
+    (tmp_path / "big").mkdir()
+    (tmp_path / "small").mkdir()
+    for i in range(6):
+        (tmp_path / "big" / f"f{i}").write_bytes(b"1")
+    (tmp_path / "small" / "f").write_bytes(b"1")
+
+    async def main():
+        await store.list("big")
+        await store.list("small")
+        await store.put("big/new", b"2")
+        await store.put("small/new", b"2")
+        assert "big" not in store._listings and "small" in store._listings
+        store.list_ttl = 0.01
+        await trio.sleep(0.02)
+        await store.put("small/newer", b"3")
+        assert "small" not in store._listings  # (expired: dropped, not patched)
+
+    trio.run(main)

@@ -1568,6 +1568,95 @@ def test_mode_and_time_changes_on_a_written_file_keep_its_size(store, mount, tmp
     assert store.get("notes.txt") == b"hello\nworld\n"
 
 
+def test_a_failed_rename_leaves_its_target_as_it_was(tmp_path, mount):
+    """A rename that fails (here: its source was removed behind the mount's
+    back) leaves the target's open file as it was: appends through a
+    descriptor held on it land at its end.  (A first version of the inode
+    bookkeeping took the name from the target before the rename and never
+    gave it back: the kernel was told the size from before the last append,
+    and the next append overwrote it.)"""
+    src = tmp_path / "src"
+    (src / "fr").mkdir(parents=True)
+    m = mount(src, "metadata_ttl=0", "attr_timeout=0.5")
+    d = m.path / "fr"
+    (d / "a").write_bytes(b"A")
+    (d / "b").write_bytes(b"B" * 10)
+    os.stat(d / "a")
+    w = os.open(d / "b", os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(w, b"1" * 10)
+        (src / "fr" / "a").unlink()  # another client
+        with pytest.raises(OSError):
+            os.rename(d / "a", d / "b")
+        os.write(w, b"2" * 10)
+        time.sleep(0.7)  # past attr_timeout: the kernel asks for the size again
+        assert os.fstat(w).st_size == 30
+        os.write(w, b"3" * 10)
+    finally:
+        os.close(w)
+    assert (d / "b").read_bytes() == b"B" * 10 + b"1" * 10 + b"2" * 10 + b"3" * 10
+
+
+def test_a_plain_file_replaced_while_open_reads_one_version(tmp_path, mount):
+    """A plain file replaced by temp + rename while a descriptor is open on
+    it: that descriptor reads one whole version, its size and bytes agreeing
+    (here the newer one, which this mount wrote)."""
+    src = tmp_path / "src"
+    (src / "mx").mkdir(parents=True)
+    m = mount(src, "attr_timeout=1")
+    d = m.path / "mx"
+    (d / "f").write_bytes(b"o" * 10)
+    fd = os.open(d / "f", os.O_RDONLY)
+    try:
+        (d / ".f.tmp").write_bytes(b"N" * 100)
+        os.replace(d / ".f.tmp", d / "f")
+        time.sleep(1.3)
+        size, data = os.fstat(fd).st_size, os.pread(fd, 1000, 0)
+        assert (size, data) in ((10, b"o" * 10), (100, b"N" * 100)), (size, data[:20])
+    finally:
+        os.close(fd)
+
+
+def test_a_listing_begun_before_a_file_was_written_gives_its_size(tmp_path, mount):
+    """A directory opened before a file in it is created and written, then
+    read (``ls -l`` of a directory held open): the entry carries the
+    written size, not the empty file of the create."""
+    src = tmp_path / "src"
+    (src / "dir").mkdir(parents=True)
+    m = mount(src)
+    d = m.path / "dir"
+    (d / "seed").write_bytes(b"s")
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        time.sleep(0.05)
+        (d / "f").write_bytes(b"x" * 1000)
+        assert sorted(e.name for e in os.scandir(fd)) == ["f", "seed"]
+        assert os.stat(d / "f").st_size == 1000
+    finally:
+        os.close(fd)
+
+
+def test_a_file_written_shows_one_mtime_whoever_answers(store, mount):
+    """A file this mount wrote into a directory whose listing it keeps shows
+    one mtime, whether a lookup is answered from that listing or by asking
+    storage.  On S3 a PUT answers no LastModified: the listing's entry for
+    it only proves the name exists, its attributes are asked for.  (A first
+    version put the PUT's own clock in the listing: the mtime changed from
+    one stat to the next, and the kernel dropped the file's pages.)"""
+    m = mount(store.source, "metadata_ttl=30", "attr_timeout=0.3", extra=store.extra)
+    (m / "d").mkdir()
+    (m / "d" / "seed").write_bytes(b"s")
+    os.listdir(m)
+    os.listdir(m / "d")
+    (m / "d" / "f").write_bytes(b"x" * 100)
+    seen = set()
+    for _ in range(4):
+        seen.add(os.stat(m / "d" / "f").st_mtime_ns)
+        os.listdir(m / "d")
+        time.sleep(0.4)
+    assert len(seen) == 1, seen
+
+
 def _put_transformer_array(store) -> None:
     """A v3-draft storage-transformer array ``arr`` (4x6 uint8, 2x3 chunks,
     2x2 chunks per shard), its metadata only, as zarr-python 2.18 writes it."""

@@ -155,7 +155,6 @@ class _DirHandle:
     # the listing failed: later readdirs on this handle fail alike (a listing
     # that ended early would otherwise look complete)
     failed: Exception | None = None
-    opened: float = field(default_factory=time.monotonic)  # (its entries are news of then, or later)
 
 
 class Operations(pyfuse3.Operations):
@@ -219,6 +218,9 @@ class Operations(pyfuse3.Operations):
         the old size for the new file (a reader then gets the new bytes cut
         to the old size, or the reverse)."""
         ino = self.by_path.get(node.path)
+        if ino is not None and ino not in self.inodes:  # (forgotten while a rename moved it)
+            del self.by_path[node.path]
+            ino = None
         if ino is None:
             ino = self._forgotten.pop(node.path, None)
             if ino is None:
@@ -228,8 +230,8 @@ class Operations(pyfuse3.Operations):
             self.by_path[node.path] = ino
         else:
             entry = self.inodes[ino]
-            if since is None or entry.changed <= since:
-                entry.node = node
+            if since is None or entry.changed <= since or entry.node.created == _STALE:
+                entry.node = node  # (a node marked stale by a write's end is older news than any)
         return ino
 
     def _drop_if_unused(self, ino: int) -> None:
@@ -303,10 +305,12 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def getattr(self, inode, ctx=None):
         node = self._node(inode)
-        if not node.is_dir and self.by_path.get(node.path) != inode:
-            # a file replaced (rename onto its name) or unlinked while open:
-            # its descriptors read what it held, so its size stays that; the
-            # name's new file is another inode
+        if node.is_chunk and self.by_path.get(node.path) != inode:
+            # a chunk file replaced (rename onto its name) or unlinked while
+            # open: its descriptors read what it held (view._keep_for_readers),
+            # so its size stays that; the name's new file is another inode.
+            # (A plain file's open descriptors read the name's newest version
+            # this mount wrote, so its size follows the name.)
             return self._attrs(inode, node)
         if not node.is_dir:
             # Written data lives in memory: its size is known without I/O and
@@ -344,7 +348,8 @@ class Operations(pyfuse3.Operations):
                 if handle.failed is not None:  # (a fresh error: re-raising one object grows its traceback)
                     raise pyfuse3.FUSEError(getattr(handle.failed, "errno", None) or errno.EIO)
                 try:
-                    handle.entries.append(await handle.source.__anext__())
+                    asked = time.monotonic()
+                    handle.entries.append((await handle.source.__anext__(), asked))
                 except StopAsyncIteration:
                     handle.done = True
                 except Exception as exc:
@@ -352,7 +357,8 @@ class Operations(pyfuse3.Operations):
                     raise
             if i >= len(handle.entries):
                 return
-            ino = self._inode_for(handle.entries[i], since=handle.opened)
+            listed, asked = handle.entries[i]
+            ino = self._inode_for(listed, since=asked)
             node = self.inodes[ino].node
             if not pyfuse3.readdir_reply(token, os.fsencode(node.name), self._attrs(ino, node), i + 1):
                 self._drop_if_unused(ino)
@@ -408,6 +414,9 @@ class Operations(pyfuse3.Operations):
         if write and self.read_only:
             raise pyfuse3.FUSEError(errno.EROFS)
         handle = await self.view.open(node, write=write, truncate=bool(flags & os.O_TRUNC))
+        if self.by_path.get(node.path) != inode or inode not in self.inodes:
+            await self.view.release(handle)  # replaced while it was opened (see above)
+            raise pyfuse3.FUSEError(errno.ESTALE)
         entry = self.inodes[inode]
         if (not write and 0 < node.size <= self.open_fill and entry.handles == 0
                 and entry.filled != (node.size, node.mtime)):
@@ -658,8 +667,15 @@ class Operations(pyfuse3.Operations):
         # The file the new name held is no longer that name's from now on:
         # descriptors open on it keep reading what it held, at its size (see
         # getattr), while the view already shows the new bytes there.
+        replaced = self.by_path.get(new_path)
         self._forget_path(new_path)
-        await self.view.rename(old_parent, old, new_parent, new)
+        try:
+            await self.view.rename(old_parent, old, new_parent, new)
+        except BaseException:
+            # nothing was replaced: the name is its file's again
+            if replaced is not None and replaced in self.inodes and new_path not in self.by_path:
+                self.by_path[new_path] = replaced
+            raise
         # The kernel now shows the *source's* inode under the new name (it
         # moves the dentry, it does not look the name up again): that inode
         # must answer for the new path, or reads right after a tmp+rename

@@ -116,6 +116,10 @@ class Listing:
 
     dirs: list[str]  # immediate sub-"directory" names (common prefixes)
     files: list[ObjectInfo]  # immediate objects, ``key`` is the full key
+    #: keys this mount stored since the listing was made, whose entries are
+    #: what the write answered, not what a listing or HEAD would (on S3 the
+    #: mtime differs): they prove a name exists, their attributes are asked for
+    unconfirmed: frozenset = frozenset()
 
     def file(self, key: str) -> ObjectInfo | None:
         """The entry of the object ``key`` (a full key), if listed."""
@@ -136,6 +140,9 @@ class Backend(Protocol):
     #: a directory exists by itself, empty or not (local); False where one is
     #: only implied by the keys below it (S3)
     keeps_empty_dirs: bool
+    #: what ``put`` returns is what a listing or stat would show (local); False
+    #: where a listing would show another mtime (S3's LastModified)
+    put_info_exact: bool
 
     def stat(self, key: str) -> ObjectInfo | None:
         """Info of the object at ``key``, or None if there is none."""
@@ -240,6 +247,8 @@ class AsyncStore:
     #: listings kept at most (each bounded by LIST_CACHE_ENTRIES names)
     LIST_CACHE_ITEMS = 256
     LIST_CACHE_ENTRIES = 10_000
+    #: listings patched by the mount's own writes (larger ones are dropped)
+    LIST_PATCH_ENTRIES = 1_000
     #: documents larger than this are not kept (get_document)
     DOCUMENT_MAX = 1 << 20
     #: documents larger than this are not read at all (get_document raises
@@ -383,24 +392,29 @@ class AsyncStore:
             return
         parts = key.split("/")
         ancestors = ["/".join(parts[:i]) for i in range(len(parts))]  # '', then down to the parent
+        now = time.monotonic()
         for i, prefix in enumerate(ancestors):
             cached = self._listings.get(prefix)
             if cached is None:
                 continue
             listing, when = cached
             child = parts[i]
-            if stored is not None and prefix != ancestors[-1]:
+            if now - when >= self.list_ttl or len(listing.files) + len(listing.dirs) > self.LIST_PATCH_ENTRIES:
+                del self._listings[prefix]  # (patching costs its size: only small, fresh ones)
+            elif stored is not None and prefix != ancestors[-1]:
                 if child not in listing.dirs:
-                    listing = Listing(sorted([*listing.dirs, child]), listing.files)
+                    listing = Listing(sorted([*listing.dirs, child]), listing.files, listing.unconfirmed)
+                self._listings[prefix] = (listing, when)
             elif (stored is not None or deleted) and prefix == ancestors[-1]:
                 files = [f for f in listing.files if f.key != key]
+                unconfirmed = listing.unconfirmed - {key}
                 if stored is not None:
                     bisect.insort(files, stored, key=lambda f: f.key)
-                listing = Listing(listing.dirs, files)
+                    if not getattr(self.backend, "put_info_exact", False):
+                        unconfirmed = unconfirmed | {key}
+                self._listings[prefix] = (Listing(listing.dirs, files, unconfirmed), when)
             else:
                 del self._listings[prefix]
-                continue
-            self._listings[prefix] = (listing, when)
 
     async def stat(self, key: str, *, listed_ok: bool = False) -> ObjectInfo | None:
         """Info of the object ``key``, asked now; with ``listed_ok``, from a
@@ -409,7 +423,7 @@ class AsyncStore:
         Re-validation of a cached version must ask: a listing may be older."""
         if listed_ok:
             listing = self._fresh_listing(key.rpartition("/")[0])
-            if listing is not None:
+            if listing is not None and key not in listing.unconfirmed:
                 return listing.file(key)
         info = await self._run(self.backend.stat, key)
         self._seen(info)
@@ -508,7 +522,7 @@ class AsyncStore:
     async def list(self, prefix: str) -> Listing:
         while self.list_ttl > 0:
             cached = self._listings.get(prefix)
-            if cached is not None and time.monotonic() - cached[1] < self.list_ttl:
+            if cached is not None and time.monotonic() - cached[1] < self.list_ttl and not cached[0].unconfirmed:
                 self._listings.move_to_end(prefix)
                 return cached[0]
             if not await self._lists.wait(prefix):  # one LIST per prefix at a time: share its answer

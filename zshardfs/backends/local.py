@@ -181,6 +181,7 @@ def _remove_if_old(path: str) -> bool:
 
 class LocalBackend:
     keeps_empty_dirs = True
+    put_info_exact = True  # (put answers with os.stat of what it wrote)
     #: open descriptors kept for pinned reads without a thread hop
     FD_CACHE = 64
     #: seconds a kept descriptor answers for its path without a look at the

@@ -163,6 +163,7 @@ class S3Backend:
     :meth:`check` like every other mount-time problem."""
 
     keeps_empty_dirs = False  # a prefix exists while an object is below it
+    put_info_exact = False  # (PutObject answers no LastModified: listings show another mtime)
 
     def __init__(
         self,
