@@ -63,7 +63,8 @@ def build(work: Path) -> Path:
 
 def mount(source: str, mnt: Path, *extra: str) -> None:
     mnt.mkdir(parents=True, exist_ok=True)
-    subprocess.run([*ZSHARDFS, "mount", source, str(mnt), "-o", "ro", *extra], check=True)
+    subprocess.run([*ZSHARDFS, "mount", source, str(mnt), "-o", f"ro,log_file={mnt.parent / (mnt.name + '.log')}",
+                    *extra], check=True)
 
 
 def umount(mnt: Path) -> None:

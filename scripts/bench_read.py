@@ -105,7 +105,8 @@ def count_files(root: Path) -> int:
 
 def mount(source: Path, mnt: Path, *opts: str) -> None:
     mnt.mkdir(parents=True, exist_ok=True)
-    subprocess.run([*ZSHARDFS, "mount", str(source), str(mnt), "-o", ",".join(["ro", *opts])], check=True)
+    subprocess.run([*ZSHARDFS, "mount", str(source), str(mnt), "-o",
+                    ",".join(["ro", f"log_file={mnt.parent / (mnt.name + '.log')}", *opts])], check=True)
 
 
 def umount(mnt: Path) -> None:

@@ -100,7 +100,8 @@ def write_zarr_chunkwise_s3(server, bucket: str, prefix: str, grid) -> float:
 
 def write_through_mount(source: str, mnt: Path, grid, extra=()) -> tuple[float, dict]:
     mnt.mkdir(parents=True, exist_ok=True)
-    subprocess.run([*ZSHARDFS, "mount", source, str(mnt), "-o", "flush_delay=30", *extra], check=True)
+    subprocess.run([*ZSHARDFS, "mount", source, str(mnt), "-o",
+                    f"flush_delay=30,log_file={mnt.parent / (mnt.name + '.log')}", *extra], check=True)
     try:
         t0 = time.perf_counter()
         for (i, j, k), data in chunks(grid):
