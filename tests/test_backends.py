@@ -478,17 +478,17 @@ def test_async_store_timeout(store, monkeypatch):
     b.put("slow", b"1")
 
     def slow_get(*args, **kwargs):
-        time.sleep(1.5)
+        time.sleep(6)
         return None
 
     monkeypatch.setattr(b, "get", slow_get)
-    astore = AsyncStore(b, timeout=0.2)
+    astore = AsyncStore(b, timeout=1.0)  # (room for a loaded machine's stat below)
 
     async def main():
         t0 = trio.current_time()
         with pytest.raises(Unavailable) as info:
             await astore.get("slow")
-        assert trio.current_time() - t0 < 1.0
+        assert trio.current_time() - t0 < 4.0
         assert info.value.errno == errno.EIO
         assert (await astore.stat("slow")).size == 1  # other calls still work
 
@@ -980,3 +980,128 @@ def test_only_small_fresh_listings_are_patched(tmp_path):
         assert "small" not in store._listings  # (expired: dropped, not patched)
 
     trio.run(main)
+
+
+def test_a_head_confirms_an_entry_the_mount_stored(tmp_path):
+    """On S3 a PUT's answer is not what a listing or HEAD shows (the mtime):
+    the entry it adds to a kept listing is unconfirmed, so lookups ask.  The
+    first HEAD's answer replaces the entry; the lookups after it (rsync's
+    rename of its temporary, then the unlink of the old name) and listings
+    are answered by the kept listing again."""
+    class PutInfoInexact(LocalBackend):
+        put_info_exact = False
+
+    backend = PutInfoInexact(str(tmp_path))
+    store = AsyncStore(backend, timeout=30, list_ttl=60)
+    (tmp_path / "d").mkdir()
+
+    async def main():
+        await store.list("d")
+        await store.put("d/new", b"22")
+        assert "d/new" in store._listings["d"][0].unconfirmed
+        heads, lists = backend.counters["head"], backend.counters["list"]
+        info = await store.stat("d/new", listed_ok=True)  # asks
+        assert backend.counters["head"] == heads + 1 and info.size == 2
+        assert await store.stat("d/new", listed_ok=True) == info  # answered by the listing
+        assert [f.key for f in (await store.list("d")).files] == ["d/new"]
+        assert backend.counters["head"] == heads + 1 and backend.counters["list"] == lists
+
+    trio.run(main)
+
+
+def test_a_head_racing_a_write_does_not_confirm_the_older_version(tmp_path):
+    """A HEAD that was answered while another write of the mount's own ran
+    may describe the version before it: its answer is not kept."""
+    class PutInfoInexact(LocalBackend):
+        put_info_exact = False
+
+    backend = PutInfoInexact(str(tmp_path))
+    store = AsyncStore(backend, timeout=30, list_ttl=60)
+    (tmp_path / "d").mkdir()
+
+    async def main():
+        await store.list("d")
+        await store.put("d/f", b"1")
+        generation = store._list_generation
+        old = backend.stat("d/f")
+        await store.put("d/f", b"333")
+        store._confirm("d/f", old, generation)  # (the HEAD begun before the second PUT)
+        assert "d/f" in store._listings["d"][0].unconfirmed
+        assert (await store.stat("d/f", listed_ok=True)).size == 3
+
+    trio.run(main)
+
+
+def test_bytes_the_mount_wrote_are_kept_briefly(tmp_path):
+    """``written``: a small object's bytes, from the mount's own PUT, for
+    ``list_ttl`` seconds; not after it was deleted, not for objects over
+    WRITTEN_MAX, and within WRITTEN_BYTES."""
+    store = AsyncStore(LocalBackend(str(tmp_path)), timeout=30, list_ttl=60)
+    store.WRITTEN_MAX, store.WRITTEN_BYTES = 10, 16
+
+    async def main():
+        await store.put("a", b"12345")
+        assert store.written("a") == b"12345"
+        await store.put("big", b"x" * 11)
+        assert store.written("big") is None
+        await store.put("b", b"678")
+        await store.put("c", b"9" * 10)  # 18 bytes kept: the oldest goes
+        assert store.written("a") is None and store.written("b") == b"678" and store.written("c") == b"9" * 10
+        assert store._written_bytes == 13
+        await store.delete("b")
+        assert store.written("b") is None and store._written_bytes == 10
+        store.list_ttl = 0.01
+        await trio.sleep(0.02)
+        assert store.written("c") is None
+
+    trio.run(main)
+    quiet = AsyncStore(LocalBackend(str(tmp_path)), timeout=30, list_ttl=0)
+    trio.run(quiet.put, "d", b"1")
+    assert quiet.written("d") is None
+
+
+def test_a_directory_listed_lately_is_listed_again_for_lookups(tmp_path):
+    """Where a lookup costs requests (S3: a HEAD, and a LIST for a name that
+    is not a file), a small directory listed within RELIST_WINDOW is listed
+    again when its listing has expired: one LIST answers the lookups of the
+    next ``list_ttl``.  Not a big directory (more than one page), nor one
+    not listed lately, nor where lookups are local stats."""
+    class Costly(LocalBackend):
+        lookups_cost_requests = True
+
+    backend = Costly(str(tmp_path))
+    store = AsyncStore(backend, timeout=30, list_ttl=0.05)
+    store.LIST_PATCH_ENTRIES = 5
+    for d, n in (("small", 2), ("big", 6)):
+        (tmp_path / d).mkdir()
+        for i in range(n):
+            (tmp_path / d / f"f{i}").write_bytes(b"1")
+
+    async def main():
+        await store.list("small")
+        await store.list("big")
+        await trio.sleep(0.06)  # both expired
+        lists, heads = backend.counters["list"], backend.counters["head"]
+        for name in ("a", "b", "c"):
+            assert await store.stat(f"small/{name}", listed_ok=True) is None
+            assert not await store.is_dir(f"small/{name}")
+        assert (await store.stat("small/f1", listed_ok=True)).size == 1
+        assert backend.counters["list"] == lists + 1 and backend.counters["head"] == heads
+        assert await store.stat("big/a", listed_ok=True) is None
+        assert backend.counters["head"] == heads + 1  # asked by name: too big to list again
+        store.RELIST_WINDOW = 0.01
+        await trio.sleep(0.06)
+        assert await store.stat("small/a", listed_ok=True) is None
+        assert backend.counters["head"] == heads + 2  # not listed lately
+
+    trio.run(main)
+    local = AsyncStore(LocalBackend(str(tmp_path)), timeout=30, list_ttl=0.05)
+
+    async def local_main():
+        await local.list("small")
+        await trio.sleep(0.06)
+        lists = local.backend.counters["list"]
+        assert await local.stat("small/a", listed_ok=True) is None
+        assert local.backend.counters["list"] == lists
+
+    trio.run(local_main)

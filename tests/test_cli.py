@@ -405,13 +405,30 @@ def test_dead_mount_is_reported_and_removable(store, mnt):
     assert_one_line_error(zs("mount", store.root, mnt), "dead mount", "umount")
     assert_one_line_error(zs("stats", mnt), "dead mount")
     result = zs("umount", mnt)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stderr  # (read-only: it held nothing to store)
+    assert "had died" in result.stderr and "nothing was" in result.stderr, result.stderr
     assert mounts_at(mnt) == []
 
     run_mount(store.root, mnt, "ro")
     name, data = first_chunk(store)
     assert (mnt / name).read_bytes() == data
     assert zs("umount", mnt).returncode == 0
+
+
+def test_umount_of_a_dead_writable_mount_says_what_was_lost(store, mnt):
+    """A read-write mount whose daemon was killed may have held written data
+    it had not stored: ``umount`` removes the dead mount, says so in one line
+    and exits 1, so ``zshardfs umount M && echo safe`` does not say safe."""
+    run_mount(store.root, mnt, "flush_delay=inf")
+    name, data = first_chunk(store)
+    (mnt / name).write_bytes(data[::-1])
+    pid = daemon_pid(mnt)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: not process_running(pid), timeout=60)
+    result = zs("umount", mnt)
+    assert_one_line_error(result, "had died", "not stored yet is lost")
+    assert result.returncode == 1
+    assert mounts_at(mnt) == []
 
 
 def test_fsck_of_a_view_names_its_store(store, mnt, tmp_path):
@@ -884,3 +901,14 @@ def test_the_systemd_unit_mounts_on_the_host_and_clears_a_dead_mount(store, mnt)
     assert mounts_at(mnt) == []  # dead: removed, and the unit's ExecStart can mount again
     run_mount(store.root, mnt, "ro")
     assert zs("umount", mnt).returncode == 0
+
+
+def test_debug_log_shows_a_written_payload_by_its_size(store, mount):
+    """``log_level=DEBUG`` logs every storage call with its arguments; a
+    PUT's bytes are shown as their size, never written into the log."""
+    m = mount(store.root, "log_level=DEBUG")
+    payload = b"zshardfs-payload-" * 300
+    (m / "notes.bin").write_bytes(payload)
+    text = m.log_text()
+    assert re.search(rf"storage put notes\.bin .*<{len(payload)} bytes>", text), text[-3000:]
+    assert "zshardfs-payload-" not in text

@@ -42,6 +42,7 @@ import pytest
 from tests.util import wait_for
 
 from tests.conftest import ZSHARDFS, run_mount
+from zshardfs.shards import CHUNK_ENTRY_OVERHEAD
 from tests.s3server import MotoServer, TcpProxy, free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -229,7 +230,7 @@ def index_bytes() -> int:
 def test_sequential_scan(mount, moto_server, bucket, array, tool, tmp_path):
     """``find | xargs cat`` or ``cp -r`` of the whole array with default
     options: every shard's index read once, at most 1.1 data GETs per
-    shard, no HEAD, and far fewer LISTs than directories (listings are kept
+    shard, no HEAD within index_ttl, and far fewer LISTs than directories (listings are kept
     for metadata_ttl); the bytes are the array's."""
     m = s3_mount(mount, moto_server, bucket)
     stats = Stats(m)
@@ -269,7 +270,11 @@ def test_sequential_scan(mount, moto_server, bucket, array, tool, tmp_path):
     assert data_gets <= 1.1 * n, f"{data_gets} data GETs for {n} shards: {sorted(per_shard.values())}"
     assert client["get_range"] - index_reads == data_gets  # client side agrees
     assert all(s in (206, 404) for kind, key, s in reqs if kind == "GET" and "/c/" in key)
-    assert not [r for r in reqs if r[0] == "HEAD" and "/c/" in r[1]], "no re-validation HEAD of a shard"
+    # an index is re-validated (a HEAD) only once index_ttl (1 s) has passed:
+    # none in a scan quicker than that, at most one per shard per second in a
+    # slower one (a loaded machine)
+    heads = Counter(key for kind, key, _ in reqs if kind == "HEAD" and "/c/" in key)
+    assert all(count <= elapsed for count in heads.values()), (heads, elapsed)
     # listings: each of the 13 shard directories at most once per metadata_ttl (1 s), not once
     # per chunk directory below it (144 of them)
     lists = sum(1 for kind, _, _ in shard_requests(reqs) if kind == "LIST")
@@ -815,6 +820,14 @@ def test_walk_lists_and_loads_indexes_ahead(mount, moto_server, bucket, array, s
     the time it takes with ``prefetch_ahead=0``, and the server sees many
     requests at once."""
     proxy = slow_endpoint
+    for attempt in range(2):  # (a second try when another process held the CPU: the walk's time is CPU-bound too)
+        times = _walk_with_and_without_listing_ahead(mount, moto_server, bucket, array, proxy)
+        if times[()] < 0.7 * times[("prefetch_ahead=0",)]:
+            break
+    assert times[()] < 0.7 * times[("prefetch_ahead=0",)], times
+
+
+def _walk_with_and_without_listing_ahead(mount, moto_server, bucket, array, proxy) -> dict:
     times, gets = {}, {}
     for opts in (("prefetch_ahead=0",), ()):
         m = s3_mount(mount, moto_server, bucket, "max_connections=32", "metadata_ttl=60", "index_ttl=60", *opts,
@@ -837,7 +850,7 @@ def test_walk_lists_and_loads_indexes_ahead(mount, moto_server, bucket, array, s
         m.umount()
     assert gets[()] == gets[("prefetch_ahead=0",)] and len(set(gets[()])) == len(gets[()])  # every index once
     print(f"\nwalk: {times[('prefetch_ahead=0',)]:.2f}s without listing ahead, {times[()]:.2f}s with")
-    assert times[()] < 0.7 * times[("prefetch_ahead=0",)], times
+    return times
 
 
 # --------------------------------------------------------------------------
@@ -924,7 +937,10 @@ def test_a_second_scan_of_a_store_the_size_of_the_chunk_cache(mount, moto_server
     about a GET per shard.  Evicting the least recently used instead evicts,
     with every chunk fetched, the next one the scan reads: one GET per chunk."""
     total = sum(map(len, array.chunks.values()))
-    m = s3_mount(mount, moto_server, bucket, f"chunk_cache={total}", "index_ttl=60", "metadata_ttl=60",
+    # nine tenths of what the whole store costs in the cache: too small for
+    # all of it, so the order of eviction decides what a second scan costs
+    budget = int(0.9 * (total + len(array.chunks) * CHUNK_ENTRY_OVERHEAD))
+    m = s3_mount(mount, moto_server, bucket, f"chunk_cache={budget}", "index_ttl=60", "metadata_ttl=60",
                  "attr_timeout=60")
     root = m.path / "arr"
     names = subprocess.run(["find", str(root / "c"), "-type", "f", "-print0"], capture_output=True,
@@ -967,3 +983,39 @@ def test_sync_stores_many_shards_at_once(moto_server, s3_bucket, mount, tmp_path
     for i in range(16):
         shard = moto_server.s3.get_object(Bucket=bucket, Key=f"{PREFIX}/a/c/{i}/0")["Body"].read()
         assert shard[:4] == bytes([i + 2]) * 4, i
+
+
+def test_rsync_into_an_s3_mount_reads_nothing_back(moto_server, s3_bucket, mount, tmp_path):
+    """``rsync -a`` writes each file to a temporary name, closes it (one PUT)
+    and renames it.  The rename copies the bytes the mount has just stored
+    instead of reading them back (a GET), and the HEAD that confirmed the
+    temporary's attributes answers the lookups of the rename and of the
+    temporary's removal: PUT, HEAD, PUT, DELETE and a HEAD of the new name,
+    five requests per file (eight before).  rsync looks up each name before
+    it creates it: past ``metadata_ttl`` the directory is listed again, one
+    LIST for every name looked up within the next ``metadata_ttl``, instead
+    of a HEAD and a LIST (is it a directory?) for each name that is not
+    there (fourteen requests per file in all, with short TTLs)."""
+    _, bucket = s3_bucket
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {f"f{i:02d}": os.urandom(3000 + i) for i in range(12)}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    m = mount(f"s3://{bucket}/{PREFIX}", "metadata_ttl=0.2", extra=["--endpoint-url", moto_server.endpoint_url])
+    (m.path / "d").mkdir()
+    mark, started = moto_server.mark(), time.monotonic()
+    subprocess.run(["rsync", "-a", f"{src}/", f"{m.path / 'd'}/"], check=True, capture_output=True, timeout=120)
+    took = time.monotonic() - started
+    # (the metadata probes of d/ and of the root, zarr.json and info, and a
+    # LIST or two, are a few requests for the whole copy)
+    got = [r for r in server_requests(moto_server, bucket, mark)
+           if r[1].startswith(f"{PREFIX}/d/") and r[1].rsplit("/", 1)[1] not in ("zarr.json", "info")]
+    assert not [r for r in got if r[0] == "GET"], got
+    assert not [r for r in got if r[0] == "HEAD" and r[2] == 404], got  # (every name not there: from a listing)
+    assert len([r for r in got if r[0] != "LIST"]) <= 5 * len(files), got
+    assert len([r for r in got if r[0] == "LIST"]) <= took / 0.2 + 4, (took, got)  # (one per metadata_ttl)
+    for name, data in files.items():
+        assert moto_server.s3.get_object(Bucket=bucket, Key=f"{PREFIX}/d/{name}")["Body"].read() == data
+        assert (m.path / "d" / name).read_bytes() == data
+    assert sorted(os.listdir(m.path / "d")) == sorted(files)

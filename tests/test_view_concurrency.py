@@ -513,3 +513,43 @@ def test_a_truncate_by_path_that_fails_to_store_leaves_no_handle(tmp_path):
         assert (tmp_path / "f.txt").read_bytes() == b"0123"
 
     trio.run(main)
+
+
+def test_datasets_made_here_are_forgotten_once_quiet(tmp_path):
+    """An array made through the mount keeps, while it is written, the chunk
+    directories made or written there (a copy's mkdir must not meet EEXIST);
+    once it has been quiet for BORN_HERE_QUIET with nothing left to store, it
+    is like any stored array and those directories are forgotten: the memory
+    is bounded by what is being written, not by everything written since the
+    mount (a mount writing new arrays for weeks kept them all)."""
+    view, _ = _view(tmp_path, shard=(2, 2))
+    meta = {"zarr_format": 3, "node_type": "array", "shape": [8, 8], "data_type": "uint8",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [2, 2]}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "codecs": [{"name": "bytes"}], "fill_value": 0, "attributes": {}}
+
+    async def main():
+        root = await view.resolve("")
+        arr = await view.mkdir(root, "arr")
+        doc = await view.create(arr, "zarr.json")
+        await view.write(doc, 0, json.dumps(meta).encode())
+        await view.flush(doc)
+        await view.release(doc)
+        assert "arr" in view.born_here
+        c = await view.mkdir(await view.resolve("arr"), "c")
+        row = await view.mkdir(c, "0")
+        chunk = await view.create(row, "0")
+        await view.write(chunk, 0, b"\x07" * 4)
+        await view.release(chunk)
+        assert await view.resolve("arr/c/1") is None  # made here: not there until made
+        assert not await view.sync()
+        assert view.born_here and view.written_dirs and "arr/c" in view.new_dirs
+        view.BORN_HERE_QUIET = 0
+        assert not await view.sync()
+        assert not view.born_here and not view.written_dirs and not view.removed_dirs
+        assert not [d for d in view.new_dirs if d.startswith("arr/")]
+        assert (await view.resolve("arr/c/0/0")).size == 4
+        assert (await view.resolve("arr/c/1")).is_dir  # now as in any stored array: inside the grid
+
+    trio.run(main)
+    assert (tmp_path / "arr/c/0/0").exists()  # the shard

@@ -990,6 +990,23 @@ def test_never_renamed_files_inside_an_array(store, mount, tmp_path):
     assert len(lines) == 1, lines
 
 
+def test_a_sync_between_close_and_rename_keeps_the_temporary(store, mount, tmp_path):
+    """zarr-python writes a chunk to a temporary name, closes it and renames
+    it over the chunk.  A ``zshardfs sync`` (anyone's) in between keeps the
+    temporary (it used to discard it: the rename then failed with ENOENT and
+    the chunk was lost); only unmount discards one never renamed."""
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4")
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    new = np.full((2, 2), 5, "<i4").tobytes()
+    (m / "arr/c/0/1.partial").write_bytes(new)
+    zs("sync", m.path)
+    os.rename(m / "arr/c/0/1.partial", m / "arr/c/0/1")
+    zs("sync", m.path)
+    assert "discarded" not in m.log_text()
+    m.umount()
+    assert stored_chunks(store, "arr", (2, 2))[(0, 1)] == new
+
+
 def test_arrays_are_removed_as_from_a_directory_store(store, mount, tmp_path):
     """rm -r, shutil.rmtree, zarr-python's delete and overwrite, and mv of an
     array (EXDEV: mv copies, then removes) succeed, whatever order they
@@ -1833,3 +1850,67 @@ def test_open_files_unlinked_or_replaced_behave_as_on_posix(store, mount, tmp_pa
     os.rmdir(m / "new/c/0")
     assert not (m / "new/c/0").exists()
     os.mkdir(m / "new/c/0")
+
+
+# ---------------------------------------------------------------------------
+# directory fsync
+
+
+def _kill_daemon(m) -> None:
+    pid = int(os.getxattr(m.path, "user.zshardfs.pid"))
+    os.kill(pid, signal.SIGKILL)
+    assert util.wait_for(lambda: not process_running(pid), 10), "the daemon did not die"
+    subprocess.run(["fusermount3", "-uz", str(m.path)], capture_output=True)
+    m.mounted = False
+
+
+def test_a_rename_is_stored_by_an_fsync_of_its_directory(store, mount, tmp_path):
+    """The careful writer's pattern (tensorstore's): write a temporary in the
+    chunk directory, fsync it, rename it over the chunk, fsync the directory.
+    When the directory's fsync returns, the chunk is stored: a daemon killed
+    right after loses nothing.  (Without FSYNCDIR the kernel answered every
+    directory fsync itself and the chunk was only in memory.)"""
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=np.arange(64, dtype="<i4").reshape(8, 8))
+    m = mount(store.source, "flush_delay=inf", extra=store.extra)
+    new = np.full((2, 2), 77, "<i4").tobytes()
+    tmp = m / "arr/c/1/.0.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, new)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, m / "arr/c/1/0")
+    dfd = os.open(m / "arr/c/1", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    # a removal in another directory of the array, made durable the same way
+    os.unlink(m / "arr/c/3/3")
+    dfd = os.open(m / "arr/c/3", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    _kill_daemon(m)
+    got = stored_chunks(store, "arr", (2, 2))
+    assert got[(1, 0)] == new
+    assert (3, 3) not in got and (0, 0) in got
+
+
+def test_tensorstore_writes_through_the_mount_are_durable_when_it_returns(store, mount, tmp_path):
+    """tensorstore's file driver fsyncs a chunk's temporary and its
+    directory before a write's future completes: what it reported written
+    survives a daemon killed right after."""
+    import tensorstore as ts
+
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4")
+    m = mount(store.source, "flush_delay=inf", extra=store.extra)
+    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(m / "arr")}}).result()
+    arr[2:6, 0:4].write(np.full((4, 4), 9, "<i4")).result()
+    _kill_daemon(m)
+    got = stored_chunks(store, "arr", (2, 2))
+    for i in (1, 2):
+        for j in (0, 1):
+            assert got[(i, j)] == np.full((2, 2), 9, "<i4").tobytes(), (i, j)

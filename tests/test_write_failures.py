@@ -515,3 +515,78 @@ def test_a_rename_refused_for_want_of_room_changes_nothing(small_fs, mount):
     zs("sync", m.path)
     m.umount()
     assert stored_chunk(small_fs, 0, 0) == one and stored_chunk(small_fs, 0, 1) == two
+
+
+# ---------------------------------------------------------------------------
+# E. the source itself gone
+
+
+def _write_chunk_and_sync(m) -> subprocess.CompletedProcess:
+    (m / "arr/c/0/0").write_bytes(chunk_bytes(5))
+    return zs("sync", m.path, check=False)
+
+
+def _abandon(m) -> None:
+    """Kill the daemon (it holds data it cannot store) and clear its mount."""
+    pid = daemon_pid(m)
+    os.kill(pid, signal.SIGKILL)
+    must(lambda: not process_running(pid), 10, "the daemon to die")
+    subprocess.run(["fusermount3", "-uz", str(m.path)], capture_output=True)
+    m.mounted = False
+
+
+@pytest.mark.parametrize("how", ["removed", "unmounted"])
+def test_a_source_gone_while_mounted_is_not_made_anew(how, tmp_path, small_fs, mount):
+    """The source directory removed (``rm -rf``), or the file system it is
+    on unmounted (``umount -l``: its path now names the directory under it):
+    writes fail with EIO and one line naming the store, ``sync`` fails, and
+    nothing is written where the store was.  Before, the daemon made the
+    path anew (or wrote into the directory underneath) and answered success:
+    a shard of only the new chunks, away from the real store."""
+    source = small_fs if how == "unmounted" else tmp_path / "src"
+    grid_array(source)
+    (source / "other").mkdir()
+    m = mount(source, "flush_delay=60")
+    assert (m / "arr/zarr.json").exists()
+    if how == "unmounted":
+        subprocess.run(["umount", "-l", str(source)], check=True)
+    else:
+        subprocess.run(["rm", "-rf", str(source)], check=True)
+    try:
+        result = _write_chunk_and_sync(m)
+        assert result.returncode != 0, result
+        assert "gone or was replaced" in m.log_text(), m.log_text()[-3000:]
+        assert "Traceback" not in m.log_text()
+        if how == "unmounted":
+            assert os.listdir(source) == []  # the directory under the mount point: untouched
+        else:
+            assert not source.exists()
+        # a directory not listed before: EIO, not an empty (or a foreign) listing
+        with pytest.raises(OSError) as info:
+            os.listdir(m / "other")
+        assert info.value.errno == errno.EIO
+        assert "nothing is looked up there" in m.log_text() or "nothing is listed there" in m.log_text(), \
+            m.log_text()[-3000:]
+        assert "Traceback" not in m.log_text()
+    finally:
+        _abandon(m)
+
+
+def test_names_of_temporary_files_are_refused(tmp_path, mount):
+    """A local store's temporary files (``.zshardfs-tmp-<pid>-...``) are
+    hidden from listings and removed once their writer is gone: a user's file
+    or directory of such a name would vanish, so the name is refused
+    (EINVAL, one log line) at create, mkdir and as a rename's target."""
+    source = tmp_path / "src"
+    grid_array(source)
+    m = mount(source)
+    name = TMP + "999999-notes.txt"
+    (m / "notes.txt").write_bytes(b"mine")
+    for attempt in (lambda: (m / name).write_bytes(b"x"), lambda: (m / name).mkdir(),
+                    lambda: os.rename(m / "notes.txt", m / name)):
+        with pytest.raises(OSError) as info:
+            attempt()
+        assert info.value.errno == errno.EINVAL
+    assert (m / "notes.txt").read_bytes() == b"mine"
+    assert sorted(os.listdir(source)) == ["arr", "notes.txt"]
+    assert "a name zshardfs keeps for its own temporary files" in m.log_text()

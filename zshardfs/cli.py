@@ -370,16 +370,17 @@ def _unescape_mount_field(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
-def _zshardfs_mounts() -> list[str]:
+def _zshardfs_mounts() -> dict[str, bool]:
     """Mount points /proc/mounts lists as zshardfs mounts (it lists them
-    also when the daemon is dead and every access fails with ENOTCONN)."""
-    found = []
+    also when the daemon is dead and every access fails with ENOTCONN), and
+    whether each is read-only."""
+    found = {}
     try:
         with open("/proc/mounts", encoding="utf-8", errors="surrogateescape") as f:
             for line in f:
                 fields = line.split()
-                if len(fields) >= 3 and fields[2] == "fuse.zshardfs":
-                    found.append(_unescape_mount_field(fields[1]))
+                if len(fields) >= 4 and fields[2] == "fuse.zshardfs":
+                    found[_unescape_mount_field(fields[1])] = "ro" in fields[3].split(",")
     except OSError:
         pass
     return found
@@ -440,15 +441,25 @@ def cmd_umount(args) -> int:
         if not _is_zshardfs_mount(mnt):
             return _fail(str(exc))
         pid = None  # the daemon is gone (killed): only the dead mount is left to remove
+    read_only = _zshardfs_mounts().get(mnt, False)
+    lost = f"anything it had not stored yet is lost{' (a read-only mount: nothing was)' if read_only else ''}"
     if pid is not None:
         problem = _sync(mnt)
+        if problem and not process_running(pid):  # (killed while it stored: ECONNABORTED)
+            subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)
+            return _fail(f"the daemon of {mnt} died during the final sync ({problem}); its mount is removed, "
+                         f"and {lost}")
         if problem:
             return _fail(problem + "; not unmounted, the data is still held by the daemon")
     result = subprocess.run(["fusermount3", "-u", *(["-z"] if args.lazy else []), mnt],
                             capture_output=True, text=True)
     if result.returncode != 0:
         return _fail(f"cannot unmount {mnt}: {result.stderr.strip() or 'fusermount3 failed'}")
-    if pid is None or args.lazy:
+    if pid is None:
+        # a dead mount removed: not a clean unmount, unless it held nothing to store
+        message = f"the daemon of {mnt} had died; its mount is removed, and {lost}"
+        return _fail(message, EXIT_OK) if read_only else _fail(message)
+    if args.lazy:
         return EXIT_OK  # lazy: the daemon ends when the last open file is closed
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:

@@ -246,7 +246,7 @@ class Mount:
         failed round; rounds 1 s apart, doubling up to 30 s."""
         delay, failed = 1.0, 0
         while True:
-            errors = await self.view.sync()
+            errors = await self.view.sync(final=True)
             if not errors:
                 if failed:
                     log.info("stored everything after %d failed rounds", failed)

@@ -617,6 +617,15 @@ class Operations(pyfuse3.Operations):
         await self.view.fsync(self._handle(fh))
 
     @_translate
+    async def fsyncdir(self, fh, datasync):
+        # (pyfuse3's default, ENOSYS, makes the kernel answer every later
+        # directory fsync with success by itself: renames that a careful
+        # writer then takes as durable were only in memory)
+        handle = self._handles.get(fh)
+        if handle is not None:
+            await self.view.fsync_dir(self._node(handle.inode))
+
+    @_translate
     async def setattr(self, inode, attr, fields, fh, ctx):
         node = self._node(inode)
         if (fields.update_size or fields.update_mode or fields.update_uid or fields.update_gid

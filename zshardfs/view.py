@@ -235,7 +235,10 @@ class View:
         # array in (``cp -r``) makes each directory after writing others and
         # expects no EEXIST (which the kernel answers itself for a name that a
         # lookup found).  All of its content came through this mount.
-        self.born_here: set[str] = set()
+        # (root -> when it was last written or made into: one quiet for
+        # BORN_HERE_QUIET with nothing left to store is forgotten, with its
+        # directories, so this memory is bounded by what is being written)
+        self.born_here: dict[str, float] = {}
         self.written_dirs: set[str] = set()
         # ...and those it removed there since: gone, though storage may list
         # them until the deletions below are flushed
@@ -677,6 +680,7 @@ class View:
         self._new_chunks_count += node.name not in names
         names[node.name] = (node.dataset, node.rel, node.target)
         if node.dataset.root in self.born_here:
+            self.born_here[node.dataset.root] = time.monotonic()
             path = _parent(node.path)
             for _ in node.rel[:-1]:
                 self.written_dirs.add(path)
@@ -756,14 +760,27 @@ class View:
     async def _stored_bytes(self, node: Node) -> bytes:
         if node.key is None:
             return b""
+        written = self.store.written(node.key)
+        if written is not None:
+            return written  # (stored by this mount a moment ago)
         try:
             return (await self.store.get(node.key)).data
         except NotFound:
             return b""
 
+    def _check_name(self, name: str) -> None:
+        """A name the store keeps for itself (the local backend's temporary
+        files, which it hides and removes once their writer is gone) cannot
+        be given to a file or directory: EINVAL, one log line."""
+        if self.store.reserved_name(name):
+            message = f"{name}: a name zshardfs keeps for its own temporary files"
+            log_once(log, logging.WARNING, message)
+            raise ViewError(errno.EINVAL, message)
+
     async def create(self, parent: Node, name: str) -> Handle:
         """A new empty file ``name`` in ``parent``, opened for writing."""
         self._check_writable()
+        self._check_name(name)
         parent = await self._fresh(parent)
         path = join_key(parent.path, name)
         dataset, rel = (parent.dataset, parent.rel + (name,)) if self._in_dataset(parent) else (None, ())
@@ -934,7 +951,7 @@ class View:
             root = _parent(buf.key)
             listing = await self.store.list(root)
             if not listing.dirs and not any(_could_be_chunk(f.key.rsplit("/", 1)[-1]) for f in listing.files):
-                self.born_here.add(root)
+                self.born_here[root] = time.monotonic()
         # (a shard written as is: newer than the chunk writes pending for it,
         # and its chunks show at once)
         made_of = []
@@ -1053,6 +1070,25 @@ class View:
         if handle.node.is_chunk:
             await self.writeback.flush(handle.node.target.shard_key)
 
+    async def fsync_dir(self, node: Node) -> None:
+        """fsync(2) of a directory: what was renamed into it, written or
+        removed there is stored before the answer.  tensorstore (and any
+        careful writer) writes a temporary, renames it over the chunk and
+        fsyncs the directory, and takes the write as durable then.  A chunk
+        directory's names are entries of shard indexes: the dirty shards of
+        the chunks opened for writing in it (``new_chunks``) are flushed, and
+        those of its dataset holding a removed chunk.  Elsewhere nothing waits:
+        plain files are stored at close, renamed and removed at once."""
+        if self.read_only:
+            return
+        keys = {target.shard_key for _, _, target in self.new_chunks.get(node.path, {}).values()}
+        dataset = node.dataset
+        if dataset is None and node.key is not None:
+            dataset = await self.dataset_at(node.key)  # (a dataset's root: precomputed chunks live there)
+        if dataset is not None:
+            keys.update(self.writeback.removing_below(dataset.shard_home))
+        await self.writeback.flush_keys(keys)
+
     async def release(self, handle: Handle) -> None:
         self._not_writer(handle)
         if not handle.writable:
@@ -1131,6 +1167,7 @@ class View:
 
     async def mkdir(self, parent: Node, name: str) -> Node:
         self._check_writable()
+        self._check_name(name)
         parent = await self._fresh(parent)
         if await self.lookup(parent, name) is not None:
             raise ViewError(errno.EEXIST, f"{name}: exists")
@@ -1142,6 +1179,8 @@ class View:
                 await self.store.make_dir(join_key(parent.key, name))
         self.new_dirs.setdefault(parent.path, set()).add(name)
         self.removed_dirs.discard(join_key(parent.path, name))
+        if parent.dataset is not None and parent.dataset.root in self.born_here:
+            self.born_here[parent.dataset.root] = time.monotonic()
         node = await self.lookup(parent, name)
         if node is None:  # e.g. a name the dataset claims but that cannot be a directory
             self.new_dirs[parent.path].discard(name)
@@ -1198,6 +1237,7 @@ class View:
         if path == join_key(new_parent.path, new_name):
             await self._file_to_change(parent, name, errno.EXDEV)  # (it must exist)
             return
+        self._check_name(new_name)
         while (earlier := self._renaming.get(path)) is not None:
             await earlier.wait()
         done = self._renaming[path] = trio.Event()
@@ -1300,10 +1340,14 @@ class View:
         info = await self.store.stat(key)
         return await self._stored_file(join_key(parent.path, name), info) if info is not None else None
 
-    async def sync(self, refused: list[ViewError] | None = None) -> list[StoreError]:
+    async def sync(self, refused: list[ViewError] | None = None, final: bool = False) -> list[StoreError]:
         """Store everything that is only in memory (sync, unmount, SIGTERM).
         Documents refused for good (logged; their buffers are gone, so no
-        later round retries them) are added to ``refused``, if given."""
+        later round retries them) are added to ``refused``, if given.
+        ``final`` (unmount, SIGTERM): temporary files inside sharded arrays
+        that were closed but never renamed to a chunk's name are discarded;
+        a ``zshardfs sync`` keeps them (zarr-python renames its temporary
+        right after closing it: a sync in between must not lose the chunk)."""
         errors = []
         for buf in list(self.buffers.values()):
             if buf.dirty and buf.key is not None:
@@ -1317,7 +1361,7 @@ class View:
                 except Exception as exc:  # a bug must not keep the shards below from being stored
                     log.exception("storing %s failed", buf.key)
                     errors.append(StoreError(f"{buf.key}: {type(exc).__name__}: {exc}", buf.key))
-            elif buf.key is None and buf.handles <= 0:
+            elif buf.key is None and buf.handles <= 0 and final:
                 log.warning("%s: temporary file inside a sharded array was never renamed; discarded", buf.path)
                 del self.buffers[buf.path]
         errors += await self.writeback.sync_all()
@@ -1331,3 +1375,30 @@ class View:
                            for d, names in self.new_chunks.items()}
         self.new_chunks = {d: names for d, names in self.new_chunks.items() if names}
         self._new_chunks_pruned_at = self._new_chunks_count = sum(len(n) for n in self.new_chunks.values())
+        self._forget_quiet_datasets()
+
+    #: seconds a dataset made through this mount must go unwritten (with
+    #: nothing of it left to store) before it is treated as any stored one:
+    #: a copy into it (``cp -r``, which makes each chunk directory after
+    #: writing others) is over by then
+    BORN_HERE_QUIET = 60.0
+
+    def _forget_quiet_datasets(self) -> None:
+        """Datasets made here that have been quiet long enough become like
+        any other: their chunk directories exist where the grid has them, and
+        the directories this mount made or wrote there are forgotten.  (Else
+        a mount writing new arrays for weeks kept every such directory.)"""
+        now = time.monotonic()
+        quiet = [root for root, when in self.born_here.items() if now - when >= self.BORN_HERE_QUIET]
+        if not quiet:
+            return
+        busy = {*self.new_chunks, *self.writeback.dirty, *self.buffers}
+        for root in quiet:
+            below = _prefix(root)
+            if any(k.startswith(below) for k in busy):
+                continue
+            del self.born_here[root]
+            self.written_dirs = {p for p in self.written_dirs if not p.startswith(below)}
+            self.removed_dirs = {p for p in self.removed_dirs if not p.startswith(below)}
+            for d in [d for d in self.new_dirs if d.startswith(below)]:
+                del self.new_dirs[d]

@@ -508,6 +508,19 @@ class WriteBack:
         if errors:
             raise errors[0]
 
+    async def flush_keys(self, keys) -> None:
+        """Flush those of the shards ``keys`` that are dirty; raises the
+        first failure (after trying them all)."""
+        errors = await self._flush_many([k for k in keys if k in self.dirty])
+        if errors:
+            raise errors[0]
+
+    def removing_below(self, prefix: str) -> list[str]:
+        """Dirty shards below directory ``prefix`` that hold a removed chunk."""
+        below = prefix + "/" if prefix else ""
+        return [k for k, shard in self.dirty.items()
+                if k.startswith(below) and any(c.data is None for c in shard.chunks.values())]
+
     async def sync_all(self) -> list[StoreError]:
         """Flush every dirty shard (sync, unmount, SIGTERM); returns failures."""
         return await self._flush_many(list(self.dirty))

@@ -143,6 +143,9 @@ class Backend(Protocol):
     #: what ``put`` returns is what a listing or stat would show (local); False
     #: where a listing would show another mtime (S3's LastModified)
     put_info_exact: bool
+    #: a lookup costs a request (S3: a HEAD, and a LIST for a name that is
+    #: not a file); False where it is a local ``stat``
+    lookups_cost_requests: bool
 
     def stat(self, key: str) -> ObjectInfo | None:
         """Info of the object at ``key``, or None if there is none."""
@@ -249,12 +252,20 @@ class AsyncStore:
     LIST_CACHE_ENTRIES = 10_000
     #: listings patched by the mount's own writes (larger ones are dropped)
     LIST_PATCH_ENTRIES = 1_000
+    #: a directory whose listing (of at most LIST_PATCH_ENTRIES entries: one
+    #: page on S3) was made within this many seconds is listed again for a
+    #: lookup in it, rather than asked name by name (see _listing_for_lookup)
+    RELIST_WINDOW = 30.0
     #: documents larger than this are not kept (get_document)
     DOCUMENT_MAX = 1 << 20
     #: documents larger than this are not read at all (get_document raises
     #: TooLarge): a stray multi-gigabyte ``info`` must not be read whole, and
     #: parsed, by every probe of its directory
     DOCUMENT_LIMIT = 64 << 20
+    #: objects this mount wrote that are kept (see ``written``): each at most
+    #: WRITTEN_MAX bytes, all together at most WRITTEN_BYTES
+    WRITTEN_MAX = 1 << 20
+    WRITTEN_BYTES = 16 << 20
 
     def __init__(self, backend: Backend, *, max_connections: int = 16, timeout: float = 60.0,
                  list_ttl: float = 0.0):
@@ -277,10 +288,20 @@ class AsyncStore:
         # small whole objects (metadata documents) read in the last list_ttl
         # seconds: a probe and the listing that shows the document share one GET
         self._documents: OrderedDict[str, tuple[Blob | None, float]] = OrderedDict()
+        # small directories listed lately: prefix -> when (see _listing_for_lookup)
+        self._listed_lately: OrderedDict[str, float] = OrderedDict()
+        # small objects this mount wrote in the last list_ttl seconds (see written)
+        self._written: OrderedDict[str, tuple[Blob, float]] = OrderedDict()
+        self._written_bytes = 0
 
     @property
     def counters(self) -> Counter:
         return self.backend.counters
+
+    def reserved_name(self, name: str) -> bool:
+        """True for a name the backend keeps for itself (see View._check_name)."""
+        reserved = getattr(self.backend, "reserved_name", None)
+        return reserved is not None and reserved(name)
 
     async def _run(self, fn: Callable[..., T], *args, _speculative: bool = False, _writes: bool = False,
                    **kwargs) -> T:
@@ -369,7 +390,10 @@ class AsyncStore:
     def _trace(what: tuple, args: tuple, started: float, outcome: str = "") -> None:
         """``-o log_level=DEBUG``: one line per storage call, with its time."""
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("storage %s %s %s: %s%.1f ms", what[0], what[1], args[1:3] if len(args) > 1 else "",
+            # (a payload is shown by its size: a PUT's bytes do not belong in a log)
+            shown = tuple(f"<{len(a)} bytes>" if isinstance(a, (bytes, bytearray, memoryview)) else a
+                          for a in args[1:3])
+            log.debug("storage %s %s %s: %s%.1f ms", what[0], what[1], shown if shown else "",
                       f"{outcome} after " if outcome else "", 1000 * (time.monotonic() - started))
 
     def _seen(self, info: ObjectInfo | None) -> None:
@@ -388,6 +412,7 @@ class AsyncStore:
         with it, so those listings are dropped)."""
         self._list_generation += 1
         self._documents.pop(key, None)
+        self._forget_written(key)
         if not self._listings:
             return
         parts = key.split("/")
@@ -422,12 +447,47 @@ class AsyncStore:
         lookup after a listing, as in ``ls`` then ``cat``, costs no request).
         Re-validation of a cached version must ask: a listing may be older."""
         if listed_ok:
-            listing = self._fresh_listing(key.rpartition("/")[0])
+            listing = await self._listing_for_lookup(key.rpartition("/")[0])
             if listing is not None and key not in listing.unconfirmed:
                 return listing.file(key)
+        generation = self._list_generation
         info = await self._run(self.backend.stat, key)
         self._seen(info)
+        self._confirm(key, info, generation)
         return info
+
+    def _confirm(self, key: str, info: ObjectInfo | None, generation: int) -> None:
+        """A HEAD answered for a key this mount stored (an unconfirmed entry
+        of a kept listing): the entry becomes that answer, so the lookups
+        that follow (rsync's rename of its temporary, then the unlink of the
+        old name) find it there instead of asking again.  Not if any write
+        happened while the HEAD ran: its answer may predate that write."""
+        prefix = key.rpartition("/")[0]
+        cached = self._listings.get(prefix)
+        if cached is None or generation != self._list_generation or key not in cached[0].unconfirmed:
+            return
+        listing, when = cached
+        files = [f for f in listing.files if f.key != key]
+        if info is not None:
+            bisect.insort(files, info, key=lambda f: f.key)
+        self._listings[prefix] = (Listing(listing.dirs, files, listing.unconfirmed - {key}), when)
+
+    async def _listing_for_lookup(self, prefix: str) -> Listing | None:
+        """The listing that answers a lookup in ``prefix``: a fresh one, or,
+        where lookups cost requests, a new one if the directory was listed
+        lately and is small.  A tool writing file after file into a directory
+        (rsync, cp -r) looks each name up before it creates it: past
+        ``list_ttl`` each of those cost a HEAD and, the name being no file, a
+        LIST (is it a directory?); now one LIST answers them all for another
+        ``list_ttl``.  A lookup of an existing file costs one request either
+        way (a LIST instead of a HEAD)."""
+        listing = self._fresh_listing(prefix)
+        if listing is not None or not getattr(self.backend, "lookups_cost_requests", False):
+            return listing
+        when = self._listed_lately.get(prefix)
+        if when is None or time.monotonic() - when > self.RELIST_WINDOW:
+            return None
+        return await self.list(prefix)
 
     def _fresh_listing(self, prefix: str) -> Listing | None:
         """The listing of ``prefix`` if one was made within ``list_ttl``."""
@@ -438,7 +498,7 @@ class AsyncStore:
 
     async def is_dir(self, key: str) -> bool:
         parent, _, name = key.rpartition("/")
-        listing = self._fresh_listing(parent)
+        listing = await self._listing_for_lookup(parent)
         if listing is not None:
             return name in listing.dirs  # a walk's lookups after its listing: no request
         dir_page = getattr(self.backend, "dir_page", None)
@@ -544,6 +604,13 @@ class AsyncStore:
             self._listings.move_to_end(prefix)
             while len(self._listings) > self.LIST_CACHE_ITEMS:
                 self._listings.popitem(last=False)
+            if len(listing.files) + len(listing.dirs) <= self.LIST_PATCH_ENTRIES:
+                self._listed_lately[prefix] = time.monotonic()
+                self._listed_lately.move_to_end(prefix)
+                while len(self._listed_lately) > self.LIST_CACHE_ITEMS:
+                    self._listed_lately.popitem(last=False)
+            else:
+                self._listed_lately.pop(prefix, None)
 
     async def put(self, key: str, data: bytes, *, if_match: str | None = None,
                   if_none_match: bool = False) -> ObjectInfo:
@@ -554,6 +621,34 @@ class AsyncStore:
             return info
         finally:
             self._changed(key, stored=info)
+            if info is not None and if_match is None and not if_none_match:
+                self._keep_written(key, data, info)  # (plain files and documents; not shards)
+
+    def written(self, key: str) -> bytes | None:
+        """The bytes of ``key`` if this mount wrote it within the last
+        ``list_ttl`` seconds and nothing of the mount's own changed it since
+        (a small object: see WRITTEN_MAX).  A rename of a file the mount has
+        just stored (rsync's temporary, renamed right after its close) copies
+        them instead of reading the object back; as with listings, another
+        client's change within ``list_ttl`` is not seen."""
+        kept = self._written.get(key)
+        if kept is None or time.monotonic() - kept[1] >= self.list_ttl:
+            return None
+        return kept[0].data
+
+    def _keep_written(self, key: str, data: bytes, info: ObjectInfo) -> None:
+        if self.list_ttl <= 0 or len(data) > self.WRITTEN_MAX:
+            return
+        self._forget_written(key)
+        self._written[key] = (Blob(bytes(data), info), time.monotonic())
+        self._written_bytes += len(data)
+        while self._written_bytes > self.WRITTEN_BYTES:
+            self._forget_written(next(iter(self._written)))
+
+    def _forget_written(self, key: str) -> None:
+        kept = self._written.pop(key, None)
+        if kept is not None:
+            self._written_bytes -= len(kept[0].data)
 
     async def delete(self, key: str, *, if_match: str | None = None, prune_below: str | None = None) -> None:
         done = False

@@ -85,19 +85,21 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _make_dirs(path: str) -> None:
+def _make_dirs(path: str, top: str) -> None:
     """``os.makedirs(path, exist_ok=True)``, durably: each directory made
     (from the deepest existing ancestor down) is fsynced into its parent.
-    Costs one ``stat`` when ``path`` exists (the common case)."""
+    Never makes ``top`` (the store's root) or anything above it: a source
+    removed or unmounted is not made anew (FileNotFoundError).  Costs one
+    ``stat`` when ``path`` exists (the common case)."""
     missing = []
     while True:
         with _unsynced_lock:
             unsynced = path in _unsynced_dirs
         if not unsynced and os.path.isdir(path):
             break
+        if path == top or not path.startswith(top.rstrip(os.sep) + os.sep):
+            raise FileNotFoundError(errno.ENOENT, "the store's directory is gone", top)
         parent = os.path.dirname(path)
-        if parent == path:
-            break
         missing.append(path)
         path = parent
     for d in reversed(missing):
@@ -182,6 +184,7 @@ def _remove_if_old(path: str) -> bool:
 class LocalBackend:
     keeps_empty_dirs = True
     put_info_exact = True  # (put answers with os.stat of what it wrote)
+    lookups_cost_requests = False  # (a stat)
     #: open descriptors kept for pinned reads without a thread hop
     FD_CACHE = 64
     #: seconds a kept descriptor answers for its path without a look at the
@@ -202,6 +205,13 @@ class LocalBackend:
         self._fd_lock = threading.Lock()
         self._swept: OrderedDict[str, None] = OrderedDict()
         self._swept_lock = threading.Lock()
+        # the root directory mounted (device, inode): writes check it is still
+        # that one, not a directory left under a file system unmounted from it
+        try:
+            st = os.stat(self.root)
+            self._root_id: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        except OSError:
+            self._root_id = None  # (check() tells)
 
     # -- helpers -------------------------------------------------------------
 
@@ -213,6 +223,29 @@ class LocalBackend:
     @staticmethod
     def _info(key: str, st: os.stat_result) -> ObjectInfo:
         return ObjectInfo(key, st.st_size, f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}", st.st_mtime)
+
+    @staticmethod
+    def reserved_name(name: str) -> bool:
+        """Temporary files' names: hidden from listings, removed once their
+        writer is gone; a user's file of such a name would vanish."""
+        return _is_internal(name)
+
+    def _check_root(self, key: str, doing: str = "written") -> None:
+        """Before a write or a listing: the store's root directory is still
+        the one mounted.  Removed (``rm -rf``), or another directory in its
+        place (the file system it was on unmounted, ``umount -l``): writes
+        fail with EIO and say so, and the data stays in memory, instead of
+        landing in a directory made anew or in the one left underneath;
+        listings fail too, instead of showing an empty or a foreign tree."""
+        try:
+            st = os.stat(self.root)
+            same = self._root_id is None or (st.st_dev, st.st_ino) == self._root_id
+        except OSError:
+            same = False
+        if not same:
+            bump(self.counters, "errors")
+            raise StoreError(f"{key or '/'}: the store's directory {self.root} is gone or was replaced (removed or "
+                             f"unmounted?); nothing is {doing} there", key)
 
     def _fail(self, key: str, exc: OSError) -> StoreError:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
@@ -232,6 +265,7 @@ class LocalBackend:
         try:
             st = os.stat(self._path(key))
         except (FileNotFoundError, NotADirectoryError):
+            self._check_root(key, "looked up")  # (a miss: the whole store may be gone)
             return None
         except OSError as exc:
             raise self._fail(key, exc) from None
@@ -240,7 +274,10 @@ class LocalBackend:
         return self._info(key, st)
 
     def is_dir(self, key: str) -> bool:
-        return os.path.isdir(self._path(key))
+        if os.path.isdir(self._path(key)):
+            return True
+        self._check_root(key, "looked up")
+        return False
 
     def get(self, key, start=0, length=None, *, suffix=None, if_match=None, max_size=None) -> Blob:
         path = self._path(key)
@@ -336,6 +373,7 @@ class LocalBackend:
 
     def list(self, prefix: str) -> Listing:
         bump(self.counters, "list")
+        self._check_root(prefix, "listed")  # (one stat: listings are cached above)
         dirs, files = [], []
         try:
             with os.scandir(self._path(prefix)) as it:
@@ -414,16 +452,17 @@ class LocalBackend:
         path = self._path(key)
         dirpath = os.path.dirname(path)
         tmp = os.path.join(dirpath, _tmp_name(os.path.basename(path)))
+        self._check_root(key)
         with _writing_lock:
             _writing.add(tmp)
         try:
-            _make_dirs(dirpath)
+            _make_dirs(dirpath, self.root)
             self._sweep(dirpath)
             try:
                 try:
                     f = open(tmp, "wb")
                 except FileNotFoundError:  # pruned meanwhile by the delete of its last shard
-                    _make_dirs(dirpath)
+                    _make_dirs(dirpath, self.root)
                     f = open(tmp, "wb")
                 with f:
                     f.write(data)
@@ -457,6 +496,7 @@ class LocalBackend:
 
     def delete(self, key, *, if_match=None, prune_below=None) -> None:
         path = self._path(key)
+        self._check_root(key)
         changed = None  # the directory whose change must be made durable
         try:
             if if_match is not None:
@@ -508,13 +548,15 @@ class LocalBackend:
             raise self._fail("", exc) from None
 
     def make_dir(self, key: str) -> None:
+        self._check_root(key)
         try:
-            _make_dirs(self._path(key))
+            _make_dirs(self._path(key), self.root)
         except OSError as exc:
             raise self._fail(key, exc) from None
 
     def remove_dir(self, key: str) -> None:
         path = self._path(key)
+        self._check_root(key)
         try:
             os.rmdir(path)
         except FileNotFoundError:
