@@ -561,12 +561,43 @@ def test_a_source_gone_while_mounted_is_not_made_anew(how, tmp_path, small_fs, m
             assert os.listdir(source) == []  # the directory under the mount point: untouched
         else:
             assert not source.exists()
-        # a directory not listed before: EIO, not an empty (or a foreign) listing
-        with pytest.raises(OSError) as info:
-            os.listdir(m / "other")
-        assert info.value.errno == errno.EIO
-        assert "nothing is looked up there" in m.log_text() or "nothing is listed there" in m.log_text(), \
-            m.log_text()[-3000:]
+        if how == "removed":  # a directory not listed before: EIO, not an empty listing
+            with pytest.raises(OSError) as info:
+                os.listdir(m / "other")
+            assert info.value.errno == errno.EIO
+            assert "nothing is looked up there" in m.log_text() or "nothing is listed there" in m.log_text(), \
+                m.log_text()[-3000:]
+        assert "Traceback" not in m.log_text()
+    finally:
+        _abandon(m)
+
+
+def test_a_source_swapped_while_mounted_is_read_but_not_written(tmp_path, mount):
+    """Another directory renamed into the source's path (a publisher's
+    ``mv new current``) is read from then on, as a path-named store is; only
+    writes refuse it (EIO, one line), as they do a removed source: the
+    mount's pending chunks never land in a tree they were not read from."""
+    source, fresh = tmp_path / "src", tmp_path / "fresh"
+    grid_array(source)
+    grid_array(fresh)
+    (fresh / "added").mkdir()
+    (fresh / "added/notes.txt").write_bytes(b"new tree")
+    def files(root):
+        return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+    m = mount(source, "metadata_ttl=0", "index_ttl=0", "flush_delay=60")
+    assert (m / "arr/zarr.json").exists()
+    before = files(fresh)
+    os.rename(source, tmp_path / "old")
+    os.rename(fresh, source)
+    try:
+        assert wait_for(lambda: (m / "added").exists(), timeout=10)
+        assert os.listdir(m / "added") == ["notes.txt"]
+        assert (m / "added/notes.txt").read_bytes() == b"new tree"
+        result = _write_chunk_and_sync(m)
+        assert result.returncode != 0, result
+        assert "gone or was replaced" in m.log_text(), m.log_text()[-3000:]
+        assert files(source) == before  # (nothing of the write landed in the tree swapped in)
         assert "Traceback" not in m.log_text()
     finally:
         _abandon(m)

@@ -231,18 +231,21 @@ class LocalBackend:
         return _is_internal(name)
 
     def _check_root(self, key: str, doing: str = "written") -> None:
-        """Before a write or a listing: the store's root directory is still
-        the one mounted.  Removed (``rm -rf``), or another directory in its
-        place (the file system it was on unmounted, ``umount -l``): writes
-        fail with EIO and say so, and the data stays in memory, instead of
-        landing in a directory made anew or in the one left underneath;
-        listings fail too, instead of showing an empty or a foreign tree."""
+        """Before a write: the store's root directory is still the one
+        mounted.  Removed (``rm -rf``), or another directory in its place (the
+        file system it was on unmounted, ``umount -l``): writes fail with EIO
+        and say so, and the data stays in memory, instead of landing in a
+        directory made anew or in the one left underneath.  Reads (``doing``
+        other than "written") fail only when nothing is there any more: a
+        directory swapped into the path (a publisher's ``mv new old``) is
+        read, as it was before this check."""
         try:
             st = os.stat(self.root)
             same = self._root_id is None or (st.st_dev, st.st_ino) == self._root_id
+            there = stat.S_ISDIR(st.st_mode)
         except OSError:
-            same = False
-        if not same:
+            same = there = False
+        if not same and (doing == "written" or not there):
             bump(self.counters, "errors")
             raise StoreError(f"{key or '/'}: the store's directory {self.root} is gone or was replaced (removed or "
                              f"unmounted?); nothing is {doing} there", key)
