@@ -982,18 +982,25 @@ def test_only_small_fresh_listings_are_patched(tmp_path):
     trio.run(main)
 
 
+class PutInfoInexact(LocalBackend):
+    """A local store whose PUT answers, as S3's do, lack what a HEAD shows."""
+    put_info_exact = False
+
+
+def _s3_like_store(tmp_path):
+    """A PutInfoInexact store with listings kept a minute, and a directory d."""
+    backend = PutInfoInexact(str(tmp_path))
+    (tmp_path / "d").mkdir()
+    return backend, AsyncStore(backend, timeout=30, list_ttl=60)
+
+
 def test_a_head_confirms_an_entry_the_mount_stored(tmp_path):
     """On S3 a PUT's answer is not what a listing or HEAD shows (the mtime):
     the entry it adds to a kept listing is unconfirmed, so lookups ask.  The
     first HEAD's answer replaces the entry; the lookups after it (rsync's
     rename of its temporary, then the unlink of the old name) and listings
     are answered by the kept listing again."""
-    class PutInfoInexact(LocalBackend):
-        put_info_exact = False
-
-    backend = PutInfoInexact(str(tmp_path))
-    store = AsyncStore(backend, timeout=30, list_ttl=60)
-    (tmp_path / "d").mkdir()
+    backend, store = _s3_like_store(tmp_path)
 
     async def main():
         await store.list("d")
@@ -1012,12 +1019,7 @@ def test_a_head_confirms_an_entry_the_mount_stored(tmp_path):
 def test_a_head_racing_a_write_does_not_confirm_the_older_version(tmp_path):
     """A HEAD that was answered while another write of the mount's own ran
     may describe the version before it: its answer is not kept."""
-    class PutInfoInexact(LocalBackend):
-        put_info_exact = False
-
-    backend = PutInfoInexact(str(tmp_path))
-    store = AsyncStore(backend, timeout=30, list_ttl=60)
-    (tmp_path / "d").mkdir()
+    backend, store = _s3_like_store(tmp_path)
 
     async def main():
         await store.list("d")
