@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import socket
 import stat
 import threading
@@ -982,6 +983,11 @@ def test_only_small_fresh_listings_are_patched(tmp_path):
     trio.run(main)
 
 
+class Costly(LocalBackend):
+    """A local store whose lookups count as costing requests, as S3's do."""
+    lookups_cost_requests = True
+
+
 class PutInfoInexact(LocalBackend):
     """A local store whose PUT answers, as S3's do, lack what a HEAD shows."""
     put_info_exact = False
@@ -1037,8 +1043,9 @@ def test_a_head_racing_a_write_does_not_confirm_the_older_version(tmp_path):
 def test_bytes_the_mount_wrote_are_kept_briefly(tmp_path):
     """``written``: a small object's bytes, from the mount's own PUT, for
     ``list_ttl`` seconds; not after it was deleted, not for objects over
-    WRITTEN_MAX, and within WRITTEN_BYTES."""
-    store = AsyncStore(LocalBackend(str(tmp_path)), timeout=30, list_ttl=60)
+    WRITTEN_MAX, and within WRITTEN_BYTES; and only where reading back
+    costs a request (S3), not on local stores."""
+    store = AsyncStore(Costly(str(tmp_path)), timeout=30, list_ttl=60)
     store.WRITTEN_MAX, store.WRITTEN_BYTES = 10, 16
 
     async def main():
@@ -1057,9 +1064,12 @@ def test_bytes_the_mount_wrote_are_kept_briefly(tmp_path):
         assert store.written("c") is None
 
     trio.run(main)
-    quiet = AsyncStore(LocalBackend(str(tmp_path)), timeout=30, list_ttl=0)
+    quiet = AsyncStore(Costly(str(tmp_path)), timeout=30, list_ttl=0)
     trio.run(quiet.put, "d", b"1")
     assert quiet.written("d") is None
+    local = AsyncStore(LocalBackend(str(tmp_path)), timeout=30, list_ttl=60)
+    trio.run(local.put, "e", b"1")
+    assert local.written("e") is None
 
 
 def test_a_directory_listed_lately_is_listed_again_for_lookups(tmp_path):
@@ -1068,9 +1078,6 @@ def test_a_directory_listed_lately_is_listed_again_for_lookups(tmp_path):
     again when its listing has expired: one LIST answers the lookups of the
     next ``list_ttl``.  Not a big directory (more than one page), nor one
     not listed lately, nor where lookups are local stats."""
-    class Costly(LocalBackend):
-        lookups_cost_requests = True
-
     backend = Costly(str(tmp_path))
     store = AsyncStore(backend, timeout=30, list_ttl=0.05)
     store.LIST_PATCH_ENTRIES = 5
@@ -1095,6 +1102,16 @@ def test_a_directory_listed_lately_is_listed_again_for_lookups(tmp_path):
         await trio.sleep(0.06)
         assert await store.stat("small/a", listed_ok=True) is None
         assert backend.counters["head"] == heads + 2  # not listed lately
+        # one that grew past what is kept is not listed whole for lookups again
+        store.RELIST_WINDOW, store.LIST_CACHE_ENTRIES = 30, 5
+        await store.list("small")
+        for i in range(2, 7):
+            (tmp_path / "small" / f"f{i}").write_bytes(b"1")
+        await trio.sleep(0.06)
+        assert await store.stat("small/a", listed_ok=True) is None  # (listed again: 7 entries, too many to keep)
+        lists = backend.counters["list"]
+        assert await store.stat("small/b", listed_ok=True) is None
+        assert backend.counters["list"] == lists  # asked by name
 
     trio.run(main)
     local = AsyncStore(LocalBackend(str(tmp_path)), timeout=30, list_ttl=0.05)
@@ -1107,3 +1124,27 @@ def test_a_directory_listed_lately_is_listed_again_for_lookups(tmp_path):
         assert local.backend.counters["list"] == lists
 
     trio.run(local_main)
+
+
+def test_a_local_source_removed_and_made_again_is_refused(tmp_path):
+    """``rm -rf src && mkdir src`` while mounted: the new, empty directory is
+    not the store mounted, though a file system may give it the removed
+    one's inode number (ext4 does, at once): the backend holds the mounted
+    root open, so its number is not free to reuse, and refuses writes and
+    reads there (EIO).  Before, a write stored a shard of only the new chunks
+    beside no ``zarr.json``."""
+    root = tmp_path / "pub" / "src"
+    (root / "arr").mkdir(parents=True)
+    (root / "arr" / "zarr.json").write_text("{}")
+    backend = LocalBackend(str(root))
+    backend.put("arr/c/0/0", b"old shard")
+    for _ in range(3):  # (made again three times: a reuse of the number is likely on ext4 without the fix)
+        shutil.rmtree(root)
+        root.mkdir()
+        for attempt in (lambda: backend.put("arr/c/0/1", b"new shard"), lambda: backend.list(""),
+                        lambda: backend.stat("arr/zarr.json"), lambda: backend.get("arr/zarr.json")):
+            with pytest.raises(StoreError) as info:
+                attempt()
+            assert "gone or was replaced" in str(info.value) and info.value.errno == errno.EIO
+        assert os.listdir(root) == []
+    backend.close()

@@ -426,3 +426,26 @@ def test_a_chunk_read_in_pieces_while_its_shard_is_replaced_is_one_version(stora
     got = np.unique(np.frombuffer(first + rest, "<u4"))
     assert got.tolist() in ([1], [2]), got
     assert len(first + rest) == 4 << 20
+
+
+def test_an_in_place_write_patches_the_newest_stored_version(storage, mount):
+    """A file the mount stored, then replaced by another client, and then
+    opened for an in-place write (no ``O_TRUNC``) through the mount: the
+    write patches the other client's version, read from storage at the open,
+    even within the listing TTL.  (Bytes the mount keeps of its own recent
+    PUTs serve a rename's copy only; used here, they wrote the mount's older
+    version back over the newer one.)"""
+    m = storage.mount(mount, "metadata_ttl=30", "attr_timeout=0", mode="rw")
+    (m / "log.txt").write_bytes(b"mine v1\n")
+    storage.put("log.txt", b"OTHER CLIENT v2, much longer\n")
+    fd = os.open(m / "log.txt", os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"o", 0)
+    finally:
+        os.close(fd)
+    m.umount()
+    if storage.kind == "local":
+        stored = (storage.root / "log.txt").read_bytes()
+    else:
+        stored = storage.server.s3.get_object(Bucket=storage.bucket, Key=f"{PREFIX}/log.txt")["Body"].read()
+    assert stored == b"oTHER CLIENT v2, much longer\n"

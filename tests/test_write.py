@@ -15,6 +15,7 @@ import json
 import math
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import threading
@@ -1147,8 +1148,22 @@ def test_plain_directories_are_removed_as_on_a_file_system(store, mount):
     assert os.listdir(m / "e") == []
     os.rmdir(m / "e")
     assert not (m / "e").exists()
+    # directories that hold only directories: each stays while its last
+    # subdirectory goes, for the rmdir that follows it
+    for top in ("u", "v", "w"):
+        (m / top / "d" / "e").mkdir(parents=True)
+        (m / top / "d" / "e" / "f.txt").write_bytes(b"4")
     m.umount()
-    assert not [k for k in store.keys() if k.startswith(("t/", "e/"))]
+    m = mount(store.source, extra=store.extra)  # (stored ones, as another client's, made nothing here)
+    subprocess.run(["rm", "-r", str(m / "u")], check=True, capture_output=True)
+    shutil.rmtree(m / "v")
+    subprocess.run(["find", str(m / "w"), "-delete"], check=True, capture_output=True)
+    (m / "x" / "d" / "e").mkdir(parents=True)  # (and made here)
+    (m / "x" / "d" / "e" / "f.txt").write_bytes(b"5")
+    subprocess.run(["rm", "-r", str(m / "x")], check=True, capture_output=True)
+    assert sorted(os.listdir(m.path)) == []
+    m.umount()
+    assert not [k for k in store.keys() if k.startswith(("t/", "e/", "u/", "v/", "w/", "x/"))]
 
 
 def test_an_o_trunc_open_empties_the_file(store, mount):
@@ -1232,6 +1247,7 @@ def test_made_directories_are_remembered_only_while_empty(store, mount):
     assert (m / "top" / "d7" / "f.txt").read_bytes() == b"x7"
     os.rmdir(m / "top" / "empty")
     os.listdir(m / "top")
+    os.listdir(m)  # (top lost a subdirectory: it is remembered until a listing shows it stored)
     assert m.stats()["made_dirs"] == 0
     # a local directory stays when its last file goes, as on any file system
     # (on S3 it has nothing left to exist by, once the kernel's entry expires)

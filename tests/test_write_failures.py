@@ -521,9 +521,15 @@ def test_a_rename_refused_for_want_of_room_changes_nothing(small_fs, mount):
 # E. the source itself gone
 
 
-def _write_chunk_and_sync(m) -> subprocess.CompletedProcess:
-    (m / "arr/c/0/0").write_bytes(chunk_bytes(5))
-    return zs("sync", m.path, check=False)
+def _write_chunk_and_sync_fails(m) -> bool:
+    """Writing a chunk, or storing it (``zshardfs sync``), fails with EIO."""
+    try:
+        (m / "arr/c/0/0").write_bytes(chunk_bytes(5))
+    except OSError as exc:
+        assert exc.errno == errno.EIO, exc
+        return True
+    result = zs("sync", m.path, check=False)
+    return result.returncode != 0
 
 
 def _abandon(m) -> None:
@@ -540,7 +546,8 @@ def test_a_source_gone_while_mounted_is_not_made_anew(how, tmp_path, small_fs, m
     """The source directory removed (``rm -rf``), or the file system it is
     on unmounted (``umount -l``: its path now names the directory under it):
     writes fail with EIO and one line naming the store, ``sync`` fails, and
-    nothing is written where the store was.  Before, the daemon made the
+    nothing is written where the store was; listings and lookups fail with
+    EIO too, instead of showing an empty tree.  Before, the daemon made the
     path anew (or wrote into the directory underneath) and answered success:
     a shard of only the new chunks, away from the real store."""
     source = small_fs if how == "unmounted" else tmp_path / "src"
@@ -548,56 +555,63 @@ def test_a_source_gone_while_mounted_is_not_made_anew(how, tmp_path, small_fs, m
     (source / "other").mkdir()
     m = mount(source, "flush_delay=60")
     assert (m / "arr/zarr.json").exists()
+    fd = os.open(m / "arr/c/0/0", os.O_WRONLY | os.O_CREAT)  # (open before: its write is refused when stored)
     if how == "unmounted":
         subprocess.run(["umount", "-l", str(source)], check=True)
     else:
         subprocess.run(["rm", "-rf", str(source)], check=True)
     try:
-        result = _write_chunk_and_sync(m)
-        assert result.returncode != 0, result
+        os.write(fd, chunk_bytes(6))
+        os.close(fd)
+        assert zs("sync", m.path, check=False).returncode != 0
+        assert _write_chunk_and_sync_fails(m)
         assert "gone or was replaced" in m.log_text(), m.log_text()[-3000:]
         assert "Traceback" not in m.log_text()
         if how == "unmounted":
             assert os.listdir(source) == []  # the directory under the mount point: untouched
         else:
             assert not source.exists()
-        if how == "removed":  # a directory not listed before: EIO, not an empty listing
-            with pytest.raises(OSError) as info:
-                os.listdir(m / "other")
-            assert info.value.errno == errno.EIO
-            assert "nothing is looked up there" in m.log_text() or "nothing is listed there" in m.log_text(), \
-                m.log_text()[-3000:]
-        assert "Traceback" not in m.log_text()
+        with pytest.raises(OSError) as info:  # a directory not listed before: EIO, not an empty listing
+            os.listdir(m / "other")
+        assert info.value.errno == errno.EIO
+        assert "nothing is looked up there" in m.log_text() or "nothing is listed there" in m.log_text(), \
+            m.log_text()[-3000:]
     finally:
         _abandon(m)
 
 
-def test_a_source_swapped_while_mounted_is_read_but_not_written(tmp_path, mount):
-    """Another directory renamed into the source's path (a publisher's
-    ``mv new current``) is read from then on, as a path-named store is; only
-    writes refuse it (EIO, one line), as they do a removed source: the
-    mount's pending chunks never land in a tree they were not read from."""
+def test_a_source_swapped_while_mounted_is_refused(tmp_path, mount):
+    """Another directory renamed into the source's path (``mv new current``)
+    is not the store mounted: reads and writes there fail with EIO, and the
+    log says it once (not once per name) and how to go on (mount again).
+    Nothing of the mount's pending chunks lands in the tree swapped in, and
+    no read shows it (an empty directory under an unmounted file system would
+    tell ``rsync --delete`` from the mount to delete everything)."""
     source, fresh = tmp_path / "src", tmp_path / "fresh"
     grid_array(source)
     grid_array(fresh)
     (fresh / "added").mkdir()
     (fresh / "added/notes.txt").write_bytes(b"new tree")
+
     def files(root):
         return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
-    m = mount(source, "metadata_ttl=0", "index_ttl=0", "flush_delay=60")
+    m = mount(source, "metadata_ttl=0", "index_ttl=0", "attr_timeout=0", "flush_delay=60")
     assert (m / "arr/zarr.json").exists()
     before = files(fresh)
     os.rename(source, tmp_path / "old")
     os.rename(fresh, source)
     try:
-        assert wait_for(lambda: (m / "added").exists(), timeout=10)
-        assert os.listdir(m / "added") == ["notes.txt"]
-        assert (m / "added/notes.txt").read_bytes() == b"new tree"
-        result = _write_chunk_and_sync(m)
-        assert result.returncode != 0, result
-        assert "gone or was replaced" in m.log_text(), m.log_text()[-3000:]
+        for attempt in [lambda: os.listdir(m / "added"), lambda: os.listdir(m.path)] + [
+                lambda i=i: os.stat(m / f"x{i}") for i in range(40)]:
+            with pytest.raises(OSError) as info:
+                attempt()
+            assert info.value.errno == errno.EIO
+        assert _write_chunk_and_sync_fails(m)
         assert files(source) == before  # (nothing of the write landed in the tree swapped in)
+        lines = [line for line in m.log_text().splitlines() if "gone or was replaced" in line]
+        assert 1 <= len(lines) <= 6, lines  # (one per kind of operation: lookup, readdir, write, sync)
+        assert "mount the store again" in lines[0]
         assert "Traceback" not in m.log_text()
     finally:
         _abandon(m)

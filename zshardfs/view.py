@@ -757,12 +757,17 @@ class View:
         for h in handles:
             h.chunk = DirtyChunk(bytearray(data), 0)
 
-    async def _stored_bytes(self, node: Node) -> bytes:
+    async def _stored_bytes(self, node: Node, recent_ok: bool = False) -> bytes:
+        """The stored bytes of ``node``'s file.  ``recent_ok`` (a rename's
+        copy only): bytes this mount stored a moment ago will do, with the
+        staleness of a listing (2.5).  An open for an in-place write reads the
+        store: else it would write this mount's older bytes back over another
+        client's newer version."""
         if node.key is None:
             return b""
-        written = self.store.written(node.key)
+        written = self.store.written(node.key) if recent_ok else None
         if written is not None:
-            return written  # (stored by this mount a moment ago)
+            return written
         try:
             return (await self.store.get(node.key)).data
         except NotFound:
@@ -1159,11 +1164,15 @@ class View:
                 if made_of:
                     self._orphan(node.key, stored, made_of)
             self.datasets.pop(dir_key)
-            if not self.store.keeps_empty_dirs and parent.path and not self._in_dataset(parent):
-                # (S3) the last file's going would take its directory along,
-                # under a tool about to rmdir it (rm -r): it stays, in memory,
-                # while empty, as a directory made with mkdir does
-                self.new_dirs.setdefault(_parent(parent.path), set()).add(parent.name)
+            self._keep_emptied(parent)
+
+    def _keep_emptied(self, parent: Node) -> None:
+        """(S3) ``parent`` just lost a file or a subdirectory: if that was
+        its last key, it is gone from storage too, under a tool about to
+        rmdir it (``rm -r``, ``find -delete``): it stays, in memory, while
+        empty, as a directory made with mkdir does."""
+        if not self.store.keeps_empty_dirs and parent.path and not self._in_dataset(parent):
+            self.new_dirs.setdefault(_parent(parent.path), set()).add(parent.name)
 
     async def mkdir(self, parent: Node, name: str) -> Node:
         self._check_writable()
@@ -1173,14 +1182,15 @@ class View:
             raise ViewError(errno.EEXIST, f"{name}: exists")
         if self._in_dataset(parent) and parent.dataset.outside(parent.rel + (name,)):
             raise ViewError(errno.ENOENT, f"{name}: outside the array's chunk grid")
+        dataset = parent.dataset
         if not self._in_dataset(parent):
-            dataset = await self.dataset_at(parent.key)
+            dataset = await self.dataset_at(parent.key)  # (the array's own directory: its dataset)
             if dataset is None or not dataset.claims((name,)):
                 await self.store.make_dir(join_key(parent.key, name))
         self.new_dirs.setdefault(parent.path, set()).add(name)
         self.removed_dirs.discard(join_key(parent.path, name))
-        if parent.dataset is not None and parent.dataset.root in self.born_here:
-            self.born_here[parent.dataset.root] = time.monotonic()
+        if dataset is not None and dataset.root in self.born_here:
+            self.born_here[dataset.root] = time.monotonic()  # (a copy into it goes on: not quiet)
         node = await self.lookup(parent, name)
         if node is None:  # e.g. a name the dataset claims but that cannot be a directory
             self.new_dirs[parent.path].discard(name)
@@ -1206,6 +1216,7 @@ class View:
             await self.store.remove_dir(node.key)
             self._forget_orphan(node.key)
         self.new_dirs.get(parent.path, set()).discard(name)
+        self._keep_emptied(parent)
         self.written_dirs.discard(node.path)
         if node.dataset is not None and node.dataset.root in self.born_here:
             if len(self.removed_dirs) > 65536:  # (bounded: forgetting one only lets storage answer)
@@ -1256,7 +1267,7 @@ class View:
         node = await self._file_to_change(parent, name, errno.EXDEV)
         buf = self.buffers.get(node.path)
         data = bytes(buf.data) if buf is not None else (
-            await self.content(node) if node.is_chunk else await self._stored_bytes(node))
+            await self.content(node) if node.is_chunk else await self._stored_bytes(node, recent_ok=True))
         existing = await self.lookup(new_parent, new_name)
         if existing is not None and existing.is_dir:
             raise ViewError(errno.EISDIR, f"{new_name}: is a directory")

@@ -598,19 +598,21 @@ class AsyncStore:
         unless a write of the mount's own happened while it was made."""
         for info in listing.files:
             self._seen(info)
-        if (self.list_ttl > 0 and generation == self._list_generation
-                and len(listing.files) + len(listing.dirs) <= self.LIST_CACHE_ENTRIES):
+        if self.list_ttl <= 0:
+            return
+        entries = len(listing.files) + len(listing.dirs)
+        if generation == self._list_generation and entries <= self.LIST_CACHE_ENTRIES:
             self._listings[prefix] = (listing, time.monotonic())
             self._listings.move_to_end(prefix)
             while len(self._listings) > self.LIST_CACHE_ITEMS:
                 self._listings.popitem(last=False)
-            if len(listing.files) + len(listing.dirs) <= self.LIST_PATCH_ENTRIES:
-                self._listed_lately[prefix] = time.monotonic()
-                self._listed_lately.move_to_end(prefix)
-                while len(self._listed_lately) > self.LIST_CACHE_ITEMS:
-                    self._listed_lately.popitem(last=False)
-            else:
-                self._listed_lately.pop(prefix, None)
+        if entries <= self.LIST_PATCH_ENTRIES:
+            self._listed_lately[prefix] = time.monotonic()
+            self._listed_lately.move_to_end(prefix)
+            while len(self._listed_lately) > self.LIST_CACHE_ITEMS:
+                self._listed_lately.popitem(last=False)
+        else:  # (grown since: its lookups are answered by HEADs again, not by listing it whole)
+            self._listed_lately.pop(prefix, None)
 
     async def put(self, key: str, data: bytes, *, if_match: str | None = None,
                   if_none_match: bool = False) -> ObjectInfo:
@@ -637,7 +639,10 @@ class AsyncStore:
         return kept[0].data
 
     def _keep_written(self, key: str, data: bytes, info: ObjectInfo) -> None:
-        if self.list_ttl <= 0 or len(data) > self.WRITTEN_MAX:
+        # (only where reading back costs a request: a local read is a pread,
+        # and it sees another process's change at once)
+        if (self.list_ttl <= 0 or len(data) > self.WRITTEN_MAX
+                or not getattr(self.backend, "lookups_cost_requests", False)):
             return
         self._forget_written(key)
         self._written[key] = (Blob(bytes(data), info), time.monotonic())

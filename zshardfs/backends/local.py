@@ -205,13 +205,14 @@ class LocalBackend:
         self._fd_lock = threading.Lock()
         self._swept: OrderedDict[str, None] = OrderedDict()
         self._swept_lock = threading.Lock()
-        # the root directory mounted (device, inode): writes check it is still
-        # that one, not a directory left under a file system unmounted from it
+        # the root directory mounted, held open for the mount's life: its
+        # inode cannot be freed, so no directory made in its place later can
+        # reuse its number (ext4 hands a freed one to the next mkdir), and
+        # fstat tells once it was removed (no links left)
         try:
-            st = os.stat(self.root)
-            self._root_id: tuple[int, int] | None = (st.st_dev, st.st_ino)
+            self._root_fd: int | None = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
         except OSError:
-            self._root_id = None  # (check() tells)
+            self._root_fd = None  # (check() tells)
 
     # -- helpers -------------------------------------------------------------
 
@@ -231,24 +232,27 @@ class LocalBackend:
         return _is_internal(name)
 
     def _check_root(self, key: str, doing: str = "written") -> None:
-        """Before a write: the store's root directory is still the one
-        mounted.  Removed (``rm -rf``), or another directory in its place (the
-        file system it was on unmounted, ``umount -l``): writes fail with EIO
-        and say so, and the data stays in memory, instead of landing in a
-        directory made anew or in the one left underneath.  Reads (``doing``
-        other than "written") fail only when nothing is there any more: a
-        directory swapped into the path (a publisher's ``mv new old``) is
-        read, as it was before this check."""
+        """Before a write, a listing or a lookup: the store's root directory
+        is still the one mounted.  Removed (``rm -rf``), or another directory
+        in its place (``mv new current``; the file system it was on unmounted
+        with ``umount -l``, which leaves the directory underneath): EIO, and
+        one line that says so (it names no key, so the log says it once, not
+        once per name).  Writes stay in memory instead of landing in a
+        directory made anew or in the one left underneath; reads do not show
+        a tree the mount was not given (an empty one under an unmounted file
+        system would tell ``rsync --delete`` to delete everything)."""
+        if self._root_fd is None:
+            return
         try:
-            st = os.stat(self.root)
-            same = self._root_id is None or (st.st_dev, st.st_ino) == self._root_id
-            there = stat.S_ISDIR(st.st_mode)
+            mounted, now = os.fstat(self._root_fd), os.stat(self.root)
+            same = mounted.st_nlink > 0 and (now.st_dev, now.st_ino) == (mounted.st_dev, mounted.st_ino)
         except OSError:
-            same = there = False
-        if not same and (doing == "written" or not there):
+            same = False
+        if not same:
             bump(self.counters, "errors")
-            raise StoreError(f"{key or '/'}: the store's directory {self.root} is gone or was replaced (removed or "
-                             f"unmounted?); nothing is {doing} there", key)
+            raise StoreError(f"the store's directory {self.root} is gone or was replaced (removed, unmounted, or "
+                             f"another directory moved there); nothing is {doing} there: unmount this mount, and "
+                             "mount the store again", key)
 
     def _fail(self, key: str, exc: OSError) -> StoreError:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
@@ -265,10 +269,10 @@ class LocalBackend:
 
     def stat(self, key: str) -> ObjectInfo | None:
         bump(self.counters, "head")
+        self._check_root(key, "looked up")
         try:
             st = os.stat(self._path(key))
         except (FileNotFoundError, NotADirectoryError):
-            self._check_root(key, "looked up")  # (a miss: the whole store may be gone)
             return None
         except OSError as exc:
             raise self._fail(key, exc) from None
@@ -277,13 +281,12 @@ class LocalBackend:
         return self._info(key, st)
 
     def is_dir(self, key: str) -> bool:
-        if os.path.isdir(self._path(key)):
-            return True
         self._check_root(key, "looked up")
-        return False
+        return os.path.isdir(self._path(key))
 
     def get(self, key, start=0, length=None, *, suffix=None, if_match=None, max_size=None) -> Blob:
         path = self._path(key)
+        self._check_root(key, "read")  # (nowait reads of descriptors kept open read the tree mounted)
         try:  # non-blocking: a FIFO in the store must not hold a worker forever
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as exc:
@@ -376,7 +379,7 @@ class LocalBackend:
 
     def list(self, prefix: str) -> Listing:
         bump(self.counters, "list")
-        self._check_root(prefix, "listed")  # (one stat: listings are cached above)
+        self._check_root(prefix, "listed")
         dirs, files = [], []
         try:
             with os.scandir(self._path(prefix)) as it:
@@ -573,3 +576,6 @@ class LocalBackend:
             for fd, _ in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            if self._root_fd is not None:
+                os.close(self._root_fd)
+                self._root_fd = None
