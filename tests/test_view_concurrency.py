@@ -555,3 +555,56 @@ def test_datasets_made_here_are_forgotten_once_quiet(tmp_path):
 
     trio.run(main)
     assert (tmp_path / "arr/c/0/0").exists()  # the shard
+
+
+class S3LikeStore(LocalBackend):
+    """A local store that, as S3, keeps no empty directories (the view keeps
+    the ones it emptied) and whose lookups cost requests."""
+
+    keeps_empty_dirs = False
+    lookups_cost_requests = True
+
+
+def test_rm_r_leaves_no_directories_in_memory(tmp_path):
+    """(S3) ``rm -r`` of many trees: the directories it empties are kept for
+    the rmdir that follows, then forgotten; nothing stays per removed tree
+    (before: an entry per removed directory, for the life of the mount), and
+    a directory that lost a subdirectory but holds files is not kept beyond
+    EMPTIED_KEEP (before: for ever, also after another client removed it)."""
+    root = tmp_path / "store"
+    root.mkdir()
+    view = build_view(MountConfig(source=str(root), mountpoint=str(root) + "-mnt", read_only=False,
+                                  metadata_ttl=0), S3LikeStore(str(root)))
+    for i in range(50):
+        (root / "top" / f"t{i}" / "a" / "b").mkdir(parents=True)
+        (root / "top" / f"t{i}" / "a" / "b" / "f.txt").write_bytes(b"1")
+    (root / "keep" / "sub").mkdir(parents=True)
+    (root / "keep" / "sub" / "g.txt").write_bytes(b"2")
+    (root / "keep" / "f.txt").write_bytes(b"3")
+
+    async def rm_r(parent, name):  # (as rm -r: depth first, unlink then rmdir)
+        node = await view.lookup(parent, name)
+        if node.is_dir:
+            async for child in view.listdir(node):
+                await rm_r(node, child.name)
+            await view.rmdir(parent, name)
+        else:
+            await view.unlink(parent, name)
+
+    async def main():
+        top = await view.lookup(view.root(), "top")
+        for i in range(50):
+            await rm_r(top, f"t{i}")
+        assert [c.name async for c in view.listdir(top)] == []
+        assert sum(map(len, view.new_dirs.values())) == 0 and len(view.new_dirs) <= 1, view.new_dirs
+        assert len(view.emptied) <= 1, view.emptied  # (top itself: it lost its last subdirectory)
+        await rm_r(await view.lookup(view.root(), "keep"), "sub")
+        (root / "keep" / "f.txt").unlink()  # another client removes keep's last file
+        (root / "keep").rmdir()
+        view.EMPTIED_KEEP = view._emptied_keep = 0.05
+        await trio.sleep(0.1)
+        assert "keep" not in [c.name async for c in view.listdir(view.root())]
+        assert await view.lookup(view.root(), "keep") is None
+
+    trio.run(main)
+    view.store.close()

@@ -617,6 +617,30 @@ def test_a_source_swapped_while_mounted_is_refused(tmp_path, mount):
         _abandon(m)
 
 
+def test_a_source_whose_file_system_comes_up_after_the_mount_is_read(tmp_path, mount):
+    """At boot a service may mount before the source's file system (a disk,
+    an NFS share) is mounted on the source's directory: the mount then holds
+    the empty directory underneath.  Once the file system is there, the mount
+    serves it (one warning), rather than refusing it as a replaced source.
+    Writes go there too."""
+    source = tmp_path / "data"  # (an empty mount point, its file system not there yet)
+    source.mkdir()
+    m = mount(source, "metadata_ttl=0", "attr_timeout=0")
+    assert os.listdir(m.path) == []
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(source)], check=True)
+    try:
+        grid_array(source)
+        assert os.listdir(m.path) == ["arr"]
+        assert (m / "arr/zarr.json").exists()
+        (m / "notes.txt").write_bytes(b"on the file system mounted")
+        assert (source / "notes.txt").read_bytes() == b"on the file system mounted"
+        assert "a file system was mounted on the store's directory" in m.log_text()
+        assert "Traceback" not in m.log_text()
+        m.umount()
+    finally:
+        subprocess.run(["umount", "-l", str(source)], check=True)
+
+
 def test_names_of_temporary_files_are_refused(tmp_path, mount):
     """A local store's temporary files (``.zshardfs-tmp-<pid>-...``) are
     hidden from listings and removed once their writer is gone: a user's file

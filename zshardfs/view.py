@@ -225,6 +225,12 @@ class View:
         self._new_chunks_pruned_at = 0
         self._new_chunks_count = 0  # names in new_chunks (not summed per release: it runs per chunk written)
         self.new_dirs: dict[str, set[str]] = {}  # dir -> names of directories made here
+        # (S3) directories whose last file or subdirectory this mount just
+        # removed: path -> when.  Storage has nothing left to show them by;
+        # they stay for the rmdir that follows (rm -r), briefly
+        # (EMPTIED_KEEP, or metadata_ttl if longer), then storage decides
+        self.emptied: OrderedDict[str, float] = OrderedDict()
+        self._emptied_keep = max(self.EMPTIED_KEEP, metadata_ttl)
         # path -> handles open for writing there: a rename moves them along
         self.writers: dict[str, set[Handle]] = {}
         # Datasets whose metadata this mount created, and the chunk
@@ -456,7 +462,7 @@ class View:
         buf = self.buffers.get(path)
         if buf is not None:
             return self._buffer_node(buf)
-        made = name in self.new_dirs.get(parent.path, ())
+        made = name in self.new_dirs.get(parent.path, ()) or self._still_emptied(path)
         if made and self._in_dataset(parent):
             return Node(path, True, 0, time.time(), dataset=parent.dataset, rel=parent.rel + (name,))
         if self._in_dataset(parent):
@@ -583,6 +589,9 @@ class View:
         """Names below ``path`` that exist only in memory so far."""
         names = set(self.new_dirs.get(path, ()))
         names.update(self.new_chunks.get(path, ()))
+        if self.emptied:
+            names.update(p[len(_prefix(path)):] for p in list(self.emptied)
+                         if _parent(p) == path and self._still_emptied(p))
         prefix = path + "/" if path else ""
         for p in self.buffers:
             if p.startswith(prefix) and "/" not in p[len(prefix):]:
@@ -1166,13 +1175,33 @@ class View:
             self.datasets.pop(dir_key)
             self._keep_emptied(parent)
 
+    #: seconds a directory emptied by this mount on S3 stays without
+    #: anything below it (at least; ``metadata_ttl`` if longer)
+    EMPTIED_KEEP = 5.0
+    #: directories so kept at once (the oldest go first)
+    EMPTIED_MAX = 4096
+
     def _keep_emptied(self, parent: Node) -> None:
         """(S3) ``parent`` just lost a file or a subdirectory: if that was
         its last key, it is gone from storage too, under a tool about to
-        rmdir it (``rm -r``, ``find -delete``): it stays, in memory, while
-        empty, as a directory made with mkdir does."""
+        rmdir it (``rm -r``, ``find -delete``, ``rm f; rmdir d``).  It stays
+        a little while (``emptied``), whether or not it holds more: knowing
+        would cost a listing per removal.  Not for ever: then another
+        client's removal of what it held would never show."""
         if not self.store.keeps_empty_dirs and parent.path and not self._in_dataset(parent):
-            self.new_dirs.setdefault(_parent(parent.path), set()).add(parent.name)
+            self.emptied[parent.path] = time.monotonic()
+            self.emptied.move_to_end(parent.path)
+            while len(self.emptied) > self.EMPTIED_MAX:
+                self.emptied.popitem(last=False)
+
+    def _still_emptied(self, path: str) -> bool:
+        when = self.emptied.get(path)
+        if when is None:
+            return False
+        if time.monotonic() - when < self._emptied_keep:
+            return True
+        del self.emptied[path]
+        return False
 
     async def mkdir(self, parent: Node, name: str) -> Node:
         self._check_writable()
@@ -1215,7 +1244,13 @@ class View:
             await self.writeback.flush_below(node.key)
             await self.store.remove_dir(node.key)
             self._forget_orphan(node.key)
-        self.new_dirs.get(parent.path, set()).discard(name)
+        made = self.new_dirs.get(parent.path)
+        if made is not None:
+            made.discard(name)
+            if not made:
+                del self.new_dirs[parent.path]
+        self.new_dirs.pop(node.path, None)
+        self.emptied.pop(node.path, None)
         self._keep_emptied(parent)
         self.written_dirs.discard(node.path)
         if node.dataset is not None and node.dataset.root in self.born_here:

@@ -601,18 +601,19 @@ class AsyncStore:
         if self.list_ttl <= 0:
             return
         entries = len(listing.files) + len(listing.dirs)
-        if generation == self._list_generation and entries <= self.LIST_CACHE_ENTRIES:
-            self._listings[prefix] = (listing, time.monotonic())
-            self._listings.move_to_end(prefix)
-            while len(self._listings) > self.LIST_CACHE_ITEMS:
-                self._listings.popitem(last=False)
+        if entries > self.LIST_PATCH_ENTRIES:  # (grown: its lookups are asked by name again)
+            self._listed_lately.pop(prefix, None)
+        if generation != self._list_generation or entries > self.LIST_CACHE_ENTRIES:
+            return  # (not kept: nor does it renew the window, or writes elsewhere made every miss a LIST)
+        self._listings[prefix] = (listing, time.monotonic())
+        self._listings.move_to_end(prefix)
+        while len(self._listings) > self.LIST_CACHE_ITEMS:
+            self._listings.popitem(last=False)
         if entries <= self.LIST_PATCH_ENTRIES:
             self._listed_lately[prefix] = time.monotonic()
             self._listed_lately.move_to_end(prefix)
             while len(self._listed_lately) > self.LIST_CACHE_ITEMS:
                 self._listed_lately.popitem(last=False)
-        else:  # (grown since: its lookups are answered by HEADs again, not by listing it whole)
-            self._listed_lately.pop(prefix, None)
 
     async def put(self, key: str, data: bytes, *, if_match: str | None = None,
                   if_none_match: bool = False) -> ObjectInfo:

@@ -207,12 +207,13 @@ class LocalBackend:
         self._swept_lock = threading.Lock()
         # the root directory mounted, held open for the mount's life: its
         # inode cannot be freed, so no directory made in its place later can
-        # reuse its number (ext4 hands a freed one to the next mkdir), and
-        # fstat tells once it was removed (no links left)
+        # reuse its number (ext4 hands a freed one to the next mkdir)
         try:
             self._root_fd: int | None = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
         except OSError:
             self._root_fd = None  # (check() tells)
+        self._root_lock = threading.Lock()
+        self._old_root_fds: list[int] = []  # (given up for a file system mounted there: closed at close())
 
     # -- helpers -------------------------------------------------------------
 
@@ -245,14 +246,44 @@ class LocalBackend:
             return
         try:
             mounted, now = os.fstat(self._root_fd), os.stat(self.root)
-            same = mounted.st_nlink > 0 and (now.st_dev, now.st_ino) == (mounted.st_dev, mounted.st_ino)
+            same = (now.st_dev, now.st_ino) == (mounted.st_dev, mounted.st_ino)
         except OSError:
+            mounted = now = None
             same = False
-        if not same:
-            bump(self.counters, "errors")
-            raise StoreError(f"the store's directory {self.root} is gone or was replaced (removed, unmounted, or "
-                             f"another directory moved there); nothing is {doing} there: unmount this mount, and "
-                             "mount the store again", key)
+        if same or (now is not None and self._adopt_mounted(mounted, now)):
+            return
+        bump(self.counters, "errors")
+        raise StoreError(f"the store's directory {self.root} is gone or was replaced (removed, unmounted, or "
+                         f"another directory moved there); nothing is {doing} there: unmount this mount, and "
+                         "mount the store again", key)
+
+    def _adopt_mounted(self, mounted: os.stat_result, now: os.stat_result) -> bool:
+        """A file system mounted on the source's path after the mount began
+        (at boot, a service that started before the disk or the NFS share
+        came up), over the directory held, which is empty: serve the file
+        system from now on.  The empty directory showed nothing, so nothing
+        read before mixes with it.  Any other directory in its place (a
+        replaced tree, one left under an unmounted file system) is refused."""
+        if now.st_dev == mounted.st_dev or not stat.S_ISDIR(now.st_mode):
+            return False
+        with self._root_lock:
+            held = self._root_fd
+            if held is None:
+                return True
+            try:
+                if (os.fstat(held).st_dev, os.fstat(held).st_ino) == (now.st_dev, now.st_ino):
+                    return True  # (adopted meanwhile by another thread)
+                with os.scandir(held) as entries:
+                    if next(entries, None) is not None:
+                        return False
+                fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                return False
+            self._old_root_fds.append(held)  # (not closed now: another thread may be fstat-ing it)
+            self._root_fd = fd
+        log.warning("%s: a file system was mounted on the store's directory after this mount began; serving it",
+                    self.root)
+        return True
 
     def _fail(self, key: str, exc: OSError) -> StoreError:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
@@ -576,6 +607,6 @@ class LocalBackend:
             for fd, _ in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-            if self._root_fd is not None:
-                os.close(self._root_fd)
-                self._root_fd = None
+            for fd in [self._root_fd, *self._old_root_fds] if self._root_fd is not None else self._old_root_fds:
+                os.close(fd)
+            self._root_fd, self._old_root_fds = None, []
