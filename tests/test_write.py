@@ -1184,6 +1184,51 @@ def test_a_directory_that_lost_a_subdirectory_shows_what_storage_holds(store, mo
     assert wait_for(lambda: os.listdir(m.path) == [] and not (m / "a").exists(), timeout=15)
 
 
+def test_what_is_made_in_a_directory_just_emptied_stays(store, mount):
+    """On S3 a directory whose last file or subdirectory went is kept only a
+    moment (``emptied``); a directory made in it, or a file being written
+    there, makes it a directory made here, which stays: ``rm -r out/old;
+    mkdir out/new`` (or ``rm out/f; mkdir out/new``), and a log opened in a
+    directory just emptied.  (Before, out, and what was in it, vanished
+    after 5 s: a later write into out/new was ENOENT.)"""
+    store.put("out1/old/f.txt", b"1")
+    store.put("out2/f.txt", b"1")
+    store.put("out3/f.txt", b"1")
+    m = mount(store.source, "attr_timeout=0", extra=store.extra)
+    subprocess.run(["rm", "-r", "old"], cwd=m / "out1", check=True)
+    (m / "out1" / "new").mkdir()
+    os.unlink(m / "out2" / "f.txt")
+    (m / "out2" / "new").mkdir()
+    os.unlink(m / "out3" / "f.txt")
+    with open(m / "out3" / "log.txt", "wb") as log:
+        log.write(b"a")
+        log.flush()
+        time.sleep(6.5)  # (past EMPTIED_KEEP, 5 s)
+        assert sorted(os.listdir(m.path)) == ["out1", "out2", "out3"]
+        assert os.listdir(m / "out3") == ["log.txt"]
+    for d in ("out1", "out2"):
+        assert os.listdir(m / d) == ["new"] and (m / d / "new").is_dir()
+        (m / d / "new" / "g.txt").write_bytes(b"2")
+    m.umount()
+    assert sorted(k for k in store.keys() if k.startswith("out")) == ["out1/new/g.txt", "out2/new/g.txt",
+                                                                       "out3/log.txt"]
+
+
+@pytest.mark.parametrize("files", [1, 200])
+def test_rm_r_of_a_directory_s_only_subdirectory(store, mount, files):
+    """``rm -r out/old`` where out holds only old: rm's last rmdir looks out
+    up again, after the kernel's entry for it expired (attr_timeout 0, or a
+    tree that takes longer to remove than attr_timeout).  On S3 out has no
+    key left by then: the ancestors of what is removed are kept a moment,
+    renewed by each removal below them.  (Before: ENOENT.)"""
+    for i in range(files):
+        store.put(f"out/old/f{i}.txt", b"1")
+    m = mount(store.source, f"attr_timeout={0 if files == 1 else 1}", extra=store.extra)
+    result = subprocess.run(["rm", "-r", str(m / "out" / "old")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert not [k for k in store.keys() if k.startswith("out/")]
+
+
 def test_an_o_trunc_open_empties_the_file(store, mount):
     """``: > f`` empties f, even though nothing is written."""
     m = mount(store.source, extra=store.extra)

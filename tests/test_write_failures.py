@@ -641,6 +641,90 @@ def test_a_source_whose_file_system_comes_up_after_the_mount_is_read(tmp_path, m
         subprocess.run(["umount", "-l", str(source)], check=True)
 
 
+def test_umount_l_of_a_source_fs_whose_root_is_empty_is_refused(tmp_path, mount):
+    """The source is a file system (empty so far: a new store) mounted on
+    tmp_path/data; it is unmounted (umount -l) while mounted.  The path now
+    names the empty directory underneath, on another file system: writes
+    must fail (as for a non-empty store), not land on the root file system."""
+    source = tmp_path / "data"
+    source.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(source)], check=True)
+    m = mount(source, "metadata_ttl=0", "attr_timeout=0")
+    try:
+        assert os.listdir(m.path) == []
+        subprocess.run(["umount", "-l", str(source)], check=True)
+        try:
+            (m / "notes.txt").write_bytes(b"should not land under the mount point")
+            written = None
+        except OSError as exc:
+            written = exc.errno
+    finally:
+        landed = os.listdir(source)
+        _abandon(m)
+        subprocess.run(["umount", "-l", str(source)], capture_output=True)
+    assert landed == [], f"written into the directory under the unmounted file system: {landed}"
+    assert written == errno.EIO
+
+
+def test_a_symlinked_source_pointed_elsewhere_is_refused(tmp_path, mount):
+    """The source given as a symlink (``current -> v1``, v1 empty).  The link
+    is moved to another tree on another file system (``ln -sfn``): that tree
+    is not the store mounted (test_a_source_swapped_while_mounted_is_refused),
+    and must be refused, not served."""
+    other_fs = tmp_path / "otherfs"
+    other_fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(other_fs)], check=True)
+    try:
+        (tmp_path / "v1").mkdir()
+        grid_array(other_fs / "v2")
+        (other_fs / "v2" / "secret.txt").write_bytes(b"another tree")
+        link = tmp_path / "current"
+        link.symlink_to(tmp_path / "v1")
+        m = mount(link, "metadata_ttl=0", "attr_timeout=0")
+        try:
+            assert os.listdir(m.path) == []
+            tmp = tmp_path / "current.new"
+            tmp.symlink_to(other_fs / "v2")
+            os.rename(tmp, link)
+            with pytest.raises(OSError) as info:
+                os.listdir(m.path)
+            assert info.value.errno == errno.EIO
+        finally:
+            log = m.log_text()
+            _abandon(m)
+        assert "a file system was mounted on the store's directory" not in log
+    finally:
+        subprocess.run(["umount", "-l", str(other_fs)], capture_output=True)
+
+
+def test_an_empty_source_removed_and_replaced_by_a_symlink_is_refused(tmp_path, mount):
+    """The (empty) source directory removed (rmdir) and a symlink to a tree on
+    another file system put at its path: the removed directory is refused
+    (test_a_local_source_removed_and_made_again_is_refused), so must this be."""
+    other_fs = tmp_path / "otherfs"
+    other_fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(other_fs)], check=True)
+    try:
+        source = tmp_path / "src"
+        source.mkdir()
+        (other_fs / "tree").mkdir()
+        (other_fs / "tree" / "secret.txt").write_bytes(b"another tree")
+        m = mount(source, "metadata_ttl=0", "attr_timeout=0")
+        try:
+            assert os.listdir(m.path) == []
+            source.rmdir()
+            source.symlink_to(other_fs / "tree")
+            with pytest.raises(OSError) as info:
+                os.listdir(m.path)
+            assert info.value.errno == errno.EIO
+        finally:
+            log = m.log_text()
+            _abandon(m)
+        assert "a file system was mounted on the store's directory" not in log
+    finally:
+        subprocess.run(["umount", "-l", str(other_fs)], capture_output=True)
+
+
 def test_names_of_temporary_files_are_refused(tmp_path, mount):
     """A local store's temporary files (``.zshardfs-tmp-<pid>-...``) are
     hidden from listings and removed once their writer is gone: a user's file

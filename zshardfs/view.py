@@ -817,6 +817,7 @@ class View:
         else:
             key = join_key(parent.key, name)
         buf = self.buffers[path] = FileBuffer(path, key, bytearray(), dirty=True, in_store=False)
+        self._made_in(_parent(path))
         buf.handles += 1
         return self._writer(Handle(self._buffer_node(buf), True, buffer=buf))
 
@@ -1189,10 +1190,22 @@ class View:
         would cost a listing per removal.  Not for ever: then another
         client's removal of what it held would never show."""
         if not self.store.keeps_empty_dirs and parent.path and not self._in_dataset(parent):
-            self.emptied[parent.path] = time.monotonic()
-            self.emptied.move_to_end(parent.path)
+            # (its ancestors too: one that held only it is gone from storage
+            # as well, and rm -r a/b resolves a again for its last rmdir)
+            now, path = time.monotonic(), parent.path
+            while path:
+                self.emptied[path] = now
+                self.emptied.move_to_end(path)
+                path = _parent(path)
             while len(self.emptied) > self.EMPTIED_MAX:
                 self.emptied.popitem(last=False)
+
+    def _made_in(self, path: str) -> None:
+        """Something was made in ``path`` (a directory, a file not stored
+        yet): directories kept only a moment (``emptied``) become made here."""
+        while path and self.emptied.pop(path, None) is not None:
+            self.new_dirs.setdefault(_parent(path), set()).add(path.rsplit("/", 1)[-1])
+            path = _parent(path)
 
     def _still_emptied(self, path: str) -> bool:
         when = self.emptied.get(path)
@@ -1218,6 +1231,7 @@ class View:
                 await self.store.make_dir(join_key(parent.key, name))
         self.new_dirs.setdefault(parent.path, set()).add(name)
         self.removed_dirs.discard(join_key(parent.path, name))
+        self._made_in(parent.path)
         if dataset is not None and dataset.root in self.born_here:
             self.born_here[dataset.root] = time.monotonic()  # (a copy into it goes on: not quiet)
         node = await self.lookup(parent, name)

@@ -262,8 +262,11 @@ class LocalBackend:
         (at boot, a service that started before the disk or the NFS share
         came up), over the directory held, which is empty: serve the file
         system from now on.  The empty directory showed nothing, so nothing
-        read before mixes with it.  Any other directory in its place (a
-        replaced tree, one left under an unmounted file system) is refused."""
+        read before mixes with it.  Mounted *over* it: the directory held is
+        still in the path's parent (a file system's root unmounted with
+        ``umount -l``, or a removed directory, is in none), and the source is
+        no symlink (one moved names another tree).  Any other directory in
+        its place is refused."""
         if now.st_dev == mounted.st_dev or not stat.S_ISDIR(now.st_mode):
             return False
         with self._root_lock:
@@ -276,6 +279,9 @@ class LocalBackend:
                 with os.scandir(held) as entries:
                     if next(entries, None) is not None:
                         return False
+                up_held, up_now = os.stat("..", dir_fd=held), os.stat(os.path.join(self.root, ".."))
+                if os.path.islink(self.root) or (up_held.st_dev, up_held.st_ino) != (up_now.st_dev, up_now.st_ino):
+                    return False
                 fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
             except OSError:
                 return False
