@@ -515,6 +515,19 @@ def test_a_truncate_by_path_that_fails_to_store_leaves_no_handle(tmp_path):
     trio.run(main)
 
 
+async def _make_array(view, name):
+    """An 8x8 uint8 array of 2x2 chunks, made through ``view`` (sharded by
+    its ``shard`` option)."""
+    meta = {"zarr_format": 3, "node_type": "array", "shape": [8, 8], "data_type": "uint8",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [2, 2]}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "codecs": [{"name": "bytes"}], "fill_value": 0, "attributes": {}}
+    doc = await view.create(await view.mkdir(await view.resolve(""), name), "zarr.json")
+    await view.write(doc, 0, json.dumps(meta).encode())
+    await view.flush(doc)
+    await view.release(doc)
+
+
 def test_datasets_made_here_are_forgotten_once_quiet(tmp_path):
     """An array made through the mount keeps, while it is written, the chunk
     directories made or written there (a copy's mkdir must not meet EEXIST);
@@ -523,18 +536,9 @@ def test_datasets_made_here_are_forgotten_once_quiet(tmp_path):
     is bounded by what is being written, not by everything written since the
     mount (a mount writing new arrays for weeks kept them all)."""
     view, _ = _view(tmp_path, shard=(2, 2))
-    meta = {"zarr_format": 3, "node_type": "array", "shape": [8, 8], "data_type": "uint8",
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [2, 2]}},
-            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-            "codecs": [{"name": "bytes"}], "fill_value": 0, "attributes": {}}
 
     async def main():
-        root = await view.resolve("")
-        arr = await view.mkdir(root, "arr")
-        doc = await view.create(arr, "zarr.json")
-        await view.write(doc, 0, json.dumps(meta).encode())
-        await view.flush(doc)
-        await view.release(doc)
+        await _make_array(view, "arr")
         assert "arr" in view.born_here
         view.born_here["arr"] = 0.0  # (long quiet: a mkdir in the array's directory says it is written)
         c = await view.mkdir(await view.resolve("arr"), "c")
@@ -555,6 +559,51 @@ def test_datasets_made_here_are_forgotten_once_quiet(tmp_path):
 
     trio.run(main)
     assert (tmp_path / "arr/c/0/0").exists()  # the shard
+
+
+def test_temporaries_left_by_a_killed_writer_are_discarded(tmp_path, caplog):
+    """A temporary inside a chunk directory that is closed and never renamed
+    (its writer was killed) lives only in memory: after SCRATCH_KEEP it is
+    discarded with one log line, at the next file made, so it holds neither
+    memory nor its array (which is then forgotten once quiet) until unmount.
+    One still open, or written lately, is kept."""
+    view, _ = _view(tmp_path, shard=(2, 2))
+
+    async def main():
+        await _make_array(view, "arr")
+        row = await view.mkdir(await view.mkdir(await view.resolve("arr"), "c"), "0")
+        for name in ("0.tmp-a", "0.tmp-b"):
+            h = await view.create(row, name)
+            await view.write(h, 0, b"\x01" * 4)
+            await view.release(h)
+        still_open = await view.create(row, "0.tmp-c")
+        assert {"arr/c/0/0.tmp-a", "arr/c/0/0.tmp-b", "arr/c/0/0.tmp-c"} <= set(view.buffers)
+        fourth = await view.create(row, "0.tmp-d")  # (too soon: nothing is old enough)
+        await view.release(still_open)
+        assert len([p for p in view.buffers if p.startswith("arr/c/0/")]) == 4
+        view.SCRATCH_KEEP = 0.2
+        view.buffers["arr/c/0/0.tmp-c"].mtime = time.time()  # written lately
+        for path in ("arr/c/0/0.tmp-a", "arr/c/0/0.tmp-b"):
+            view.buffers[path].mtime -= 1.0
+        view._scratch_swept_at = 0.0
+        newest = await view.create(row, "0.tmp-e")
+        assert {p for p in view.buffers if p.startswith("arr/c/0/")} == {
+            "arr/c/0/0.tmp-c", "arr/c/0/0.tmp-d", "arr/c/0/0.tmp-e"}
+        assert await view.resolve("arr/c/0/0.tmp-a") is None
+        lines = [r.getMessage() for r in caplog.records if "discarded" in r.getMessage()]
+        assert len(lines) == 1 and "0.tmp-" in lines[0] and "1 more" in lines[0], lines
+        await view.release(fourth)
+        await view.release(newest)
+        for buf in view.buffers.values():
+            buf.mtime -= 1.0
+        view._scratch_swept_at = 0.0
+        await view.create(await view.resolve(""), "elsewhere.txt")  # (any file made sweeps)
+        assert not [p for p in view.buffers if p.startswith("arr/")]
+        view.BORN_HERE_QUIET = 0
+        assert not await view.sync()
+        assert "arr" not in view.born_here  # nothing of it left in memory
+
+    trio.run(main)
 
 
 class S3LikeStore(LocalBackend):

@@ -221,6 +221,7 @@ class View:
         self.started = time.time()
         # names that exist in the view but not (yet) in storage
         self.buffers: dict[str, FileBuffer] = {}  # path -> open/scratch file
+        self._scratch_swept_at = time.time()
         self.new_chunks: dict[str, dict[str, tuple[Dataset, tuple, ChunkTarget]]] = {}  # dir -> name -> chunk
         self._new_chunks_pruned_at = 0
         self._new_chunks_count = 0  # names in new_chunks (not summed per release: it runs per chunk written)
@@ -816,6 +817,7 @@ class View:
             key = dataset.stored_as_is(rel)
         else:
             key = join_key(parent.key, name)
+        self._drop_abandoned_scratch()
         buf = self.buffers[path] = FileBuffer(path, key, bytearray(), dirty=True, in_store=False)
         self._made_in(_parent(path))
         buf.handles += 1
@@ -1103,6 +1105,29 @@ class View:
         if dataset is not None:
             keys.update(self.writeback.removing_below(dataset.shard_home))
         await self.writeback.flush_keys(keys)
+
+    #: seconds a closed scratch file (a temporary inside a chunk directory,
+    #: never renamed to a chunk's name) is kept: one a killed writer left
+    #: (rsync, zarr-python) would otherwise hold memory, and keep its array
+    #: from being forgotten (``_forget_quiet_datasets``), until unmount
+    SCRATCH_KEEP = 600.0
+
+    def _drop_abandoned_scratch(self) -> None:
+        """Discard scratch files closed and untouched for SCRATCH_KEEP (one
+        log line for all), at most every tenth of that: run per create, so
+        the memory they hold is bounded by what is being written."""
+        now = time.time()
+        if now - self._scratch_swept_at < self.SCRATCH_KEEP / 10:
+            return
+        self._scratch_swept_at = now
+        old = [b for b in self.buffers.values()
+               if b.key is None and b.handles <= 0 and now - b.mtime >= self.SCRATCH_KEEP]
+        for buf in old:
+            del self.buffers[buf.path]
+        if old:
+            log.warning("%s%s: temporary file%s inside a sharded array, closed %d s ago and never renamed; discarded",
+                        old[0].path, f" and {len(old) - 1} more" if len(old) > 1 else "",
+                        "s" if len(old) > 1 else "", int(self.SCRATCH_KEEP))
 
     async def release(self, handle: Handle) -> None:
         self._not_writer(handle)
