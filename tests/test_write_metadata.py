@@ -117,6 +117,42 @@ def test_consolidated_metadata_maps_back_to_the_stored_arrays(store, mount, tmp_
     _check_consolidated_store(store, tmp_path, {"note": "consolidated"})
 
 
+def test_nested_sharded_arrays_are_edited_through_the_view(store, mount, tmp_path):
+    """Nested sharding is shown one level down, still sharded.  zarr-python
+    editing such an array through the view (attributes, resize) and
+    consolidating its group there: each document maps back onto the stored
+    outer sharding (before, every rewrite was refused with EPERM, and the
+    consolidated member was stored in the view's form, which zarr-python
+    could not read the source by)."""
+    from zarr.codecs import BytesCodec, ShardingCodec
+
+    seed = tmp_path / "seed"
+    data = np.arange(240, dtype="<u2").reshape(20, 12)
+    g = zarr.open_group(str(seed / "h"), mode="w")
+    inner = ShardingCodec(chunk_shape=(2, 3), codecs=[BytesCodec()])
+    g.create_array("arr", shape=data.shape, dtype=data.dtype, chunks=(8, 12), fill_value=0,
+                   serializer=ShardingCodec(chunk_shape=(4, 6), codecs=[inner]), compressors=None)[...] = data
+    stored_before = json.loads((seed / "h/arr/zarr.json").read_text())
+    store.put_tree(seed / "h", "h")
+    m = mount(store.source, extra=store.extra)
+    view = zarr.open_array(str(m / "h/arr"), mode="r+")
+    assert _doc(m / "h/arr/zarr.json")["chunk_grid"]["configuration"]["chunk_shape"] == [4, 6]
+    view.attrs["unit"] = "nm"
+    view.resize((24, 12))
+    _consolidate(m / "h")
+    assert _doc(m / "h/zarr.json")["consolidated_metadata"]["metadata"]["arr"] == _doc(m / "h/arr/zarr.json")
+    m.umount()
+
+    own = json.loads(store.get("h/arr/zarr.json"))
+    assert (own["codecs"], own["chunk_grid"]) == (stored_before["codecs"], stored_before["chunk_grid"])
+    assert own["shape"] == [24, 12] and own["attributes"] == {"unit": "nm"}
+    assert json.loads(store.get("h/zarr.json"))["consolidated_metadata"]["metadata"]["arr"] == own
+    copy = store.local_copy(tmp_path / "copy") / "h"
+    for arr in (zarr.open_array(str(copy / "arr"), mode="r"), _open_consolidated(copy)["arr"]):
+        np.testing.assert_array_equal(arr[:20], data)
+        assert arr.shape == (24, 12) and not arr[20:].any()
+
+
 def test_consolidated_document_copied_in_maps_back(store, mount, tmp_path):
     """A consolidated group document made elsewhere (the unsharded twin's) and
     copied onto the store's group through a fresh mount, which has shown none

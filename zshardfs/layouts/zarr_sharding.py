@@ -229,14 +229,32 @@ def _meta_or_none(doc: dict) -> ShardedArrayMeta | None:
         return None
 
 
+def _is_v3_array(doc) -> bool:
+    return isinstance(doc, dict) and doc.get("node_type") == "array" and doc.get("zarr_format") == 3
+
+
 def _is_unsharded_array(doc) -> bool:
     """A v3 array document a tool may have written from the view's rendering."""
-    if not isinstance(doc, dict) or doc.get("node_type") != "array" or doc.get("zarr_format") != 3:
+    if not _is_v3_array(doc):
         return False
     try:
         return sharded_array_meta(doc) is None
     except Unsupported:
         return False  # sharded, in a form the view shows raw: written as stored
+
+
+def _is_view_form(doc, old: dict, old_meta: ShardedArrayMeta) -> bool:
+    """Is ``doc``, written over the stored sharded array ``old``, the view's
+    rendering of it (edited by a tool) rather than its stored form?  The view
+    shows an unsharded array, except for nested sharding, which it shows one
+    level down: still sharded, with the view's inner chunk grid."""
+    if _is_unsharded_array(doc):
+        return True
+    if not isinstance(doc, dict) or doc.get("node_type") != "array":
+        return False
+    view = view_array_doc(old, old_meta)
+    return doc.get("chunk_grid") == view["chunk_grid"] and (
+        doc.get("chunk_grid") != old.get("chunk_grid") or doc.get("codecs") == view["codecs"])
 
 
 def _map_back(doc: dict, old: dict, old_meta: ShardedArrayMeta) -> dict:
@@ -317,7 +335,7 @@ def _accept_group(key: str, doc: dict, old: dict | None, members: dict | None) -
     changed = False
     for path, member in cm["metadata"].items():
         out[path] = member
-        if not _is_unsharded_array(member):
+        if not _is_v3_array(member):
             continue
         if members is not None:  # read from storage now
             source = members.get(path)
@@ -326,8 +344,8 @@ def _accept_group(key: str, doc: dict, old: dict | None, members: dict | None) -
                 shown = _shown.get(join_key(base, path, "zarr.json"))
             source = load_json(shown, path) if shown is not None else old_members.get(path)
         meta = _meta_or_none(source) if isinstance(source, dict) else None
-        if meta is None:
-            continue  # stored unsharded (or unknown): as written
+        if meta is None or not _is_view_form(member, source, meta):
+            continue  # stored unsharded (or unknown), or the stored form: as written
         try:
             out[path] = _map_back(member, source, meta)
         except ValueError as exc:
@@ -379,7 +397,7 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
             return None  # its shards are stored there already: a document restored (as written)
         raise ValueError(NEW_SHARDED)
     if old_meta is not None:
-        if _is_unsharded_array(doc):
+        if _is_view_form(doc, old, old_meta):
             out = _map_back(doc, old, old_meta)
         else:  # a sharded document (the stored form), over a sharded array: its shards' layout may not change
             _same_sharding(doc, old)
@@ -421,7 +439,7 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
     restoring = False
     if doc is not None and doc.get("node_type") == "group" and _consolidated(doc) is not None:
         base = key.rpartition("/")[0]
-        paths = [p for p, m in _consolidated(doc)["metadata"].items() if _is_unsharded_array(m)]
+        paths = [p for p, m in _consolidated(doc)["metadata"].items() if _is_v3_array(m)]
         found = await outcomes(*(functools.partial(_stored_document, ctx, join_key(base, p, "zarr.json"))
                                  for p in paths))
         members = {}
