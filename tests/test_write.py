@@ -1812,6 +1812,70 @@ def test_transformer_documents_written_through_the_view_keep_their_sharding(stor
     assert json.loads((m / "meta/root/arr.array.json").read_bytes())["attributes"] == {"note": "hello"}
 
 
+_ZARR2_RESIZE = r"""
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import peers_zarr2_script  # noqa: F401 (teaches zarr 2.18 to read the transformer back)
+import zarr
+from zarr._storage.v3 import DirectoryStoreV3
+from zarr._storage.v3_storage_transformers import ShardingStorageTransformer
+
+root, what = sys.argv[2], sys.argv[3]
+store = DirectoryStoreV3(root)
+if what.startswith("create"):
+    tr = [ShardingStorageTransformer("indexed", chunks_per_shard=(2, 2))] if what == "create-sharded" else []
+    z = zarr.create(shape=(8, 8), chunks=(2, 2), dtype="u2", store=store, path="arr", zarr_version=3,
+                    storage_transformers=tr, compressor=None, fill_value=0)
+    z[...] = np.arange(64, dtype="u2").reshape(8, 8) + 1
+elif what == "shrink-grow":
+    z = zarr.open_array(store=store, path="arr", mode="r+", zarr_version=3)
+    z.resize(5, 3)
+    z.resize(8, 8)
+else:
+    z = zarr.open_array(store=store, path="arr", mode="r", zarr_version=3)
+    np.save(sys.stdout.buffer, z[...])
+"""
+
+
+def test_zarr2_shrinking_a_transformer_array_removes_the_chunks_outside(store, mount, tmp_path):
+    """zarr-python 2.18 resizes by storing the smaller document, then
+    deleting the chunks outside it, by names the view no longer shows (it
+    ignores the ENOENT).  The mount removes them itself: shrunk and grown
+    again, the array reads as its directory-store twin does (fill outside
+    the small shape, not the old values), and shards wholly outside are
+    deleted."""
+    import io
+
+    from tests.peers_zarr import ZARR2_PYTHON
+
+    script = tmp_path / "resize.py"
+    script.write_text(_ZARR2_RESIZE)
+    env = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
+
+    def zarr2(root, what) -> np.ndarray | None:
+        out = subprocess.run([str(ZARR2_PYTHON), str(script), str(Path(__file__).parent), str(root), what],
+                             env=env, capture_output=True, timeout=120)
+        assert out.returncode == 0, out.stderr.decode()
+        return np.load(io.BytesIO(out.stdout)) if what == "read" else None
+
+    zarr2(tmp_path / "seed" / "t", "create-sharded")
+    zarr2(tmp_path / "twin", "create-plain")
+    store.put_tree(tmp_path / "seed" / "t", "t")
+    assert {k for k in store.keys() if "/data/" in k} == {f"t/data/root/arr/c{i}/{j}" for i in (0, 1) for j in (0, 1)}
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    zarr2(m / "t", "shrink-grow")
+    zarr2(tmp_path / "twin", "shrink-grow")
+    expected = zarr2(tmp_path / "twin", "read")
+    assert expected[6:].sum() == 0 and expected[:, 4:].sum() == 0 and expected[:5, :3].all()
+    np.testing.assert_array_equal(zarr2(m / "t", "read"), expected)
+    assert "shape shrank: 10 chunks outside it removed" in m.log_text()
+    m.umount()
+    np.testing.assert_array_equal(zarr2(store.local_copy(tmp_path / "copy") / "t", "read"), expected)
+    # of the shards (2x2 chunks each), those wholly outside (5, 3) are gone
+    assert {k for k in store.keys() if "/data/" in k} == {"t/data/root/arr/c0/0", "t/data/root/arr/c1/0"}
+
+
 @pytest.mark.parametrize("how", ["garbage_then_restore", "emptied_synced_restored"])
 def test_a_transformer_document_emptied_and_restored_keeps_the_array(store, mount, tmp_path, how):
     """``echo oops > meta/root/arr.array.json`` or ``: > ...; zshardfs sync``,

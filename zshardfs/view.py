@@ -974,6 +974,8 @@ class View:
         made_of = []
         a_document = self._is_dataset_document(buf.key) and await off_loop(
             functools.partial(_json_object, data), len(data))
+        shrinking = [(d, ds) for d, ds in await self._datasets_made_of(buf.key, stored)
+                     if ds.prunes_on_shrink] if stored and a_document else []
         if stored and self._is_dataset_document(buf.key) and not a_document:
             # no document any dataset can be made of, over one that was: as if
             # removed (4.15), its datasets keep their chunk files
@@ -984,6 +986,8 @@ class View:
             self._document_changed(buf.key)
             if made_of:
                 self._orphan(buf.key, stored, made_of)
+            for dir_key, before in shrinking:
+                await self._prune_outside(dir_key, before)
             if a_document:  # (not an empty or broken file: the text may be still to come)
                 self._forget_removed(buf.key)
         self.own_versions[buf.key] = (info.etag, time.monotonic())
@@ -1014,6 +1018,23 @@ class View:
         self.removed_documents.pop(key, None)
         for dir_key in [d for d, (_, k) in self.orphans.items() if k == key]:
             del self.orphans[dir_key]
+
+    async def _prune_outside(self, dir_key: str, before: Dataset) -> None:
+        """Remove the chunks of ``before`` that lie outside the dataset now at
+        ``dir_key`` (its shape shrank), as its writer would (see
+        ``Dataset.prunes_on_shrink``).  A failure is logged: the document is
+        stored, and the chunks stay, hidden, as the view found them."""
+        try:
+            after = await self.dataset_at(dir_key)
+            gone = await before.stored_outside(after, self.writeback.pending_ids) if after is not None else []
+        except StoreError as exc:
+            log.warning("%s: shape shrank, but the chunks outside it could not be removed: %s", dir_key, exc)
+            return
+        for t in gone:
+            self.writeback.delete(t.shard_key, before.shard_format, t.shard_ctx, t.chunk_id, before.shard_home)
+            self._chunk_changed(t)
+        if gone:
+            log.info("%s: shape shrank: %d chunks outside it removed", dir_key, len(gone))
 
     async def _stored_document(self, key: str) -> bytes | None:
         """The stored document at ``key`` (None: absent, or over the size a

@@ -156,6 +156,17 @@ class Dataset(ABC):
         is refused (a temporary name would be kept in memory and dropped)."""
         return False
 
+    #: does a document written through the view with a smaller shape remove
+    #: the stored chunks outside it?  (Where the layout's writer deletes them
+    #: right after storing that document, by names the view no longer shows.)
+    prunes_on_shrink = False
+
+    async def stored_outside(self, smaller: "Dataset", pending) -> list[ChunkTarget]:
+        """Chunks stored in this dataset (or ``pending(shard_key)``, chunk ids
+        written but not stored yet) that lie outside ``smaller``, the same
+        dataset after its shape shrank."""
+        return []
+
     async def read(self, entry: ChunkEntry | ChunkTarget) -> bytes:
         """The whole content of a chunk file (the view reads every chunk file
         through here, so a layout can show more than one stored chunk)."""

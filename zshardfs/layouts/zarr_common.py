@@ -6,6 +6,7 @@ chunk keys are spelled.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import weakref
@@ -21,7 +22,7 @@ from ..logonce import log_once, report_damage
 from ..shards import EMPTY
 from ..together import off_loop
 from .base import ChunkEntry, ChunkTarget, Dataset, DirEntry, Entry, LayoutContext, parse_index_name
-from .grids import ShardGrid, linear_index
+from .grids import ShardGrid, linear_index, unravel_index
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +317,30 @@ class GridDataset(Dataset):
     def outside(self, rel) -> bool:
         parsed = self.keys.parse(rel)
         return parsed is not None and not all(0 <= c < n for c, n in zip(parsed[0], self.grid.inner_counts))
+
+    async def stored_outside(self, smaller: Dataset, pending) -> list[ChunkTarget]:
+        counts = getattr(getattr(smaller, "grid", None), "inner_counts", None)
+        old = self.grid.inner_counts
+        if counts is None or len(counts) != len(old) or all(n >= o for n, o in zip(counts, old)):
+            return []
+        shards: set[tuple[int, ...]] = set()  # those reaching past the smaller grid
+        for d, (n, o) in enumerate(zip(counts, old)):
+            if n < o:
+                b = self.grid.bounds[d]
+                past = [s for s in range(self.grid.shard_count(d)) if b[s + 1] > n and b[s] < o]
+                shards.update(itertools.product(*(past if e == d else range(self.grid.shard_count(e))
+                                                   for e in range(len(old)))))
+        out = []
+        for shard in sorted(shards):
+            key, extent = self._shard_where(shard)
+            index = await self.ctx.shards.index(self.shard_format, key, extent)
+            ids = set(np.nonzero(index.present_mask())[0].tolist()) if index is not None else set()
+            origin = self.grid.shard_origin(shard)
+            for cid in sorted(ids | set(pending(key))):
+                coords = [o + p for o, p in zip(origin, unravel_index(cid, extent))]
+                if any(c >= n for c, n in zip(coords, counts)):
+                    out.append(ChunkTarget(key, cid, extent, self.grid.capacity(shard)))
+        return out
 
     # -- lookup -------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 
 Store layout: ``zarr.json`` (the draft's entry point), array documents at
 ``meta/root/<path>.array.json``, chunk keys at ``data/root/<path>/c<i>/<j>``
+(all below the store's root, anywhere in the mounted tree)
 (or ``c<i>.<j>`` with the '.' separator; a 0-d array's key is ``c0``).  With
 the transformer the same keys name shards: the chunk key floored by
 ``chunks_per_shard``.  Shards use the indexed format with the index at the
@@ -39,13 +40,24 @@ def _transformer(doc: dict):
     return found[0] if found else None
 
 
+def _split(key: str, root: str) -> tuple[str, str] | None:
+    """(store prefix, rest) of a key below ``<prefix>meta/root/`` or
+    ``<prefix>data/root/`` (``root``): a v3-draft store may sit anywhere in
+    the mounted tree (the first such segment names its root)."""
+    if key.startswith(root):
+        return "", key[len(root):]
+    at = key.find("/" + root)
+    return (key[:at + 1], key[at + 1 + len(root):]) if at >= 0 else None
+
+
 def is_document(key: str) -> bool:
-    return key.startswith(META_ROOT) and key.endswith(SUFFIX)
+    return key.endswith(SUFFIX) and _split(key, META_ROOT) is not None
 
 
 def dataset_dirs(key: str, data: bytes) -> list[str]:
-    """``meta/root/<p>.array.json`` describes the array under ``data/root/<p>``."""
-    return [DATA_ROOT + key[len(META_ROOT):-len(SUFFIX)]]
+    """``<prefix>meta/root/<p>.array.json`` describes the array under ``<prefix>data/root/<p>``."""
+    prefix, rest = _split(key, META_ROOT)
+    return [prefix + DATA_ROOT + rest[:-len(SUFFIX)]]
 
 
 def rewrite_document(key: str, data: bytes) -> bytes | None:
@@ -131,11 +143,12 @@ def _dataset_params(doc: dict, what: str):
 
 
 async def probe(ctx: LayoutContext, dir_key: str) -> GridDataset | None:
-    if not dir_key.startswith(DATA_ROOT):
+    where = _split(dir_key, DATA_ROOT)
+    if where is None or not where[1]:
         return None
-    path = dir_key[len(DATA_ROOT):]
+    prefix, path = where
     try:
-        blob = await ctx.store.get_document(f"{META_ROOT}{path}{SUFFIX}")
+        blob = await ctx.store.get_document(f"{prefix}{META_ROOT}{path}{SUFFIX}")
     except NotFound:
         return None
     doc = await load_json_async(blob.data, blob.info.key)
@@ -145,5 +158,9 @@ async def probe(ctx: LayoutContext, dir_key: str) -> GridDataset | None:
     grid, keys = params
     dataset = GridDataset(ctx, dir_key, dir_key, grid, keys, ZarrShardFormat("end", "little", checksum=False))
     dataset.layout = NAME
+    # zarr-python 2.18, this layout's writer, resizes by storing the smaller
+    # document first, then deleting the chunks outside it: by names the
+    # view no longer shows (ENOENT, which it ignores), so the view does it
+    dataset.prunes_on_shrink = True
     dataset.version = ((blob.info.key, blob.info.etag),)
     return dataset
