@@ -264,6 +264,61 @@ def _check_sharded(store: Store, tmp_path: Path, expected: dict[str, np.ndarray]
     assert_no_strays(store, allowed)
 
 
+def test_zarr_python_creates_arrays_in_groups_not_made_yet(store, mount, tmp_path):
+    """zarr-python's LocalStore writes the implicit parent groups of a new
+    array with an exclusive create: a temporary, ``link`` to the name
+    (EEXIST if taken), unlink of the temporary.  A link is made as a copy
+    (a new file with the bytes the old one holds), so this works through a
+    mount; the store ends with the groups and the sharded array, and no
+    temporary."""
+    from zarr.core.sync import sync as zarr_sync
+
+    data = np.arange(64, dtype="u1").reshape(8, 8)
+    m = mount(store.source, "shard=2", extra=store.extra)
+    zarr.create_array(zarr.storage.LocalStore(str(m.path)), name="g/h/a", shape=data.shape, chunks=(2, 2),
+                      dtype=data.dtype, fill_value=0, compressors=None)[...] = data
+    group_doc = (m / "g/zarr.json").read_bytes()
+    # an exclusive create of a name taken leaves it as it was (link: EEXIST)
+    zarr_sync(zarr.storage.LocalStore(str(m.path)).set_if_not_exists(
+        "g/zarr.json", zarr.core.buffer.default_buffer_prototype().buffer.from_bytes(b"{}")))
+    assert (m / "g/zarr.json").read_bytes() == group_doc
+    m.umount()
+    for group in ("zarr.json", "g/zarr.json", "g/h/zarr.json"):
+        assert json.loads(store.get(group))["node_type"] == "group", group
+    stored = zarr.open_array(str(store.local_copy(tmp_path / "copy") / "g/h/a"), mode="r")
+    assert stored.shards == (4, 4)
+    np.testing.assert_array_equal(stored[...], data)
+    assert_no_strays(store, {"zarr.json", "g/zarr.json", "g/h/zarr.json", "g/h/a/zarr.json",
+                             *(f"g/h/a/c/{i}/{j}" for i in (0, 1) for j in (0, 1))})
+
+
+def test_links_are_made_as_copies(store, mount, tmp_path):
+    """``ln`` (link(2)): the new name holds the bytes the old one held, as a
+    file of its own (each has one link; a change of one leaves the other);
+    a name taken is EEXIST, a directory EPERM; a chunk linked to another
+    chunk's name is written there."""
+    seed_array(store, tmp_path, "arr", (4, 4), (2, 2), (4, 4), "u1", data=np.arange(16, dtype="u1").reshape(4, 4))
+    store.put("notes.txt", b"first")
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    os.link(m / "notes.txt", m / "copy.txt")
+    assert (m / "copy.txt").read_bytes() == b"first"
+    assert os.stat(m / "copy.txt").st_nlink == os.stat(m / "notes.txt").st_nlink == 1
+    (m / "notes.txt").write_bytes(b"second")
+    assert (m / "copy.txt").read_bytes() == b"first"
+    with pytest.raises(FileExistsError):
+        os.link(m / "notes.txt", m / "copy.txt")
+    with pytest.raises(PermissionError):
+        os.link(m / "arr", m / "arr2")
+    chunk = (m / "arr/c/0/0").read_bytes()
+    os.unlink(m / "arr/c/1/1")
+    os.link(m / "arr/c/0/0", m / "arr/c/1/1")
+    assert (m / "arr/c/1/1").read_bytes() == chunk
+    m.umount()
+    assert store.get("copy.txt") == b"first" and store.get("notes.txt") == b"second"
+    chunks = stored_chunks(store, "arr", (2, 2))
+    assert chunks[(1, 1)] == chunks[(0, 0)] == chunk
+
+
 def test_zarr_python_writes_unsharded_into_shard_mount(store, mount, tmp_path):
     m = mount(store.source, "shard=2", extra=store.extra)
     zarr.create_group(store=str(m / "g"))

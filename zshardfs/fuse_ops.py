@@ -713,7 +713,14 @@ class Operations(pyfuse3.Operations):
     async def _unsupported(self, *args, **kwargs):
         raise pyfuse3.FUSEError(errno.EROFS if self.read_only else errno.EPERM)
 
-    mknod = symlink = link = removexattr = _unsupported
+    mknod = symlink = removexattr = _unsupported
+
+    @_translate
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        """A copy under the new name (see View.link): the entry is a new inode."""
+        self._writable()
+        node = await self.view.link(self._node(inode), self._node(new_parent_inode), os.fsdecode(new_name))
+        return self._entry(node)
 
     @_translate
     async def setxattr(self, inode, name, value, ctx):

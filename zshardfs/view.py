@@ -257,6 +257,7 @@ class View:
         # files being renamed, by path: writes through their open handles
         # wait until the handles have moved to the new name (see rename)
         self._renaming: dict[str, trio.Event] = {}
+        self._linking = trio.Lock()  # (see link)
         self.readers: dict[str, set[Handle]] = {}  # path -> read-only handles of chunk files
         self.document_writes = 0  # metadata documents this mount stored or removed
         # (shard key, chunk id) -> writes and unlinks of that chunk through
@@ -1392,6 +1393,36 @@ class View:
         else:
             await self._unlink(parent, name, moving=True)
         await self._move_writers(node.path, new_parent, new_name)
+
+    async def link(self, node: Node, new_parent: Node, new_name: str) -> Node:
+        """A hard link, made as a copy: a new file ``new_name`` holding the
+        bytes ``node`` holds now; EEXIST if the name is taken.  The view's
+        files cannot have two names (a chunk is a slot in a shard), but the
+        pattern that links is write-once: zarr-python's exclusive create
+        writes a temporary, links it to the name (failing if it exists) and
+        unlinks the temporary.  Links are made one at a time, so two made
+        at once cannot both find the name free."""
+        self._check_writable()
+        self._check_name(new_name)
+        if node.is_dir:
+            raise ViewError(errno.EPERM, f"{node.path}: a directory cannot be linked")
+        async with self._linking:
+            if await self.lookup(new_parent, new_name) is not None:
+                raise ViewError(errno.EEXIST, f"{new_name}: exists")
+            buf = self.buffers.get(node.path)
+            data = bytes(buf.data) if buf is not None else (
+                await self.content(node) if node.is_chunk else await self._stored_bytes(node, recent_ok=True))
+            await self.writeback.wait_for_room()
+            handle = await self.create(new_parent, new_name)
+            try:
+                await self.write(handle, 0, data, held_by_renames=False)
+                await self.flush(handle, held_by_renames=False)
+            finally:
+                await self.release(handle)
+            made = await self.lookup(new_parent, new_name)
+        if made is None:
+            raise ViewError(errno.ENOENT, f"{new_name}: gone as soon as linked")
+        return made
 
     def _detach_writers(self, path: str) -> None:
         """Handles still open for writing on a file that is being unlinked or
