@@ -153,6 +153,37 @@ def test_nested_sharded_arrays_are_edited_through_the_view(store, mount, tmp_pat
         assert arr.shape == (24, 12) and not arr[20:].any()
 
 
+def test_variable_grids_grow_through_the_view(store, mount, tmp_path):
+    """A rectilinear-sharded array grown through the view (zarr-python's
+    resize) past the end of its last shard: the stored grid gets one more
+    shard edge, the growth rounded up to whole inner chunks, as zarr-python
+    appends the growth as one edge; new rows written there are stored.
+    Shrinking keeps the edges.  (Before: refused with EPERM.)"""
+    from zarr.codecs import BytesCodec, ShardingCodec
+    from zarr.core.metadata.v3 import RectilinearChunkGridMetadata
+
+    data = np.arange(240, dtype="<u2").reshape(20, 12)
+    with zarr.config.set({"array.rectilinear_chunks": True}):
+        zarr.create_array(str(tmp_path / "seed/arr"), shape=data.shape, dtype=data.dtype, fill_value=0,
+                          chunks=RectilinearChunkGridMetadata(chunk_shapes=((8, 4, 8), 6)),
+                          serializer=ShardingCodec(chunk_shape=(4, 3), codecs=[BytesCodec()]),
+                          compressors=None)[...] = data
+    store.put_tree(tmp_path / "seed/arr", "arr")
+    m = mount(store.source, extra=store.extra)
+    view = zarr.open_array(str(m / "arr"), mode="r+")
+    view.resize((30, 12))
+    view[20:] = 7
+    view.resize((26, 12))
+    m.umount()
+    stored = json.loads(store.get("arr/zarr.json"))
+    assert stored["shape"] == [26, 12]
+    assert stored["chunk_grid"]["configuration"]["chunk_shapes"][0] == [8, 4, 8, 12]  # (growth 10, chunks of 4)
+    with zarr.config.set({"array.rectilinear_chunks": True}):
+        values = zarr.open_array(str(store.local_copy(tmp_path / "copy") / "arr"), mode="r")[...]
+    np.testing.assert_array_equal(values[:20], data)
+    assert (values[20:] == 7).all() and values.shape == (26, 12)
+
+
 def test_consolidated_document_copied_in_maps_back(store, mount, tmp_path):
     """A consolidated group document made elsewhere (the unsharded twin's) and
     copied onto the store's group through a fresh mount, which has shown none

@@ -37,7 +37,7 @@ MAX_CHUNKS_PER_SHARD = 1 << 24
 MAX_CHUNKS_PER_DIM = 1 << 62
 
 
-def _expand_edges(spec, extent: int, dim: int) -> list[int]:
+def expand_edges(spec, extent: int, dim: int) -> list[int]:
     """Edge lengths of one dimension, covering ``extent``.
 
     ``spec`` is an int (regular step), or a list whose items are ints or
@@ -102,7 +102,7 @@ def parse_chunk_grid(doc: dict, shape: list[int]) -> list[list[int]] | list[int]
         raise GridError(f"chunk grid {name!r} is not supported")
     if not isinstance(cs, list) or len(cs) != len(shape):
         raise GridError(f"{name} chunk shapes {cs!r} do not fit shape {shape}")
-    return [_expand_edges(spec, extent, d) for d, (spec, extent) in enumerate(zip(cs, shape))]
+    return [expand_edges(spec, extent, d) for d, (spec, extent) in enumerate(zip(cs, shape))]
 
 
 def _check_chunks_per_shard(per_dim) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from ..backends.base import CorruptData, NotFound, TooLarge, join_key
 from ..together import off_loop, outcomes
 from .base import NEW_SHARDED, LayoutContext, dump_json, load_json, load_json_async, warn_once
-from .grids import GridError, ShardGrid, parse_chunk_grid
+from .grids import GridError, ShardGrid, expand_edges, parse_chunk_grid
 from .zarr_common import ChunkKeys, GridDataset, ZarrShardFormat, parse_separator
 
 log = logging.getLogger(__name__)
@@ -271,7 +271,7 @@ def _map_back(doc: dict, old: dict, old_meta: ShardedArrayMeta) -> dict:
         raise ValueError("changing chunk_key_encoding of a sharded array would make its stored chunks unreadable")
     out = dict(doc)
     out["codecs"] = old["codecs"]
-    out["chunk_grid"] = old["chunk_grid"]
+    out["chunk_grid"] = _grown_grid(old["chunk_grid"], out.get("shape"), old_meta.inner_chunk_shape)
     if "chunk_key_encoding" in old:  # (the stored spelling kept)
         out["chunk_key_encoding"] = old["chunk_key_encoding"]
     try:
@@ -280,6 +280,29 @@ def _map_back(doc: dict, old: dict, old_meta: ShardedArrayMeta) -> dict:
     except (GridError, TypeError, KeyError) as exc:
         raise ValueError(f"the new shape does not fit the stored shard grid: {exc}") from None
     return out
+
+
+def _grown_grid(grid: dict, shape, inner) -> dict:
+    """The stored shard ``grid``, covering ``shape``: a variable dimension
+    whose edges end before its new extent gets one more edge, the growth
+    rounded up to whole inner chunks (zarr-python appends the growth as one
+    edge).  A shrink keeps every edge: the shards stay where they are."""
+    conf = grid.get("configuration") if isinstance(grid, dict) else None
+    field = {"rectangular": "chunk_shape", "rectilinear": "chunk_shapes"}.get(grid.get("name")) \
+        if isinstance(conf, dict) else None
+    specs = conf.get(field) if field else None
+    if not (isinstance(specs, list) and isinstance(shape, list) and len(specs) == len(shape) == len(inner)):
+        return grid
+    grown = list(specs)
+    for d, (spec, extent, edge) in enumerate(zip(specs, shape, inner)):
+        if isinstance(spec, list) and isinstance(extent, int) and not isinstance(extent, bool):
+            try:
+                covered = sum(expand_edges(spec, 0, d))
+            except GridError:
+                return grid  # (the map-back's check says why)
+            if extent > covered:
+                grown[d] = [*spec, -(-(extent - covered) // edge) * edge]
+    return grid if grown == specs else {**grid, "configuration": {**conf, field: grown}}
 
 
 def _same_sharding(doc: dict, old: dict) -> None:
