@@ -1409,6 +1409,7 @@ class View:
         async with self._linking:
             if await self.lookup(new_parent, new_name) is not None:
                 raise ViewError(errno.EEXIST, f"{new_name}: exists")
+            self._check_size(node, node.size)  # (the copy is held whole, as any file written)
             buf = self.buffers.get(node.path)
             data = bytes(buf.data) if buf is not None else (
                 await self.content(node) if node.is_chunk else await self._stored_bytes(node, recent_ok=True))
