@@ -1189,3 +1189,62 @@ def test_listings_not_kept_do_not_extend_the_relist_window(tmp_path):
         return backend.counters["list"] - lists
 
     assert trio.run(main) <= 2
+
+
+def _tensorstore_lock(path: str) -> int:
+    """Hold ``<path>.__lock`` as tensorstore's file kvstore does (an
+    open-file-description write lock); close the descriptor to release."""
+    import fcntl
+    import struct
+
+    fd = os.open(path + ".__lock", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, struct.pack("=hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    return fd
+
+
+def test_local_conditional_writes_take_tensorstore_s_lock(tmp_path, monkeypatch):
+    """tensorstore checks a key's generation and renames its new value over
+    it under a lock on ``<key>.__lock``.  A conditional put (a shard flush)
+    waits for that lock, so it never lands between tensorstore's check and
+    rename (where tensorstore's rename would throw it away unseen): a
+    change tensorstore makes under the lock fails the put's precondition.
+    The lock file is gone afterwards and never listed; a lock held too long
+    is EBUSY, not a hang."""
+    import zshardfs.backends.local as local_module
+
+    backend = LocalBackend(str(tmp_path))
+    old = backend.put("arr/shard", b"old")
+    path = str(tmp_path / "arr/shard")
+    fd = _tensorstore_lock(path)
+    done = []
+    worker = threading.Thread(target=lambda: done.append(_outcome(
+        lambda: backend.put("arr/shard", b"mount", if_match=old.etag))))
+    worker.start()
+    time.sleep(0.3)
+    assert not done and (tmp_path / "arr/shard").read_bytes() == b"old"  # waiting for the lock
+    (tmp_path / "arr/shard.ts").write_bytes(b"tensorstore")
+    os.rename(tmp_path / "arr/shard.ts", path)  # tensorstore's write, under its lock
+    os.close(fd)
+    worker.join(10)
+    assert isinstance(done[0], PreconditionFailed)
+    assert (tmp_path / "arr/shard").read_bytes() == b"tensorstore"
+    assert not (tmp_path / "arr/shard.__lock").exists()
+
+    current = backend.stat("arr/shard")
+    fd = _tensorstore_lock(path)
+    assert [f.key for f in backend.list("arr").files] == ["arr/shard"]  # (the lock file is not listed)
+    assert backend.reserved_name("shard.__lock")
+    monkeypatch.setattr(local_module, "LOCK_WAIT", 0.2)
+    with pytest.raises(StoreError, match="locked by another writer"):
+        backend.delete("arr/shard", if_match=current.etag)
+    os.close(fd)
+    backend.put("arr/shard", b"mount", if_match=current.etag)
+    assert (tmp_path / "arr/shard").read_bytes() == b"mount"
+    assert sorted(os.listdir(tmp_path / "arr")) == ["shard"]
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as exc:
+        return exc

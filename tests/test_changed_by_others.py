@@ -449,3 +449,45 @@ def test_an_in_place_write_patches_the_newest_stored_version(storage, mount):
     else:
         stored = storage.server.s3.get_object(Bucket=storage.bucket, Key=f"{PREFIX}/log.txt")["Body"].read()
     assert stored == b"oTHER CLIENT v2, much longer\n"
+
+
+def test_tensorstore_writing_the_same_shard_directly_loses_no_write(mount, tmp_path):
+    """tensorstore writes one chunk of a shard straight into a local store
+    while the mount writes another chunk of it and syncs.  Both take
+    tensorstore's lock of the shard (``<key>.__lock``) for their
+    check-and-replace, so each write is merged onto the other's, and none
+    is lost (before, about one mount write in fifteen was replaced by
+    tensorstore's shard, built on the older version, with no error)."""
+    import threading
+
+    import tensorstore as ts
+
+    from tests.conftest import ZSHARDFS
+
+    root = tmp_path / "store"
+    zarr.create_array(str(root / "arr"), shape=(16, 16), chunks=(4, 4), shards=(16, 16), dtype="<i4",
+                      compressors=None, fill_value=0)[...] = 7
+    m = mount(root, "rw", "flush_delay=inf")
+    direct = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(root / "arr")}}).result()
+    for r in range(30):
+        stop = threading.Event()
+
+        def tensorstore_writes():
+            k = 0
+            while not stop.is_set():
+                k += 1
+                direct[0:4, 0:4].write(np.full((4, 4), k, "<i4")).result()
+                time.sleep(0.005)
+
+        writer = threading.Thread(target=tensorstore_writes)
+        writer.start()
+        try:
+            time.sleep(0.03)
+            (m / "arr/c/1/1").write_bytes(np.full((4, 4), 1000 + r, "<i4").tobytes())
+            subprocess.run([*ZSHARDFS, "sync", str(m.path)], check=True, timeout=60)
+        finally:
+            stop.set()
+            writer.join()
+        stored = zarr.open_array(str(root / "arr"), mode="r")
+        assert (stored[4:8, 4:8] == 1000 + r).all(), f"round {r}: the mount's stored write was lost"
+    assert not list(root.rglob("*.__lock"))

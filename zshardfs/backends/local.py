@@ -16,7 +16,9 @@ its listings meet instead.
 The etag is ``<inode>-<mtime_ns>-<size>``: a rename-replace always changes
 the inode, so a pinned read notices a replaced shard.  Conditional writes are
 checked under an ``flock`` on the shard's directory, which serialises
-zshardfs processes on one machine (not other writers that ignore the lock).
+zshardfs processes on one machine, and under tensorstore's lock of the key
+(:func:`_key_lock`), which serialises them with tensorstore's writers.
+Writers that take no lock (zarr-python) can still overwrite a write.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import fcntl
 import logging
 import os
 import stat
+import struct
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -54,6 +57,61 @@ _writing_lock = threading.Lock()
 
 def _is_internal(name: str) -> bool:
     return name.startswith(TMP_PREFIX)
+
+
+#: tensorstore's lock files (its file kvstore's ``kLockSuffix``)
+LOCK_SUFFIX = ".__lock"
+#: seconds a conditional write waits for another writer's lock of its key
+LOCK_WAIT = 10.0
+# struct flock for fcntl (glibc, 64-bit: short, short, pad, off_t, off_t, pid_t, pad)
+_OFD_WRLCK = struct.pack("=hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+_OFD_UNLCK = struct.pack("=hh4xqqi4x", fcntl.F_UNLCK, os.SEEK_SET, 0, 0, 0)
+
+
+@contextmanager
+def _key_lock(path: str):
+    """tensorstore's lock of the key at ``path`` (its file kvstore, default
+    ``os`` mode): an open-file-description write lock on ``<path>.__lock``,
+    held on the file that is at that path once locked.  tensorstore checks
+    a key's generation and renames its new value over it under this lock; a
+    conditional write of ours that did not take it could land between the
+    two, and tensorstore's rename would then throw it away unseen.  Waits
+    LOCK_WAIT at most (EBUSY).  The lock file is removed when done, as
+    tensorstore removes it after a write that did not rename it."""
+    lock_path = path + LOCK_SUFFIX
+    fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        deadline, delay = time.monotonic() + LOCK_WAIT, 0.001
+        while True:
+            try:
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _OFD_WRLCK)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                if time.monotonic() > deadline:
+                    raise OSError(errno.EBUSY, f"locked by another writer for {LOCK_WAIT:g} s", lock_path) from None
+                time.sleep(delay)
+                delay = min(0.05, 2 * delay)
+                continue
+            try:
+                held = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+            except FileNotFoundError:
+                held = False
+            if held:
+                break
+            # the holder before us removed or renamed it: lock the file there now
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _OFD_UNLCK)
+            os.close(fd)
+            fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            yield
+        finally:
+            try:
+                os.unlink(lock_path)  # (ours while locked)
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(fd)  # (releases the lock)
 
 
 def _tmp_name(basename: str) -> str:
@@ -229,8 +287,9 @@ class LocalBackend:
     @staticmethod
     def reserved_name(name: str) -> bool:
         """Temporary files' names: hidden from listings, removed once their
-        writer is gone; a user's file of such a name would vanish."""
-        return _is_internal(name)
+        writer is gone; a user's file of such a name would vanish.  And
+        tensorstore's lock files, hidden too (tensorstore refuses such keys)."""
+        return _is_internal(name) or name.endswith(LOCK_SUFFIX)
 
     def _check_root(self, key: str, doing: str = "written") -> None:
         """Before a write, a listing or a lookup: the store's root directory
@@ -421,6 +480,8 @@ class LocalBackend:
         try:
             with os.scandir(self._path(prefix)) as it:
                 for entry in it:
+                    if entry.name.endswith(LOCK_SUFFIX):
+                        continue  # (a key's lock, held now or left by a writer killed)
                     if _is_internal(entry.name):
                         if _writer_gone(entry.path, entry.name):
                             if self.tidy:
@@ -512,7 +573,7 @@ class LocalBackend:
                     f.flush()
                     os.fsync(f.fileno())
                 if if_match is not None or if_none_match:
-                    with self._dir_lock(dirpath):
+                    with _key_lock(path), self._dir_lock(dirpath):
                         self._check(key, path, if_match, if_none_match)
                         os.rename(tmp, path)
                 else:
@@ -543,7 +604,7 @@ class LocalBackend:
         changed = None  # the directory whose change must be made durable
         try:
             if if_match is not None:
-                with self._dir_lock(os.path.dirname(path)):
+                with _key_lock(path), self._dir_lock(os.path.dirname(path)):
                     self._check(key, path, if_match, False)
                     os.unlink(path)
             else:
