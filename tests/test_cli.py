@@ -241,9 +241,10 @@ def test_stats_text_and_json(store, mount):
     assert result.returncode == 0, result.stderr
     text = result.stdout
     for label in ("source", "mountpoint", "requests", "bytes", "errors", "index_cache", "chunk_cache", "inodes",
-                  "read-ahead", "kernel"):
+                  "read-ahead", "kernel", "handles", "write-back"):
         assert re.search(rf"^{label}\b", text, re.M), f"{label} missing from:\n{text}"
     assert str(store.root) in text and str(m.path) in text
+    assert "dirty_shards=0" in text and "open=" in text
 
     result = zs("stats", "--json", m.path)
     assert result.returncode == 0, result.stderr
@@ -275,6 +276,8 @@ BAD_OPTIONS = {
     "unknown_option": "ro,bogus=1",
     "index_cache_abc": "index_cache=abc",
     "max_connections_0": "max_connections=0",
+    "max_connections_huge": "max_connections=100000000000000000000",  # (botocore would fill its pool queue)
+    "shard_factor_huge": "rw,shard=5000",
     "flag_with_value": "ro=1",
     "value_missing": "chunk_cache",
     "log_level_bad": "log_level=LOUD",
@@ -302,6 +305,8 @@ BAD_OPTIONS = {
         ("unknown_option", ["unknown option", "bogus"]),
         ("index_cache_abc", ["index_cache", "abc"]),
         ("max_connections_0", ["max_connections", "at least 1"]),
+        ("max_connections_huge", ["max_connections", "at most 1024"]),
+        ("shard_factor_huge", ["shard", "at most 4096"]),
         ("flag_with_value", ["ro", "takes no value"]),
         ("value_missing", ["chunk_cache", "needs a value"]),
         ("log_level_bad", ["log_level"]),

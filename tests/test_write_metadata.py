@@ -240,6 +240,28 @@ def test_shard_factors_for_other_dimensions_store_the_array_as_written(store, mo
     np.testing.assert_array_equal(stored_cube[...], 7)
 
 
+def test_shards_are_no_larger_than_the_array(store, mount, tmp_path):
+    """``-o shard=K`` with K past an array's chunk count along a dimension
+    stores shards of just the chunks there are (before, ``shard=255`` made
+    a 1-byte chunk of a tiny 3-d array a 265 MB shard, its index); a shard
+    that would still hold more than 2**24 chunks is stored unsharded, as
+    written, with one log line (before: no line)."""
+    m = mount(store.source, "shard=4000", extra=store.extra)
+    tiny = zarr.create_array(str(m / "tiny"), shape=(8, 8, 3), chunks=(2, 2, 2), dtype="u1", fill_value=0,
+                             compressors=None)
+    tiny[...] = 5
+    zarr.create_array(str(m / "vast"), shape=(300, 300, 300), chunks=(1, 1, 1), dtype="u1", fill_value=0,
+                      compressors=None)
+    m.umount()
+    assert m.log_text().count("vast/zarr.json: stored unsharded, as written: sharded, it could not be shown") == 1
+    root = store.local_copy(tmp_path / "copy")
+    stored = zarr.open_array(str(root / "tiny"), mode="r")
+    assert stored.shards == (8, 8, 4)
+    np.testing.assert_array_equal(stored[...], 5)
+    assert len(store.get("tiny/c/0/0/0")) == 4 * 4 * 2 * 8 + 4 * 4 * 2 * 16 + 4  # 32 chunks and their index
+    assert zarr.open_array(str(root / "vast"), mode="r").shards is None
+
+
 def _unsharded_source(tmp_path: Path) -> Path:
     src = tmp_path / "unsharded"
     zarr.create_array(str(src / "arr"), shape=(8, 8), chunks=(2, 2), dtype="<i4", fill_value=0,

@@ -492,6 +492,10 @@ def cmd_stats(args) -> int:
     print(f"read-ahead  within shards={stats['prefetches']}  shards ahead={stats['read_aheads']}")
     k = stats["kernel"]
     print(f"kernel      reads={k['reads']}  open_fills={k['open_fills']}")
+    if "handles" in stats:
+        print("handles     " + "  ".join(f"{k}={v}" for k, v in stats["handles"].items()))
+    if "writeback" in stats:  # (what only memory holds: a failed flush shows here)
+        print("write-back  " + "  ".join(f"{k}={v}" for k, v in stats["writeback"].items()))
     return EXIT_OK
 
 

@@ -57,14 +57,26 @@ def parse_timeout(text: str, name: str) -> float:
     return value
 
 
-def parse_int(text: str, name: str, minimum: int = 1) -> int:
+def parse_int(text: str, name: str, minimum: int = 1, maximum: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         raise OptionError(f"option {name}: {text!r} is not a whole number") from None
-    if value < minimum:
-        raise OptionError(f"option {name}: must be at least {minimum}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise OptionError(f"option {name}: must be at least {minimum}"
+                          + (f" and at most {maximum}" if maximum is not None else ""))
     return value
+
+
+#: storage requests in flight at most (each S3 connection pool is sized by
+#: it; botocore fills the pool's queue up front, so 10**20 would never start)
+MAX_CONNECTIONS = 1024
+#: inner chunks per shard and dimension ``-o shard=K`` may ask for
+MAX_SHARD_FACTOR = 4096
+
+
+def parse_connections(text: str, name: str) -> int:
+    return parse_int(text, name, maximum=MAX_CONNECTIONS)
 
 
 @dataclass
@@ -115,7 +127,8 @@ OPTIONS = {
                   "(default 1)"),
     "attr_timeout": ("attr_timeout", parse_seconds, "kernel entry/attribute cache time in seconds, 0 to inf "
                      "(default 5)"),
-    "max_connections": ("max_connections", parse_int, "storage requests in flight at once (default 16)"),
+    "max_connections": ("max_connections", parse_connections,
+                        f"storage requests in flight at once, 1 to {MAX_CONNECTIONS} (default 16)"),
     "timeout": ("timeout", parse_timeout, f"deadline of one storage operation in seconds, more than 0 and at most "
                 f"{MAX_TIMEOUT:g}; then EIO (default 30)"),
     "log_level": ("log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
@@ -132,7 +145,8 @@ OPTIONS = {
     "max_dirty": ("max_dirty", parse_size, "written-but-unflushed bytes before writers wait (default 256M)"),
     "flush_delay": ("flush_delay", parse_seconds, "seconds after its last write (and close) a shard is flushed, 0 to "
                     "inf (inf: only when full, at max_dirty, fsync, sync or unmount; default 2)"),
-    "shard": ("shard", None, "K or K1xK2x...: store new Zarr v3 arrays sharded, K inner chunks per shard and dimension"),
+    "shard": ("shard", None, "K or K1xK2x...: store new Zarr v3 arrays sharded, K inner chunks per shard and "
+                             "dimension (at most 4096, and at most the array's chunks there)"),
 }
 
 
@@ -141,8 +155,8 @@ def parse_shard(text: str, name: str) -> tuple[int, ...]:
         parts = tuple(int(p) for p in text.lower().split("x"))
     except ValueError:
         raise OptionError(f"option {name}: {text!r} is not K or K1xK2x... (whole numbers)") from None
-    if not parts or any(p < 1 for p in parts):
-        raise OptionError(f"option {name}: every factor must be at least 1")
+    if not parts or any(not 1 <= p <= MAX_SHARD_FACTOR for p in parts):
+        raise OptionError(f"option {name}: every factor must be at least 1 and at most {MAX_SHARD_FACTOR}")
     return parts
 
 

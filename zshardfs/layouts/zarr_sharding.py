@@ -211,8 +211,13 @@ def _sharded_doc(doc: dict, factors: tuple[int, ...]) -> dict | None:
         factors = factors * len(inner)
     if len(factors) != len(inner):
         return None  # (the caller says why)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        return None
     out = dict(doc)
-    out["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [c * k for c, k in zip(inner, factors)]}}
+    # (a shard no larger than the array needs: K past its chunk count would
+    # only make every shard's index larger)
+    edges = [c * min(k, max(1, -(-n // c))) for c, k, n in zip(inner, factors, shape)]
+    out["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": edges}}
     out["codecs"] = [{"name": SHARDING, "configuration": {
         "chunk_shape": inner,
         "codecs": doc.get("codecs") or [{"name": "bytes", "configuration": {"endian": "little"}}],
@@ -432,7 +437,12 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
         else:
             out = _sharded_doc(doc, tuple(shard_option))
             if out is not None and _meta_or_none(out) is None:
-                out = None  # (a key encoding the view cannot show sharded)
+                # (a key encoding the view cannot show sharded, too many chunks per shard)
+                try:
+                    sharded_array_meta(out)
+                except Unsupported as exc:
+                    log.warning("%s: stored unsharded, as written: sharded, it could not be shown (%s)", key, exc)
+                out = None
             ndim = len(doc.get("shape") or [])
             if out is None and len(shard_option) not in (1, ndim) and ndim:
                 log.warning("%s: stored unsharded, as written: -o shard has %d factors but the array has %d "
