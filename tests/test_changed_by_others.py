@@ -9,6 +9,7 @@ storage (moto over HTTP, or the local directory).
 from __future__ import annotations
 
 import contextlib
+import errno
 import gzip
 import os
 import shutil
@@ -294,6 +295,41 @@ def test_unreadable_files_leave_the_rest_readable(tmp_path):
             (mnt / "plain/info").read_bytes()
     text = log.read_text()
     assert len([line for line in text.splitlines() if "arr/c/0/0" in line and "not listed" in line]) == 1
+
+
+def test_a_garbage_index_and_a_symlink_loop_are_one_line_each(mount, tmp_path):
+    """A shard whose index (no checksum) is garbage: every chunk read by its
+    path is EIO, and the log has one line for the shard, not one per chunk
+    (zarr-python and tensorstore read by path; a 4096-chunk shard made 4097
+    lines).  A shard that is a symlink loop is left out of its directory's
+    listing, as a damaged shard is, and the rest stays listed (before: the
+    whole listing failed with ELOOP)."""
+    from zarr.codecs import BytesCodec, ShardingCodec
+
+    src = tmp_path / "store"
+    zarr.create_array(str(src / "garbage"), shape=(8, 12), dtype="u1", chunks=(8, 12), fill_value=0,
+                      serializer=ShardingCodec(chunk_shape=(2, 3), codecs=[BytesCodec()],
+                                               index_codecs=[BytesCodec()]), compressors=None)[...] = 1
+    shard = src / "garbage/c/0/0"
+    data = shard.read_bytes()
+    past = np.full((16, 2), len(data) + 100, "<u8")  # every entry past the end of the shard
+    shard.write_bytes(data[:-past.nbytes] + past.tobytes())
+    zarr.create_array(str(src / "loop"), shape=(4, 12), chunks=(2, 3), shards=(4, 6), dtype="u1",
+                      compressors=None, fill_value=0)[...] = 2
+    (src / "loop/c/0/1").unlink()
+    os.symlink("1", src / "loop/c/0/1")  # (the shard of chunks c/0/2, c/0/3, c/1/2, c/1/3)
+    m = mount(src, "ro")
+    for i in range(4):
+        for j in range(4):
+            with pytest.raises(OSError) as raised:
+                (m / f"garbage/c/{i}/{j}").read_bytes()
+            assert raised.value.errno == errno.EIO
+    assert sorted(os.listdir(m / "loop/c/0")) == ["0", "1"]
+    assert (m / "loop/c/0/1").read_bytes() == b"\x02" * 6
+    m.umount()
+    lines = m.log_text().splitlines()
+    assert len([line for line in lines if "garbage/c/0/0" in line]) == 1, lines
+    assert len([line for line in lines if "loop/c/0/1" in line]) == 1, lines
 
 
 def _read_or_eio(path: Path) -> bytes | None:

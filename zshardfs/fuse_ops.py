@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import pyfuse3
 
 from .backends.base import CorruptData, StoreError
-from .logonce import log_once
+from .logonce import log_once, report_damage
 from .view import Changed, Handle, Node, View, ViewError
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def _translate(fn):
         except pyfuse3.FUSEError:
             raise
         except CorruptData as exc:
-            _log_once(logging.ERROR, f"damaged data: {exc}")
+            report_damage(log, exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
         except ViewError as exc:
             # the answer to the request (ENOTEMPTY, EXDEV, EEXIST...), not a

@@ -34,7 +34,8 @@ import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 
-from .base import AccessDenied, Blob, Listing, NotFound, ObjectInfo, PreconditionFailed, StoreError, TooLarge, bump
+from .base import (AccessDenied, Blob, CorruptData, Listing, NotFound, ObjectInfo, PreconditionFailed, StoreError,
+                   TooLarge, bump)
 
 log = logging.getLogger(__name__)
 
@@ -357,6 +358,8 @@ class LocalBackend:
             bump(self.counters, "errors")
             return AccessDenied(f"{key}: {exc.strerror}", key)
         bump(self.counters, "errors")
+        if exc.errno == errno.ELOOP:  # (a symlink loop where an object should be: damaged, left out of listings)
+            return CorruptData(f"{key}: {exc.strerror}", key)
         err = StoreError(f"{key}: {exc.strerror}", key)
         err.errno = exc.errno or errno.EIO
         return err
