@@ -515,6 +515,60 @@ def test_a_truncate_by_path_that_fails_to_store_leaves_no_handle(tmp_path):
     trio.run(main)
 
 
+def test_large_indexes_load_within_the_index_cache_budget(tmp_path):
+    """Indexes being loaded at once hold at most the index cache's budget
+    (one larger index loads alone): a store declaring shards of 2**24
+    chunks (a 256 MiB index each) took gigabytes with a few lookups in
+    parallel.  Here: 1 MiB indexes, a 1 MiB budget, four lookups at once:
+    one index GET at a time, and every lookup answered."""
+    import numpy as np
+
+    n = 256
+    (tmp_path / "arr").mkdir()
+    (tmp_path / "arr/zarr.json").write_text(json.dumps({
+        "zarr_format": 3, "node_type": "array", "shape": [4 * n, n], "data_type": "uint8",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [n, n]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}}, "fill_value": 0,
+        "codecs": [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": [1, 1], "codecs": [{"name": "bytes"}],
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}], "index_location": "end"}}],
+        "attributes": {}}))
+    index = np.full((n * n, 2), 2**64 - 1, "<u8")
+    index[0] = (0, 1)
+    for i in range(4):
+        (tmp_path / f"arr/c/{i}").mkdir(parents=True)
+        (tmp_path / f"arr/c/{i}/0").write_bytes(b"\x07" + index.tobytes())
+    view, store = _view(tmp_path, index_cache=1 << 20)
+    at_once, most = [0], [0]
+    plain_get = store.get
+
+    def counted_get(*args, **kwargs):
+        if not kwargs.get("suffix"):  # (documents, probes: not indexes)
+            return plain_get(*args, **kwargs)
+        at_once[0] += 1
+        most[0] = max(most[0], at_once[0])
+        try:
+            time.sleep(0.1)
+            return plain_get(*args, **kwargs)
+        finally:
+            at_once[0] -= 1
+
+    store.get = counted_get
+    sizes = {}
+
+    async def main():
+        async def look(i):
+            sizes[i] = (await view.resolve(f"arr/c/{i * n}/0")).size
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(look, i)
+
+    trio.run(main)
+    assert sizes == {i: 1 for i in range(4)}
+    assert most[0] == 1
+
+
 async def _make_array(view, name):
     """An 8x8 uint8 array of 2x2 chunks, made through ``view`` (sharded by
     its ``shard`` option)."""

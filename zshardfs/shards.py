@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import heapq
 import logging
@@ -226,6 +227,12 @@ class ShardCache:
         self.index_ttl = index_ttl
         # one loader per shard at a time: concurrent readers share one request
         self._loads = SingleFlight()
+        # bytes of indexes being loaded at once, at most the index cache's
+        # budget (one larger index loads alone): each load holds its raw
+        # bytes and its table, and a store declaring 2**24-chunk shards would
+        # otherwise take gigabytes with a few parallel lookups
+        self._loading_bytes = 0
+        self._loading_room = trio.Condition()
         # shards forgotten (rewritten) while their index was loading: that
         # load may have read the old version and must not be cached
         self._forgotten: set[str] = set()
@@ -297,7 +304,8 @@ class ShardCache:
         self.indexes.misses += 1
         with self._loads.loading(key):
             try:
-                index = await fmt.load_index(self.store, key, shard_ctx)
+                async with self._index_room(fmt, shard_ctx):
+                    index = await fmt.load_index(self.store, key, shard_ctx)
             finally:
                 forgotten = key in self._forgotten
                 self._forgotten.discard(key)
@@ -310,6 +318,22 @@ class ShardCache:
                     if len(self._unread) > SCAN_SHARDS:
                         self._unread.popitem(last=False)
             return index
+
+    @contextlib.asynccontextmanager
+    async def _index_room(self, fmt: ShardFormat, shard_ctx: Any):
+        """Wait until an index of this size may load (see ``_loading_bytes``)."""
+        size = fmt.index_size(shard_ctx) if hasattr(fmt, "index_size") else 0
+        async with self._loading_room:
+            while self._loading_bytes and self._loading_bytes + size > self.indexes.max_bytes:
+                await self._loading_room.wait()
+            self._loading_bytes += size
+        try:
+            yield
+        finally:
+            with trio.CancelScope(shield=True):
+                async with self._loading_room:
+                    self._loading_bytes -= size
+                    self._loading_room.notify_all()
 
     async def _still_valid(self, key: str, cached: _Cached) -> bool:
         info = await self.store.stat(key)

@@ -140,7 +140,8 @@ class ZarrShardFormat:
             body, stored = memoryview(raw)[:-4], int.from_bytes(raw[-4:], "little")
             if crc32c.crc32c(body) != stored:
                 raise CorruptData(f"{info.key}: shard index checksum mismatch", info.key)
-        table = np.frombuffer(body, dtype=self.dtype).reshape(-1, 2).astype(np.uint64)
+        # (little-endian: a read-only view of ``raw``, not a copy)
+        table = np.frombuffer(body, dtype=self.dtype).reshape(-1, 2).astype(np.uint64, copy=False)
         return ZarrShardIndex(info, table)
 
     def encode(self, chunks: dict[int, bytes], extent) -> bytes:
