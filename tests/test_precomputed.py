@@ -1170,3 +1170,21 @@ def test_a_large_gzip_minishard_index_is_parsed_beside_the_loop(tmp_path, monkey
 
     assert trio.run(main) == (spec.shard_index_size + 12345, 1)
     assert threads and threading.get_ident() not in threads, threads
+
+
+def test_a_wrong_preshift_is_one_line_per_shard(tmp_path, mount):
+    """A key-value ``info`` whose ``preshift_bits`` is wrong misplaces the
+    chunks of every minishard: each shard says so in one line (the ids it
+    holds that hash elsewhere are not shown), not one per minishard."""
+    spec = peers.sharding("murmurhash3_x86_128", 0, 2, 3, "gzip", "gzip")
+    kv = peers.write_kv_twins(tmp_path / "src", "kv", spec)
+    info = json.loads((kv.sharded / "info").read_text())
+    info["sharding"]["preshift_bits"] = 5
+    (kv.sharded / "info").write_text(json.dumps(info))
+    m = mount(kv.sharded, "ro")
+    shown = os.listdir(m.path)
+    assert "info" in shown and len(shown) < len(kv.items) + 1  # (most ids hash elsewhere now)
+    m.umount()
+    lines = [line for line in m.log_text().splitlines() if "hash elsewhere" in line]
+    shards = [line.split(":")[3].strip() for line in lines]  # "... WARNING zshardfs.x: <shard key>: ..."
+    assert lines and len(shards) == len(set(shards)), lines

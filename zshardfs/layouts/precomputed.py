@@ -654,12 +654,16 @@ class PrecomputedDataset(Dataset):
     async def _shard_listing(self, index: PrecomputedShardIndex) -> list[tuple[str, ChunkEntry]]:
         """Every readable chunk file of one shard, from its indexes only."""
         minishards = await index.minishards()
+        misplaced = {}
         for m, ms in minishards.items():
             if isinstance(ms, CorruptData):
                 report_damage(log, ms)
             elif ms.misplaced:
-                warn_once(log, f"{index.info.key}: minishard {m}: {ms.misplaced} chunk(s) that hash elsewhere "
-                               "are not shown")
+                misplaced[m] = ms.misplaced
+        if misplaced:  # (one line a shard: a wrong hash or preshift misplaces the chunks of every minishard)
+            first = min(misplaced)
+            warn_once(log, f"{index.info.key}: {sum(misplaced.values())} chunk(s) that hash elsewhere are not shown "
+                           f"(minishard {first}" + (f" and {len(misplaced) - 1} more)" if len(misplaced) > 1 else ")"))
         good = [ms for ms in minishards.values() if isinstance(ms, Minishard)]
         await index.fetch_sizes(good)
         out = []
