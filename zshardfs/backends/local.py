@@ -288,9 +288,10 @@ class LocalBackend:
     @staticmethod
     def reserved_name(name: str) -> bool:
         """Temporary files' names: hidden from listings, removed once their
-        writer is gone; a user's file of such a name would vanish.  And
-        tensorstore's lock files, hidden too (tensorstore refuses such keys)."""
-        return _is_internal(name) or name.endswith(LOCK_SUFFIX)
+        writer is gone; a user's file of such a name would vanish.  (Not
+        tensorstore's lock files: tensorstore writing through the mount makes
+        them, and renames them over its keys.)"""
+        return _is_internal(name)
 
     def _check_root(self, key: str, doing: str = "written") -> None:
         """Before a write, a listing or a lookup: the store's root directory
