@@ -9,14 +9,18 @@ overlaps happen every time rather than once in a while.
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 
+import pytest
 import trio
 
+from zshardfs.backends.base import NotFound
 from zshardfs.backends.local import LocalBackend
 from zshardfs.config import MountConfig
 from zshardfs.daemon import build_view
+from zshardfs.view import ViewError
 
 
 class SlowStore(LocalBackend):
@@ -656,6 +660,41 @@ def test_temporaries_left_by_a_killed_writer_are_discarded(tmp_path, caplog):
         view.BORN_HERE_QUIET = 0
         assert not await view.sync()
         assert "arr" not in view.born_here  # nothing of it left in memory
+
+    trio.run(main)
+
+
+def test_a_temporary_being_read_is_kept_and_its_reader_keeps_its_bytes(tmp_path):
+    """A scratch file (only in memory) open for reading is not discarded as
+    abandoned; one unlinked under its reader, or discarded once the reader
+    is gone, leaves the open descriptor its bytes and is ENOENT to a new
+    open (before: EIO, and a traceback from a read of key None)."""
+    view, _ = _view(tmp_path, shard=(2, 2))
+
+    async def main():
+        await _make_array(view, "arr")
+        row = await view.mkdir(await view.mkdir(await view.resolve("arr"), "c"), "0")
+        w = await view.create(row, "0.tmp")
+        await view.write(w, 0, b"scratch")
+        await view.release(w)
+        node = await view.resolve("arr/c/0/0.tmp")
+        reader = await view.open(node, write=False, truncate=False)
+        view.SCRATCH_KEEP = 0.0
+        view.buffers["arr/c/0/0.tmp"].mtime -= 1.0
+        view._scratch_swept_at = 0.0
+        await view.create(await view.resolve(""), "other.txt")  # (a sweep)
+        assert "arr/c/0/0.tmp" in view.buffers  # being read: kept
+        second = await view.open(node, write=False, truncate=False)
+        await view.unlink(row, "0.tmp")
+        assert await view.read(second, 0, 100) == b"scratch"  # its own bytes, as on POSIX
+        await view.release(second)
+        await view.release(reader)
+        assert await view.refresh(node) is None
+        with pytest.raises(ViewError) as gone:
+            await view.open(node, write=False, truncate=False)
+        assert gone.value.errno == errno.ENOENT
+        with pytest.raises(NotFound):
+            await view.read(node, 0, 100)
 
     trio.run(main)
 

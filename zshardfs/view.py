@@ -93,6 +93,7 @@ class FileBuffer:
     data: bytearray
     dirty: bool = False
     handles: int = 0
+    readers: int = 0  # read-only handles of a scratch file (see View.open)
     mtime: float = field(default_factory=time.time)
     in_store: bool = True  # False: created here and not stored yet (nothing to delete)
     # bumped by every change: a store clears ``dirty`` only if no write came
@@ -495,6 +496,8 @@ class View:
         if node.key is not None and not node.is_dir:
             info = await self.store.stat(node.key)
             return await self._stored_file(node.path, info) if info is not None else None
+        if node.key is None and not node.is_dir:
+            return None  # a scratch file gone (unlinked, or dropped): only memory held it
         return node
 
     def in_memory(self, node: Node) -> Node | None:
@@ -660,6 +663,8 @@ class View:
             return data[offset: offset + size]
         if node.document is not None:
             return node.document[offset: offset + size]
+        if node.key is None:  # (a scratch file gone: only memory held it)
+            raise NotFound(f"{node.path}: no longer exists", node.path)
         if size <= 0 or offset >= node.size:
             return b""
         own = self.own_versions.get(node.key)
@@ -703,6 +708,15 @@ class View:
             handle = Handle(node)
             if node.is_chunk and not self.read_only:  # (only writes of this mount can remove it under them)
                 self.readers.setdefault(node.path, set()).add(handle)
+            buf = self.buffers.get(node.path)
+            if buf is not None and buf.key is None:
+                # a scratch file exists only in memory: the reader keeps its
+                # bytes, also once it is unlinked or dropped (POSIX), and it
+                # is not dropped while read (_drop_abandoned_scratch)
+                handle.buffer = buf
+                buf.readers += 1
+            elif node.key is None and not node.is_chunk and not node.is_dir:
+                raise ViewError(errno.ENOENT, f"{node.path}: no longer exists")
             return handle
         self._check_writable()
         node = await self._fresh(node)
@@ -1143,7 +1157,7 @@ class View:
             return
         self._scratch_swept_at = now
         old = [b for b in self.buffers.values()
-               if b.key is None and b.handles <= 0 and now - b.mtime >= self.SCRATCH_KEEP]
+               if b.key is None and b.handles <= 0 and b.readers <= 0 and now - b.mtime >= self.SCRATCH_KEEP]
         for buf in old:
             del self.buffers[buf.path]
         if old:
@@ -1154,6 +1168,8 @@ class View:
     async def release(self, handle: Handle) -> None:
         self._not_writer(handle)
         if not handle.writable:
+            if handle.buffer is not None:
+                handle.buffer.readers -= 1
             return  # (a reader's chunk, if any, is its private copy: 4.1)
         if handle.buffer is not None:
             buf = handle.buffer
@@ -1411,8 +1427,11 @@ class View:
                 raise ViewError(errno.EEXIST, f"{new_name}: exists")
             self._check_size(node, node.size)  # (the copy is held whole, as any file written)
             buf = self.buffers.get(node.path)
-            data = bytes(buf.data) if buf is not None else (
-                await self.content(node) if node.is_chunk else await self._stored_bytes(node, recent_ok=True))
+            # the bytes the view shows: a rewritten document as rewritten
+            # (unlike a rename, whose copy keeps the stored form), so that
+            # ``cp -al`` of an array makes the array it shows
+            data = bytes(buf.data) if buf is not None else await self.content(node) if node.is_chunk else \
+                node.document if node.document is not None else await self._stored_bytes(node, recent_ok=True)
             await self.writeback.wait_for_room()
             handle = await self.create(new_parent, new_name)
             try:
