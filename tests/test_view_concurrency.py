@@ -699,6 +699,51 @@ def test_a_temporary_being_read_is_kept_and_its_reader_keeps_its_bytes(tmp_path)
     trio.run(main)
 
 
+def test_shrinking_a_sparse_transformer_array_reads_only_its_stored_shards(tmp_path):
+    """The chunks outside a v3-draft array's smaller shape are removed
+    (SEMANTICS 4.9) by finding the shards storage holds (listings), not by
+    trying every shard position past the shape: a 4096 x 4096 grid of
+    one-chunk shards with two stored shrinks at once, reading one index."""
+    import numpy as np
+
+    ext = "https://purl.org/zarr/spec/storage_transformers/sharding/1.0"
+    doc = {"shape": [4096 * 64, 4096 * 64], "data_type": "|u1",
+           "chunk_grid": {"type": "regular", "chunk_shape": [64, 64], "separator": "/"},
+           "chunk_memory_layout": "C", "fill_value": 0, "extensions": [], "attributes": {}, "compressor": None,
+           "storage_transformers": [{"extension": ext, "type": "indexed",
+                                     "configuration": {"chunks_per_shard": [1, 1]}}]}
+    (tmp_path / "meta/root").mkdir(parents=True)
+    (tmp_path / "meta/root/arr.array.json").write_text(json.dumps(doc))
+    shard = b"\x07" * 4096 + np.array([[0, 4096]], "<u8").tobytes()
+    for i in (0, 4000):
+        (tmp_path / f"data/root/arr/c{i}").mkdir(parents=True)
+        (tmp_path / f"data/root/arr/c{i}/0").write_bytes(shard)
+    view, store = _view(tmp_path)
+    index_reads = [0]
+    plain_get = store.get
+
+    def counted_get(*args, **kwargs):
+        index_reads[0] += bool(kwargs.get("suffix"))
+        return plain_get(*args, **kwargs)
+
+    store.get = counted_get
+
+    async def main():
+        meta = await view.resolve("meta/root")
+        handle = await view.open(await view.lookup(meta, "arr.array.json"), write=True, truncate=True)
+        shown = dict(doc, shape=[2048 * 64, 4096 * 64])
+        del shown["storage_transformers"]
+        await view.write(handle, 0, json.dumps(shown).encode())
+        with trio.fail_after(10):
+            await view.flush(handle)
+        await view.release(handle)
+        assert not await view.sync()
+
+    trio.run(main)
+    assert index_reads[0] == 2  # the shard past the shape: to find its chunks, and as its flush removes them
+    assert (tmp_path / "data/root/arr/c0/0").exists() and not (tmp_path / "data/root/arr/c4000").exists()
+
+
 class S3LikeStore(LocalBackend):
     """A local store that, as S3, keeps no empty directories (the view keeps
     the ones it emptied) and whose lookups cost requests."""

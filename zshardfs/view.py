@@ -1041,7 +1041,9 @@ class View:
         stored, and the chunks stay, hidden, as the view found them."""
         try:
             after = await self.dataset_at(dir_key)
-            gone = await before.stored_outside(after, self.writeback.pending_ids) if after is not None else []
+            pending = {key: self.writeback.pending_ids(key) for key in self.writeback.dirty
+                       if key.startswith(_prefix(before.shard_home))}
+            gone = await before.stored_outside(after, pending) if after is not None else []
         except StoreError as exc:
             log.warning("%s: shape shrank, but the chunks outside it could not be removed: %s", dir_key, exc)
             return

@@ -161,10 +161,10 @@ class Dataset(ABC):
     #: right after storing that document, by names the view no longer shows.)
     prunes_on_shrink = False
 
-    async def stored_outside(self, smaller: "Dataset", pending) -> list[ChunkTarget]:
-        """Chunks stored in this dataset (or ``pending(shard_key)``, chunk ids
-        written but not stored yet) that lie outside ``smaller``, the same
-        dataset after its shape shrank."""
+    async def stored_outside(self, smaller: "Dataset", pending: dict) -> list[ChunkTarget]:
+        """Chunks stored in this dataset (or in ``pending``: shard key -> ids
+        of chunks written but not stored yet) that lie outside ``smaller``,
+        the same dataset after its shape shrank."""
         return []
 
     async def read(self, entry: ChunkEntry | ChunkTarget) -> bytes:

@@ -6,7 +6,7 @@ chunk keys are spelled.
 
 from __future__ import annotations
 
-import itertools
+import functools
 import logging
 import math
 import weakref
@@ -20,7 +20,7 @@ import trio
 from ..backends.base import AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo
 from ..logonce import log_once, report_damage
 from ..shards import EMPTY
-from ..together import off_loop
+from ..together import off_loop, outcomes
 from .base import ChunkEntry, ChunkTarget, Dataset, DirEntry, Entry, LayoutContext, parse_index_name
 from .grids import ShardGrid, linear_index, unravel_index
 
@@ -324,24 +324,67 @@ class GridDataset(Dataset):
         old = self.grid.inner_counts
         if counts is None or len(counts) != len(old) or all(n >= o for n, o in zip(counts, old)):
             return []
-        shards: set[tuple[int, ...]] = set()  # those reaching past the smaller grid
-        for d, (n, o) in enumerate(zip(counts, old)):
-            if n < o:
-                b = self.grid.bounds[d]
-                past = [s for s in range(self.grid.shard_count(d)) if b[s + 1] > n and b[s] < o]
-                shards.update(itertools.product(*(past if e == d else range(self.grid.shard_count(e))
-                                                   for e in range(len(old)))))
+        bounds = self.grid.bounds
+
+        def past(d: int, s: int) -> bool:  # shard s reaches past the smaller grid along d
+            return bounds[d][s + 1] > counts[d]
+
+        # only the shards storage holds (a sparse array may have a handful of
+        # its millions of grid positions), and those the mount has pending
+        shards = {c for c in await self._stored_shards(past, [n < o for n, o in zip(counts, old)])}
+        shards |= {p[0] for key in pending if (p := self._shard_of_key(key)) is not None}
+        shards = sorted(c for c in shards if any(past(d, s) for d, s in enumerate(c)))
         out = []
-        for shard in sorted(shards):
-            key, extent = self._shard_where(shard)
-            index = await self.ctx.shards.index(self.shard_format, key, extent)
-            ids = set(np.nonzero(index.present_mask())[0].tolist()) if index is not None else set()
-            origin = self.grid.shard_origin(shard)
-            for cid in sorted(ids | set(pending(key))):
-                coords = [o + p for o, p in zip(origin, unravel_index(cid, extent))]
-                if any(c >= n for c, n in zip(coords, counts)):
-                    out.append(ChunkTarget(key, cid, extent, self.grid.capacity(shard)))
+        for start in range(0, len(shards), 32):  # (indexes read 32 at a time)
+            batch = shards[start:start + 32]
+            wheres = [self._shard_where(c) for c in batch]
+            indexes = await outcomes(*(functools.partial(self.ctx.shards.index, self.shard_format, key, extent)
+                                       for key, extent in wheres))
+            for shard, (key, extent), index in zip(batch, wheres, indexes):
+                if isinstance(index, Exception):
+                    raise index
+                ids = set(np.nonzero(index.present_mask())[0].tolist()) if index is not None else set()
+                origin = self.grid.shard_origin(shard)
+                for cid in sorted(ids | set(pending.get(key, ()))):
+                    coords = [o + p for o, p in zip(origin, unravel_index(cid, extent))]
+                    if any(c >= n for c, n in zip(coords, counts)):
+                        out.append(ChunkTarget(key, cid, extent, self.grid.capacity(shard)))
+            await trio.lowlevel.checkpoint()
         return out
+
+    def _shard_of_key(self, key: str):
+        """(shard coords,) of a storage key of this dataset's shards, or None."""
+        head = self._key("")
+        if not key.startswith(head):
+            return None
+        parsed = self.keys.parse(tuple(key[len(head):].split("/")))
+        return (parsed[0],) if parsed is not None and parsed[1] and self.grid.shard_contains(parsed[0]) else None
+
+    async def _stored_shards(self, past, shrunk: list[bool]) -> list[tuple[int, ...]]:
+        """Coordinates of the shards storage holds that may reach past a
+        smaller grid (``past(dim, shard coord)``; ``shrunk``: the dimensions
+        that shrank), found by listing the directories that can hold them:
+        a subtree whose leading coordinates are inside, with no shrunk
+        dimension left below, is not listed."""
+        found = []
+
+        async def walk(rel: tuple[str, ...], coords: tuple[int, ...]) -> None:
+            listing = await self.ctx.store.list(self._key("/".join(rel)).rstrip("/"))
+            for f in listing.files:
+                parsed = self.keys.parse(rel + (f.key.rsplit("/", 1)[-1],))
+                if parsed is not None and parsed[1] and self.grid.shard_contains(parsed[0]):
+                    found.append(parsed[0])
+            for d in listing.dirs:
+                parsed = self.keys.parse(rel + (d,))
+                if parsed is None or parsed[1]:
+                    continue
+                below = parsed[0]
+                if any(past(i, s) for i, s in enumerate(below) if s < self.grid.shard_count(i)) or \
+                        any(shrunk[len(below):]):
+                    await walk(rel + (d,), below)
+
+        await walk((), ())
+        return found
 
     # -- lookup -------------------------------------------------------------
 
