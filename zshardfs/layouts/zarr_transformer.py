@@ -40,24 +40,29 @@ def _transformer(doc: dict):
     return found[0] if found else None
 
 
-def _split(key: str, root: str) -> tuple[str, str] | None:
-    """(store prefix, rest) of a key below ``<prefix>meta/root/`` or
-    ``<prefix>data/root/`` (``root``): a v3-draft store may sit anywhere in
-    the mounted tree (the first such segment names its root)."""
-    if key.startswith(root):
-        return "", key[len(root):]
+def _splits(key: str, root: str) -> list[tuple[str, str]]:
+    """Every (store prefix, rest) reading of a key below ``<prefix>meta/root/``
+    or ``<prefix>data/root/`` (``root``), outermost first: a v3-draft store
+    may sit anywhere in the mounted tree, also in a directory itself named
+    so (``proj/data/root/`` holding ``meta/root/`` and ``data/root/``); its
+    document then tells which reading is the store."""
+    out = [("", key[len(root):])] if key.startswith(root) else []
     at = key.find("/" + root)
-    return (key[:at + 1], key[at + 1 + len(root):]) if at >= 0 else None
+    while at >= 0:
+        out.append((key[:at + 1], key[at + 1 + len(root):]))
+        at = key.find("/" + root, at + 1)
+    return out
 
 
 def is_document(key: str) -> bool:
-    return key.endswith(SUFFIX) and _split(key, META_ROOT) is not None
+    return key.endswith(SUFFIX) and bool(_splits(key, META_ROOT))
 
 
 def dataset_dirs(key: str, data: bytes) -> list[str]:
-    """``<prefix>meta/root/<p>.array.json`` describes the array under ``<prefix>data/root/<p>``."""
-    prefix, rest = _split(key, META_ROOT)
-    return [prefix + DATA_ROOT + rest[:-len(SUFFIX)]]
+    """``<prefix>meta/root/<p>.array.json`` describes the array under
+    ``<prefix>data/root/<p>`` (each reading of the key: the view keeps
+    those that are datasets)."""
+    return [prefix + DATA_ROOT + rest[:-len(SUFFIX)] for prefix, rest in _splits(key, META_ROOT)]
 
 
 def rewrite_document(key: str, data: bytes) -> bytes | None:
@@ -143,13 +148,14 @@ def _dataset_params(doc: dict, what: str):
 
 
 async def probe(ctx: LayoutContext, dir_key: str) -> GridDataset | None:
-    where = _split(dir_key, DATA_ROOT)
-    if where is None or not where[1]:
-        return None
-    prefix, path = where
-    try:
-        blob = await ctx.store.get_document(f"{prefix}{META_ROOT}{path}{SUFFIX}")
-    except NotFound:
+    for prefix, path in _splits(dir_key, DATA_ROOT):
+        if path:
+            try:
+                blob = await ctx.store.get_document(f"{prefix}{META_ROOT}{path}{SUFFIX}")
+                break
+            except NotFound:
+                continue
+    else:
         return None
     doc = await load_json_async(blob.data, blob.info.key)
     params = _dataset_params(doc, blob.info.key) if doc is not None else None
