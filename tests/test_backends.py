@@ -1248,3 +1248,41 @@ def _outcome(fn):
         return fn()
     except Exception as exc:
         return exc
+
+
+def test_local_lock_files_left_by_killed_writers_are_removed(tmp_path):
+    """A kill -9 in the middle of a conditional write leaves the key's empty
+    lock file (tensorstore's crashes do too).  Listings never show an empty
+    ``<key>.__lock``; a put into its directory removes it once it is
+    STALE_AGE old and no one holds it.  A lock held now, or a file of that
+    name with data in it, is left alone (and the latter is listed).  A key
+    removed, with its lock file and directory, while a write waits for the
+    lock is a failed precondition (before: EBADF from a double close)."""
+    import zshardfs.backends.local as local_module
+
+    backend = LocalBackend(str(tmp_path))
+    backend.put("arr/a", b"1")
+    old = time.time() - 2 * local_module.STALE_AGE
+    for name, data in (("a.__lock", b""), ("b.__lock", b""), ("c.__lock", b"tensorstore died writing")):
+        (tmp_path / "arr" / name).write_bytes(data)
+        os.utime(tmp_path / "arr" / name, (old, old))
+    held = _tensorstore_lock(str(tmp_path / "arr/b"))
+    assert [f.key for f in backend.list("arr").files] == ["arr/a", "arr/c.__lock"]
+    fresh = LocalBackend(str(tmp_path))  # (its first put into the directory sweeps it)
+    fresh.put("arr/d", b"4")
+    assert sorted(os.listdir(tmp_path / "arr")) == ["a", "b.__lock", "c.__lock", "d"]
+    os.close(held)
+
+    info = backend.put("d/s", b"x")
+    held = _tensorstore_lock(str(tmp_path / "d/s"))
+    done = []
+    worker = threading.Thread(target=lambda: done.append(_outcome(
+        lambda: backend.delete("d/s", if_match=info.etag))))
+    worker.start()
+    time.sleep(0.3)
+    os.unlink(tmp_path / "d/s")
+    os.unlink(tmp_path / "d/s.__lock")
+    os.rmdir(tmp_path / "d")
+    os.close(held)
+    worker.join(10)
+    assert isinstance(done[0], PreconditionFailed), done

@@ -158,8 +158,8 @@ def stored_chunks(store: Store, array: str, per_shard, sep: str = "/") -> dict[t
     n = math.prod(per_shard)
     out = {}
     for key in store.keys():
-        if not key.startswith(array + "/c" + sep) or key.endswith(".json") or ".zshardfs-tmp-" in key:
-            continue  # (the local backend's temporaries, left by a kill -9, are hidden by it)
+        if not key.startswith(array + "/c" + sep) or key.endswith((".json", ".__lock")) or ".zshardfs-tmp-" in key:
+            continue  # (the local backend's temporaries and lock files, left by a kill -9, are hidden by it)
         shard = tuple(int(p) for p in key[len(array) + 3:].split(sep))
         for cid, data in read_shard(store.get(key), n, key).items():
             pos = np.unravel_index(cid, per_shard)
@@ -244,9 +244,8 @@ def _check_sharded(store: Store, tmp_path: Path, expected: dict[str, np.ndarray]
     allowed = {"g/zarr.json"}
     for path, shape, chunks, dtype, _, sep in ARRAYS:
         a = zarr.open_array(str(root / path), mode="r")
-        # k chunks per shard and dimension, or as many as the array has there
-        per_shard = tuple(min(k, math.ceil(s / c)) for s, c in zip(shape, chunks))
-        assert a.shards == tuple(c * n for c, n in zip(chunks, per_shard)), f"{path} is not stored sharded"
+        per_shard = (k,) * len(shape)
+        assert a.shards == tuple(c * k for c in chunks), f"{path} is not stored sharded"
         assert a.chunks == chunks
         doc = json.loads(store.get(f"{path}/zarr.json"))
         assert [c["name"] for c in doc["codecs"]] == ["sharding_indexed"]
@@ -651,6 +650,7 @@ def test_kill_9_during_write_storm(store, mount, tmp_path):
         assert c in started and data in (b"", content(*c)), c
     internal = [k for k in store.keys() if k != "arr/zarr.json" and not k.startswith("arr/c/")]
     assert all(".zshardfs-tmp-" in k for k in internal), internal
+    assert all(store.get(k) == b"" for k in store.keys() if k.endswith(".__lock"))  # (empty locks only)
 
     # a new mount reads the store (and its log stays free of tracebacks)
     m2 = mount(store.source, "ro", extra=store.extra)

@@ -240,25 +240,27 @@ def test_shard_factors_for_other_dimensions_store_the_array_as_written(store, mo
     np.testing.assert_array_equal(stored_cube[...], 7)
 
 
-def test_shards_are_no_larger_than_the_array(store, mount, tmp_path):
-    """``-o shard=K`` with K past an array's chunk count along a dimension
-    stores shards of just the chunks there are (before, ``shard=255`` made
-    a 1-byte chunk of a tiny 3-d array a 265 MB shard, its index); a shard
-    that would still hold more than 2**24 chunks is stored unsharded, as
-    written, with one log line (before: no line)."""
+def test_shard_factors_are_kept_and_too_large_shards_are_logged(store, mount, tmp_path):
+    """``-o shard=K`` shards hold K chunks per dimension as asked, also past
+    the array's shape when it is made (an array made empty and appended to
+    grows into its shards); an array whose shards would hold more than
+    2**24 chunks is stored unsharded, as written, with one log line
+    (before: no line)."""
+    m = mount(store.source, "shard=16", extra=store.extra)
+    grown = zarr.create_array(str(m / "grown"), shape=(0,), chunks=(10,), dtype="u1", fill_value=0,
+                              compressors=None)
+    grown.append(np.arange(1600, dtype="u1") % 251)
+    m.umount()
     m = mount(store.source, "shard=4000", extra=store.extra)
-    tiny = zarr.create_array(str(m / "tiny"), shape=(8, 8, 3), chunks=(2, 2, 2), dtype="u1", fill_value=0,
-                             compressors=None)
-    tiny[...] = 5
     zarr.create_array(str(m / "vast"), shape=(300, 300, 300), chunks=(1, 1, 1), dtype="u1", fill_value=0,
                       compressors=None)
     m.umount()
     assert m.log_text().count("vast/zarr.json: stored unsharded, as written: sharded, it could not be shown") == 1
     root = store.local_copy(tmp_path / "copy")
-    stored = zarr.open_array(str(root / "tiny"), mode="r")
-    assert stored.shards == (8, 8, 4)
-    np.testing.assert_array_equal(stored[...], 5)
-    assert len(store.get("tiny/c/0/0/0")) == 4 * 4 * 2 * 8 + 4 * 4 * 2 * 16 + 4  # 32 chunks and their index
+    stored = zarr.open_array(str(root / "grown"), mode="r")
+    assert stored.shards == (160,)
+    np.testing.assert_array_equal(stored[...], np.arange(1600, dtype="u1") % 251)
+    assert len([k for k in store.keys() if k.startswith("grown/c/")]) == 10
     assert zarr.open_array(str(root / "vast"), mode="r").shards is None
 
 

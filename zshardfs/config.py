@@ -146,7 +146,7 @@ OPTIONS = {
     "flush_delay": ("flush_delay", parse_seconds, "seconds after its last write (and close) a shard is flushed, 0 to "
                     "inf (inf: only when full, at max_dirty, fsync, sync or unmount; default 2)"),
     "shard": ("shard", None, "K or K1xK2x...: store new Zarr v3 arrays sharded, K inner chunks per shard and "
-                             "dimension (at most 4096, and at most the array's chunks there)"),
+                             "dimension (at most 4096)"),
 }
 
 

@@ -103,6 +103,7 @@ def _key_lock(path: str):
             # the holder before us removed or renamed it: lock the file there now
             fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _OFD_UNLCK)
             os.close(fd)
+            fd = -1  # (closed: an open below that fails must not close it again)
             fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
             yield
@@ -112,7 +113,45 @@ def _key_lock(path: str):
             except FileNotFoundError:
                 pass
     finally:
-        os.close(fd)  # (releases the lock)
+        if fd >= 0:
+            os.close(fd)  # (releases the lock)
+
+
+def _is_key_lock(name: str, size: int) -> bool:
+    """A key's lock file, ours or tensorstore's: empty, named ``<key>.__lock``.
+    One with data (tensorstore died writing a value into it, or a user's
+    file of such a name) is left as it is, and listed."""
+    return size == 0 and name.endswith(LOCK_SUFFIX) and len(name) > len(LOCK_SUFFIX)
+
+
+def _remove_lock_if_stale(path: str) -> bool:
+    """Remove a key's lock file that a killed writer left: STALE_AGE old and
+    held by no one now (taken without waiting, as tensorstore does: a writer
+    that opened it meanwhile finds it gone when it checks, and retries).
+    True if it is gone."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if time.time() - st.st_mtime < STALE_AGE:
+            return False
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _OFD_WRLCK)
+        except OSError:
+            return False  # held: a live writer's
+        if os.path.samestat(st, os.stat(path)):
+            os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _tmp_name(basename: str) -> str:
@@ -484,8 +523,11 @@ class LocalBackend:
         try:
             with os.scandir(self._path(prefix)) as it:
                 for entry in it:
-                    if entry.name.endswith(LOCK_SUFFIX):
-                        continue  # (a key's lock, held now or left by a writer killed)
+                    if entry.name.endswith(LOCK_SUFFIX) and entry.is_file() and \
+                            _is_key_lock(entry.name, entry.stat().st_size):
+                        if self.tidy:  # (a key's lock, held now or left by a writer killed)
+                            _remove_lock_if_stale(entry.path)
+                        continue
                     if _is_internal(entry.name):
                         if _writer_gone(entry.path, entry.name):
                             if self.tidy:
@@ -548,6 +590,8 @@ class LocalBackend:
                 for entry in it:
                     if _is_internal(entry.name) and _writer_gone(entry.path, entry.name):
                         again |= not _remove_if_old(entry.path)
+                    elif entry.name.endswith(LOCK_SUFFIX) and _is_key_lock(entry.name, entry.stat().st_size):
+                        again |= not _remove_lock_if_stale(entry.path)
         except OSError:
             return
         if not again:

@@ -211,13 +211,10 @@ def _sharded_doc(doc: dict, factors: tuple[int, ...]) -> dict | None:
         factors = factors * len(inner)
     if len(factors) != len(inner):
         return None  # (the caller says why)
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
-        return None
     out = dict(doc)
-    # (a shard no larger than the array needs: K past its chunk count would
-    # only make every shard's index larger)
-    edges = [c * min(k, max(1, -(-n // c))) for c, k, n in zip(inner, factors, shape)]
-    out["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": edges}}
+    # (as asked, also past the array's current shape: arrays made empty and
+    # appended to, as xarray and zarr's append do, grow into their shards)
+    out["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [c * k for c, k in zip(inner, factors)]}}
     out["codecs"] = [{"name": SHARDING, "configuration": {
         "chunk_shape": inner,
         "codecs": doc.get("codecs") or [{"name": "bytes", "configuration": {"endian": "little"}}],
