@@ -520,7 +520,11 @@ def test_tensorstore_writing_the_same_shard_directly_loses_no_write(mount, tmp_p
         try:
             time.sleep(0.03)
             (m / "arr/c/1/1").write_bytes(np.full((4, 4), 1000 + r, "<i4").tobytes())
-            subprocess.run([*ZSHARDFS, "sync", str(m.path)], check=True, timeout=60)
+            for _ in range(3):  # (a flush that loses the race 12 times in a row fails its round: EIO, data kept)
+                if subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True, timeout=60).returncode == 0:
+                    break
+            else:
+                pytest.fail(f"round {r}: three syncs in a row lost every race")
         finally:
             stop.set()
             writer.join()
