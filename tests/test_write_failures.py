@@ -45,6 +45,17 @@ def small_fs(tmp_path):
     subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+@pytest.fixture
+def other_fs(tmp_path):
+    """A tmpfs: another file system than the source's (request it before
+    ``mount``, so that the mount is gone before it is)."""
+    path = tmp_path / "otherfs"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(path)], check=True)
+    yield path
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
 def free_bytes(path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
@@ -674,55 +685,43 @@ def _assert_refused_not_adopted(m) -> None:
     assert "a file system was mounted on the store's directory" not in m.log_text()
 
 
-def test_a_symlinked_source_pointed_elsewhere_is_refused(tmp_path, mount):
+def test_a_symlinked_source_pointed_elsewhere_is_refused(tmp_path, other_fs, mount):
     """The source given as a symlink (``current -> v1``, v1 empty).  The link
     is moved to another tree on another file system (``ln -sfn``): that tree
     is not the store mounted (test_a_source_swapped_while_mounted_is_refused),
     and must be refused, not served."""
-    other_fs = tmp_path / "otherfs"
-    other_fs.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(other_fs)], check=True)
+    (tmp_path / "v1").mkdir()
+    grid_array(other_fs / "v2")
+    (other_fs / "v2" / "secret.txt").write_bytes(b"another tree")
+    link = tmp_path / "current"
+    link.symlink_to(tmp_path / "v1")
+    m = mount(link, "metadata_ttl=0", "attr_timeout=0")
     try:
-        (tmp_path / "v1").mkdir()
-        grid_array(other_fs / "v2")
-        (other_fs / "v2" / "secret.txt").write_bytes(b"another tree")
-        link = tmp_path / "current"
-        link.symlink_to(tmp_path / "v1")
-        m = mount(link, "metadata_ttl=0", "attr_timeout=0")
-        try:
-            assert os.listdir(m.path) == []
-            tmp = tmp_path / "current.new"
-            tmp.symlink_to(other_fs / "v2")
-            os.rename(tmp, link)
-            _assert_refused_not_adopted(m)
-        finally:
-            _abandon(m)
+        assert os.listdir(m.path) == []
+        tmp = tmp_path / "current.new"
+        tmp.symlink_to(other_fs / "v2")
+        os.rename(tmp, link)
+        _assert_refused_not_adopted(m)
     finally:
-        subprocess.run(["umount", "-l", str(other_fs)], capture_output=True)
+        _abandon(m)
 
 
-def test_an_empty_source_removed_and_replaced_by_a_symlink_is_refused(tmp_path, mount):
+def test_an_empty_source_removed_and_replaced_by_a_symlink_is_refused(tmp_path, other_fs, mount):
     """The (empty) source directory removed (rmdir) and a symlink to a tree on
     another file system put at its path: the removed directory is refused
     (test_a_local_source_removed_and_made_again_is_refused), so must this be."""
-    other_fs = tmp_path / "otherfs"
-    other_fs.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(other_fs)], check=True)
+    source = tmp_path / "src"
+    source.mkdir()
+    (other_fs / "tree").mkdir()
+    (other_fs / "tree" / "secret.txt").write_bytes(b"another tree")
+    m = mount(source, "metadata_ttl=0", "attr_timeout=0")
     try:
-        source = tmp_path / "src"
-        source.mkdir()
-        (other_fs / "tree").mkdir()
-        (other_fs / "tree" / "secret.txt").write_bytes(b"another tree")
-        m = mount(source, "metadata_ttl=0", "attr_timeout=0")
-        try:
-            assert os.listdir(m.path) == []
-            source.rmdir()
-            source.symlink_to(other_fs / "tree")
-            _assert_refused_not_adopted(m)
-        finally:
-            _abandon(m)
+        assert os.listdir(m.path) == []
+        source.rmdir()
+        source.symlink_to(other_fs / "tree")
+        _assert_refused_not_adopted(m)
     finally:
-        subprocess.run(["umount", "-l", str(other_fs)], capture_output=True)
+        _abandon(m)
 
 
 def test_names_of_temporary_files_are_refused(tmp_path, mount):
