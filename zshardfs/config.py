@@ -33,6 +33,9 @@ def parse_size(text: str, name: str) -> int:
 #: the longest ``timeout`` accepted: a day is "never" for one storage
 #: operation, and far larger values overflow socket timeouts on S3
 MAX_TIMEOUT = 86400.0
+#: the shortest: below it no S3 request and few disk reads could ever finish,
+#: and every operation would fail at once with EIO
+MIN_TIMEOUT = 0.1
 
 
 def parse_seconds(text: str, name: str) -> float:
@@ -50,10 +53,10 @@ def parse_seconds(text: str, name: str) -> float:
 
 
 def parse_timeout(text: str, name: str) -> float:
-    """A deadline: more than 0 and at most :data:`MAX_TIMEOUT` seconds."""
+    """A deadline: at least :data:`MIN_TIMEOUT` and at most :data:`MAX_TIMEOUT` seconds."""
     value = parse_seconds(text, name)
-    if not 0 < value <= MAX_TIMEOUT:
-        raise OptionError(f"option {name}: must be more than 0 and at most {MAX_TIMEOUT:g} seconds")
+    if not MIN_TIMEOUT <= value <= MAX_TIMEOUT:
+        raise OptionError(f"option {name}: must be at least {MIN_TIMEOUT:g} and at most {MAX_TIMEOUT:g} seconds")
     return value
 
 
@@ -129,8 +132,8 @@ OPTIONS = {
                      "(default 5)"),
     "max_connections": ("max_connections", parse_connections,
                         f"storage requests in flight at once, 1 to {MAX_CONNECTIONS} (default 16)"),
-    "timeout": ("timeout", parse_timeout, f"deadline of one storage operation in seconds, more than 0 and at most "
-                f"{MAX_TIMEOUT:g}; then EIO (default 30)"),
+    "timeout": ("timeout", parse_timeout, f"deadline of one storage operation in seconds, at least "
+                f"{MIN_TIMEOUT:g} and at most {MAX_TIMEOUT:g}; then EIO (default 30)"),
     "log_level": ("log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
     "log_file": ("log_file", str, "write the log to this file (default: stderr in --foreground, else syslog)"),
     "fsname": ("fsname", str, "name shown in /proc/mounts (default: the source)"),
