@@ -1119,6 +1119,43 @@ def test_an_info_written_with_another_sharding_is_refused(tmp_path, mount):
     assert np.all(np.asarray(got.result().read().result()) == 9)
 
 
+@pytest.mark.parametrize("kind", ["skeletons", "volume"])
+def test_an_info_that_would_hide_plain_chunk_files_is_refused(tmp_path, mount, kind):
+    """An ``info`` written through the view that makes a directory sharded
+    while it holds chunk files stored plain is refused (EPERM, one log
+    line): those files would vanish from the view (as a sharded zarr.json
+    over plain chunks would). The same ``info`` over an empty directory is
+    accepted. Before, it was stored and the files were gone."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    sharding = {"@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity",
+                "minishard_bits": 0, "shard_bits": 0, "minishard_index_encoding": "raw", "data_encoding": "raw"}
+    if kind == "skeletons":
+        plain, names = {"@type": "neuroglancer_skeletons"}, ["1", "2", "3"]
+        files, sharded = src / "d", dict(plain, sharding=sharding)
+    else:
+        scale = {"key": "s0", "size": [32, 16, 16], "voxel_offset": [0, 0, 0], "chunk_sizes": [[16, 16, 16]],
+                 "resolution": [1, 1, 1], "encoding": "raw"}
+        plain = {"type": "image", "data_type": "uint8", "num_channels": 1, "scales": [scale]}
+        names = ["0-16_0-16_0-16", "16-32_0-16_0-16"]
+        files, sharded = src / "d" / "s0", dict(plain, scales=[dict(scale, sharding=sharding)])
+        files.mkdir()
+    (src / "d" / "info").write_text(json.dumps(plain))
+    for n in names:
+        (files / n).write_bytes(b"x" * (16 ** 3 if kind == "volume" else 7))
+    (src / "e").mkdir()  # the same info, over an empty directory
+    m = mount(src)
+    with pytest.raises(PermissionError):
+        (m.path / "d" / "info").write_text(json.dumps(sharded))
+    shown = m.path / "d" / ("s0" if kind == "volume" else "")
+    assert [n for n in sorted(os.listdir(shown)) if n != "info"] == names
+    (m.path / "e" / "info").write_text(json.dumps(sharded))
+    m.umount()
+    assert m.log_text().count("under a sharded info they would be unreadable") == 1
+    assert json.loads((src / "d" / "info").read_text()) == plain
+    assert json.loads((src / "e" / "info").read_text()) == sharded
+
+
 def test_tensorstore_writes_a_sharded_volume_through_the_view(tmp_path, mount):
     """tensorstore creating a *sharded* volume inside a mount writes each
     shard to ``<n>.shard.__lock`` and renames it onto ``<n>.shard`` while

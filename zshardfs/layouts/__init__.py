@@ -1,4 +1,4 @@
-"""Sharded layouts.  Each module exposes the same three functions:
+"""Sharded layouts.  Each module exposes the same four functions:
 
 - ``probe(ctx, dir_key) -> Dataset | None``
 - ``is_document(key) -> bool``: cheap name test for metadata it may rewrite

@@ -849,6 +849,35 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option) ->
     return dump_json(doc) if changed else None
 
 
+async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored: bytes | None,
+                                shard_option, pending=()) -> bytes | None:
+    """``accept_document``, after one check that needs a listing: an ``info``
+    that makes a directory sharded is refused (ValueError: EPERM) while that
+    directory holds chunk files stored plain, which would vanish from the
+    view (as zarr refuses a sharded ``zarr.json`` over plain chunks).  An
+    empty directory, or one holding ``.shard`` files, is fine.  ``pending``:
+    names held only in memory in the info's own directory."""
+    doc = await load_json_async(new, key) if is_document(key) else None
+    if doc is not None:
+        old = await load_json_async(stored, key) if stored is not None else None
+        before = {p.key for p in parse_info(old, key)} if old is not None else set()
+        base = key.rpartition("/")[0]
+        for part in parse_info(doc, key):
+            if part.key in before:
+                continue  # sharded already
+            where = join_key(base, part.key) if part.key is not None else base
+            listing = await ctx.store.list(where)
+            names = [f.key.rsplit("/", 1)[-1] for f in listing.files]
+            if part.key is None:
+                names += list(pending)
+            plain = sorted(n for n in names if part.naming.parse(n) is not None)
+            if plain:
+                raise ValueError(f"{where or '/'} holds chunk files stored unsharded ({', '.join(plain[:3])}"
+                                 f"{', ...' if len(plain) > 3 else ''}): under a sharded info they would be "
+                                 "unreadable (shard them with a tool, or remove them first)")
+    return await off_loop(functools.partial(accept_document, key, new, stored, shard_option), len(new))
+
+
 async def _info(ctx: LayoutContext, key: str) -> tuple[dict, str] | None:
     """An ``info`` document and its etag (None: none, or not JSON)."""
     try:
