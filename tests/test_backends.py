@@ -1286,3 +1286,58 @@ def test_local_lock_files_left_by_killed_writers_are_removed(tmp_path):
     os.close(held)
     worker.join(10)
     assert isinstance(done[0], PreconditionFailed), done
+
+
+def _store_with_links_out(tmp_path):
+    """A store holding symbolic links that lead out of it (absolute, and
+    relative ones climbing out), one that stays inside, and the files
+    outside they name."""
+    root, outside = tmp_path / "store", tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    (outside / "etc").mkdir(parents=True)
+    (outside / "secret").write_bytes(b"secret")
+    (outside / "etc" / "passwd").write_bytes(b"root:x:0:0")
+    (root / "sub" / "file").write_bytes(b"inside")
+    (root / "leak").symlink_to(outside / "secret")
+    (root / "etc").symlink_to(outside / "etc")
+    (root / "climb").symlink_to("../outside/secret")
+    (root / "up").symlink_to("..")
+    (root / "inside").symlink_to("sub/file")
+    (root / "sub" / "back").symlink_to("../sub")
+    return root, outside
+
+
+def test_local_keys_never_resolve_outside_the_store(tmp_path):
+    """A symbolic link in a local store that leads out of it (absolute, or
+    climbing with ``..``) is not followed by any operation: not read,
+    listed, written through or deleted through; one that stays inside is
+    followed. Before, every link was followed: through a root daemon's
+    ``allow_other`` mount any user read any file of the machine, and
+    ``rm -rf`` through the mount deleted what a link's directory held."""
+    root, outside = _store_with_links_out(tmp_path)
+    b = LocalBackend(str(root))
+    for key in ("leak", "climb", "etc/passwd", "up/outside/secret"):
+        assert b.stat(key) is None
+        with pytest.raises(NotFound):
+            b.get(key)
+    assert not b.is_dir("etc") and not b.is_dir("up")
+    listing = b.list("")
+    assert listing.dirs == ["sub"] and [f.key for f in listing.files] == ["inside"]
+    assert b.list("etc").files == [] and b.list("up").dirs == []
+    assert b.get("inside").data == b"inside" and b.get("sub/back/file").data == b"inside"
+    assert sorted(b.list("sub").dirs) == ["back"]
+    with pytest.raises(NotFound):
+        b.put("etc/new", b"x")
+    with pytest.raises(NotFound):
+        b.make_dir("etc/newdir")
+    with pytest.raises(NotFound):
+        b.delete("etc/passwd")
+    with pytest.raises(NotFound):
+        b.remove_dir("etc")  # (a link, not a directory of the store)
+    assert sorted(os.listdir(outside / "etc")) == ["passwd"] and (root / "etc").is_symlink()
+    b.put("sub/new", b"y")  # inside: as ever
+    assert (root / "sub" / "new").read_bytes() == b"y"
+    b.close()
+    free = LocalBackend(str(root), confine=False)  # -o follow_symlinks
+    assert free.get("leak").data == b"secret" and free.get("etc/passwd").data == b"root:x:0:0"
+    free.close()

@@ -323,6 +323,7 @@ BAD_OPTIONS = {
         ("index_ttl_nan", ["index_ttl", "not a number"]),
         ("log_file_unwritable", ["log file", "No such file or directory"]),
         ("bad_scheme", ["source", "supported"]),
+        ("follow_symlinks_on_s3", ["follow_symlinks", "only for local sources"]),
     ],
 )
 def test_mount_errors(store, tmp_path, mnt, case, words):
@@ -343,6 +344,8 @@ def test_mount_errors(store, tmp_path, mnt, case, words):
         opts = [BAD_OPTIONS[case].format(tmp=tmp_path)]
     elif case == "bad_scheme":
         source = "gs://bucket/prefix"
+    elif case == "follow_symlinks_on_s3":
+        source, opts = "s3://bucket/prefix", ["follow_symlinks"]
     args = ["mount", source, target] + (["-o", ",".join(opts)] if opts else [])
     result = zs(*args)
     assert_one_line_error(result, *words)

@@ -88,6 +88,7 @@ class MountConfig:
     mountpoint: str
     read_only: bool = False
     allow_other: bool = False
+    follow_symlinks: bool = False
     debug: bool = False
     foreground: bool = False
     index_cache: int = 64 << 20
@@ -121,6 +122,8 @@ OPTIONS = {
     "rw": ("read_only", None, "read-write mount (the default)"),
     "allow_other": ("allow_other", None, "let other users access the mount (needs user_allow_other for non-root)"),
     "debug": ("debug", None, "log every request (implies log_level=DEBUG)"),
+    "follow_symlinks": ("follow_symlinks", None, "local sources: follow symbolic links that lead out of the source "
+                                                 "(only for sources no one else can write into)"),
     "index_cache": ("index_cache", parse_size,
                     "bytes of parsed shard indexes (and listings made of them) kept in memory (default 64M)"),
     "chunk_cache": ("chunk_cache", parse_size, "bytes of chunk data kept in memory (default 64M)"),
@@ -205,6 +208,8 @@ def parse_options(cfg: MountConfig, opts: list[str]) -> MountConfig:
         raise OptionError(f"option prefetch: {cfg.prefetch!r} is not on or off")
     if cfg.shard is not None and cfg.read_only:
         raise OptionError("option shard: only makes sense on a read-write mount (add -o rw)")
+    if cfg.follow_symlinks and "://" in cfg.source:
+        raise OptionError("option follow_symlinks: only for local sources")
     if cfg.index_cache < 1 << 16:
         raise OptionError("option index_cache: at least 64K is needed to hold one index")
     return cfg

@@ -57,7 +57,7 @@ def open_backend(cfg: MountConfig):
         return backend
     if "://" in cfg.source:
         raise ConfigError(f"source {cfg.source!r}: only local paths and s3:// URLs are supported")
-    from .backends.local import LocalBackend
+    from .backends.local import LocalBackend, openat2_missing
 
     if not os.path.exists(cfg.source):
         raise ConfigError(f"source {cfg.source!r} does not exist")
@@ -65,7 +65,13 @@ def open_backend(cfg: MountConfig):
         raise ConfigError(f"source {cfg.source!r} is not a directory")
     if not os.access(cfg.source, os.R_OK | os.X_OK):
         raise ConfigError(f"source {cfg.source!r} is not readable")
-    return LocalBackend(cfg.source, tidy=not cfg.read_only)  # a read-only mount writes nothing
+    if not cfg.follow_symlinks:
+        why = openat2_missing()
+        if why:
+            raise ConfigError(f"cannot keep paths inside the source: {why}; mount with -o follow_symlinks "
+                              "if no one else can write into the source")
+    # (a read-only mount writes nothing)
+    return LocalBackend(cfg.source, tidy=not cfg.read_only, confine=not cfg.follow_symlinks)
 
 
 def fuse_option_value(text: str) -> str:

@@ -3,7 +3,7 @@
 Atomic replace: data goes to a temporary file in the same directory, is
 fsynced, renamed over the key, and the directory is fsynced.  A reader (or a
 crash) therefore sees the old or the new object, never a mix.  Directories
-a put makes are fsynced into their parents (:func:`_make_dirs`), and the
+a put makes are fsynced into their parents (:meth:`LocalBackend._open_dir`), and the
 directory an unlink or a directory's removal changed is fsynced, so what a
 put or delete reported done survives a power loss.  A put that
 fails removes its temporary file; one left by a writer that died (kill -9)
@@ -19,10 +19,21 @@ checked under an ``flock`` on the shard's directory, which serialises
 zshardfs processes on one machine, and under tensorstore's lock of the key
 (:func:`_key_lock`), which serialises them with tensorstore's writers.
 Writers that take no lock (zarr-python) can still overwrite a write.
+
+Every key is resolved from the root directory held open, by ``openat2(2)``
+with ``RESOLVE_BENEATH``: the kernel refuses (EXDEV) a path that would leave
+the store, through ``..`` or a symbolic link (absolute links included), so a
+user who can write into the source cannot make the daemon read, list, write
+or delete anything outside it, nor send it into its own mount.  Links that
+stay inside (relative ones) are followed.  Changes are made relative to the
+descriptor of the directory resolved (``*at`` calls), never by a path
+resolved again.  ``confine=False`` (``-o follow_symlinks``) follows every
+link, as the file system does.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -34,10 +45,58 @@ import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 
+from ..logonce import log_once
 from .base import (AccessDenied, Blob, CorruptData, Listing, NotFound, ObjectInfo, PreconditionFailed, StoreError,
-                   TooLarge, bump)
+                   TooLarge, bump, join_key)
 
 log = logging.getLogger(__name__)
+
+# -- openat2(2) ----------------------------------------------------------------
+
+#: the system call's number: the same on every architecture of the generic
+#: table (x86_64, arm64, riscv...) since Linux 5.6
+_SYS_OPENAT2 = 437
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_BENEATH = 0x08
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+def openat2_beneath(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
+    """``openat(dirfd, path, flags)`` that fails with EXDEV rather than
+    resolve outside ``dirfd``'s directory (``..``, symlinks, absolute ones
+    too).  Python has no ``os.openat2``; ctypes releases the GIL for it."""
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS)
+    name = os.fsencode(path)
+    for _ in range(16):  # EAGAIN: a rename raced the kernel's walk of "..": walk again
+        fd = _syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dirfd), ctypes.c_char_p(name),
+                      ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+        if fd >= 0:
+            return fd
+        err = ctypes.get_errno()
+        if err != errno.EAGAIN:
+            break
+    raise OSError(err, os.strerror(err), path)
+
+
+def openat2_missing() -> str | None:
+    """Why this kernel cannot confine paths (None: it can)."""
+    top = os.open("/", os.O_PATH | os.O_CLOEXEC)
+    try:
+        os.close(openat2_beneath(top, ".", os.O_PATH))
+    except OSError as exc:
+        return f"openat2 with RESOLVE_BENEATH (Linux 5.6 and later) failed: {exc.strerror}"
+    finally:
+        os.close(top)
+    return None
+
 
 TMP_PREFIX = ".zshardfs-tmp-"
 
@@ -70,17 +129,19 @@ _OFD_UNLCK = struct.pack("=hh4xqqi4x", fcntl.F_UNLCK, os.SEEK_SET, 0, 0, 0)
 
 
 @contextmanager
-def _key_lock(path: str):
-    """tensorstore's lock of the key at ``path`` (its file kvstore, default
-    ``os`` mode): an open-file-description write lock on ``<path>.__lock``,
+def _key_lock(dfd: int, name: str):
+    """tensorstore's lock of the key ``name`` in the directory ``dfd`` (its
+    file kvstore, default ``os`` mode): an open-file-description write lock
+    on ``<name>.__lock``,
     held on the file that is at that path once locked.  tensorstore checks
     a key's generation and renames its new value over it under this lock; a
     conditional write of ours that did not take it could land between the
     two, and tensorstore's rename would then throw it away unseen.  Waits
     LOCK_WAIT at most (EBUSY).  The lock file is removed when done, as
     tensorstore removes it after a write that did not rename it."""
-    lock_path = path + LOCK_SUFFIX
-    fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    lock_name = name + LOCK_SUFFIX
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW  # (a symlink planted there: ELOOP)
+    fd = os.open(lock_name, flags, 0o666, dir_fd=dfd)
     try:
         deadline, delay = time.monotonic() + LOCK_WAIT, 0.001
         while True:
@@ -90,12 +151,12 @@ def _key_lock(path: str):
                 if exc.errno not in (errno.EAGAIN, errno.EACCES):
                     raise
                 if time.monotonic() > deadline:
-                    raise OSError(errno.EBUSY, f"locked by another writer for {LOCK_WAIT:g} s", lock_path) from None
+                    raise OSError(errno.EBUSY, f"locked by another writer for {LOCK_WAIT:g} s", lock_name) from None
                 time.sleep(delay)
                 delay = min(0.05, 2 * delay)
                 continue
             try:
-                held = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+                held = os.path.samestat(os.fstat(fd), os.stat(lock_name, dir_fd=dfd, follow_symlinks=False))
             except FileNotFoundError:
                 held = False
             if held:
@@ -104,12 +165,12 @@ def _key_lock(path: str):
             fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _OFD_UNLCK)
             os.close(fd)
             fd = -1  # (closed: an open below that fails must not close it again)
-            fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            fd = os.open(lock_name, flags, 0o666, dir_fd=dfd)
         try:
             yield
         finally:
             try:
-                os.unlink(lock_path)  # (ours while locked)
+                os.unlink(lock_name, dir_fd=dfd)  # (ours while locked)
             except FileNotFoundError:
                 pass
     finally:
@@ -124,13 +185,13 @@ def _is_key_lock(name: str, size: int) -> bool:
     return size == 0 and name.endswith(LOCK_SUFFIX) and len(name) > len(LOCK_SUFFIX)
 
 
-def _remove_lock_if_stale(path: str) -> bool:
+def _remove_lock_if_stale(dfd: int, name: str) -> bool:
     """Remove a key's lock file that a killed writer left: STALE_AGE old and
     held by no one now (taken without waiting, as tensorstore does: a writer
     that opened it meanwhile finds it gone when it checks, and retries).
     True if it is gone."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        fd = os.open(name, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dfd)
     except FileNotFoundError:
         return True
     except OSError:
@@ -143,8 +204,8 @@ def _remove_lock_if_stale(path: str) -> bool:
             fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _OFD_WRLCK)
         except OSError:
             return False  # held: a live writer's
-        if os.path.samestat(st, os.stat(path)):
-            os.unlink(path)
+        if os.path.samestat(st, os.stat(name, dir_fd=dfd, follow_symlinks=False)):
+            os.unlink(name, dir_fd=dfd)
         return True
     except FileNotFoundError:
         return True
@@ -169,58 +230,10 @@ def _tmp_name(basename: str) -> str:
 
 
 #: directories this process made whose entry may not be durable in their
-#: parent yet (made, parent not yet fsynced): a put into one fsyncs that
-#: parent itself rather than trust the maker's fsync to have happened
+#: parent yet (made, parent not yet fsynced), by key: a put into one fsyncs
+#: that parent itself rather than trust the maker's fsync to have happened
 _unsynced_dirs: set[str] = set()
 _unsynced_lock = threading.Lock()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _make_dirs(path: str, top: str) -> None:
-    """``os.makedirs(path, exist_ok=True)``, durably: each directory made
-    (from the deepest existing ancestor down) is fsynced into its parent.
-    Never makes ``top`` (the store's root) or anything above it: a source
-    removed or unmounted is not made anew (FileNotFoundError).  Costs one
-    ``stat`` when ``path`` exists (the common case)."""
-    missing = []
-    while True:
-        with _unsynced_lock:
-            unsynced = path in _unsynced_dirs
-        if not unsynced and os.path.isdir(path):
-            break
-        if path == top or not path.startswith(top.rstrip(os.sep) + os.sep):
-            raise FileNotFoundError(errno.ENOENT, "the store's directory is gone", top)
-        parent = os.path.dirname(path)
-        missing.append(path)
-        path = parent
-    for d in reversed(missing):
-        with _unsynced_lock:
-            _unsynced_dirs.add(d)
-        try:
-            os.mkdir(d)
-        except FileExistsError:
-            if not os.path.isdir(d):  # a file: as os.makedirs, EEXIST for the
-                with _unsynced_lock:  # path itself, ENOTDIR (the next mkdir) above it
-                    _unsynced_dirs.discard(d)
-                if d == missing[0]:
-                    raise
-                continue
-        except BaseException:
-            with _unsynced_lock:
-                _unsynced_dirs.discard(d)
-            raise
-        # (made here or by another writer just now: fsynced here either way;
-        # on failure it stays listed, so the next put into it tries again)
-        _fsync_dir(os.path.dirname(d))
-        with _unsynced_lock:
-            _unsynced_dirs.discard(d)
 
 
 def _writer_gone(path: str, name: str) -> bool:
@@ -247,13 +260,14 @@ def _writer_gone(path: str, name: str) -> bool:
 _told: set[str] = set()
 
 
-def _tell_if_old(path: str) -> None:
+def _tell_if_old(dfd: int, name: str, path: str) -> None:
     """What a backend that must not write does with a dead writer's old
-    temporary file: one warning (a writable mount would remove it)."""
+    temporary file ``name`` in ``dfd`` (``path``, for the log): one warning
+    (a writable mount would remove it)."""
     if path in _told:
         return
     try:
-        if time.time() - os.stat(path).st_mtime < STALE_AGE:
+        if time.time() - os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mtime < STALE_AGE:
             return
     except OSError:
         return
@@ -264,13 +278,13 @@ def _tell_if_old(path: str) -> None:
                 "or writes into its directory", path)
 
 
-def _remove_if_old(path: str) -> bool:
-    """Remove a dead writer's temporary file once it is STALE_AGE old; True
-    if it is gone."""
+def _remove_if_old(dfd: int, name: str, path: str) -> bool:
+    """Remove a dead writer's temporary file ``name`` in ``dfd`` once it is
+    STALE_AGE old; True if it is gone."""
     try:
-        if time.time() - os.stat(path).st_mtime < STALE_AGE:
+        if time.time() - os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mtime < STALE_AGE:
             return False
-        os.unlink(path)
+        os.unlink(name, dir_fd=dfd)
     except FileNotFoundError:
         return True
     except OSError:
@@ -293,9 +307,10 @@ class LocalBackend:
     #: directories swept of dead writers' temporary files (see _sweep)
     SWEPT_DIRS = 1 << 16
 
-    def __init__(self, root: str, *, tidy: bool = True):
+    def __init__(self, root: str, *, tidy: bool = True, confine: bool = True):
         self.root = os.path.abspath(root)
         self.tidy = tidy  # remove dead writers' temporary files (False: only tell of them)
+        self.confine = confine  # keys resolve below the root only (see the module's docstring)
         self.url = self.root
         self.counters: Counter = Counter()
         # (key, etag) -> [fd, when the path last showed that version]
@@ -316,9 +331,88 @@ class LocalBackend:
     # -- helpers -------------------------------------------------------------
 
     def _path(self, key: str) -> str:
+        """The path of ``key``, for log lines and names; never opened."""
         if key.startswith("/") or ".." in key.split("/"):
             raise NotFound(f"invalid key {key!r}", key)
         return os.path.join(self.root, key) if key else self.root
+
+    def _open(self, key: str, flags: int, mode: int = 0) -> int:
+        """A descriptor of ``key``, resolved from the root directory held
+        open; with ``confine``, never outside it (EXDEV)."""
+        self._path(key)
+        root = self._root_fd
+        if root is None:
+            raise FileNotFoundError(errno.ENOENT, "the store's directory is gone", self.root)
+        if self.confine:
+            return openat2_beneath(root, key or ".", flags, mode)
+        return os.open(key or ".", flags | os.O_CLOEXEC, mode, dir_fd=root)
+
+    def _stat(self, key: str) -> os.stat_result:
+        """``os.stat`` of ``key`` (symlinks followed as ``_open`` does)."""
+        fd = self._open(key, os.O_PATH)
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
+
+    def _open_dir(self, key: str, make: bool = False) -> int:
+        """A descriptor of the directory ``key`` (O_RDONLY: flock and fsync
+        work on it).  ``make``: the missing directories are made, from the
+        deepest existing one down, each fsynced into its parent; never the
+        root itself (a source removed is not made anew: ENOENT).  Costs one
+        ``openat2`` when the directory exists (the common case)."""
+        flags = os.O_RDONLY | os.O_DIRECTORY
+        if not make:
+            return self._open(key, flags)
+        with _unsynced_lock:
+            unsynced = key in _unsynced_dirs
+        if not unsynced:
+            try:
+                return self._open(key, flags)
+            except FileNotFoundError:
+                if not key:
+                    raise
+        parts = key.split("/")
+        fd = self._open("", flags)
+        try:
+            for i, name in enumerate(parts):
+                here = "/".join(parts[:i + 1])
+                with _unsynced_lock:
+                    unsynced = here in _unsynced_dirs
+                if not unsynced:
+                    try:
+                        child = self._open(here, flags)
+                    except FileNotFoundError:
+                        child = -1
+                    if child >= 0:
+                        os.close(fd)
+                        fd = child
+                        continue
+                with _unsynced_lock:
+                    _unsynced_dirs.add(here)
+                try:
+                    os.mkdir(name, dir_fd=fd)
+                except FileExistsError:
+                    pass  # (made by another writer just now: fsynced here too; a file: ENOTDIR below)
+                except BaseException:
+                    with _unsynced_lock:
+                        _unsynced_dirs.discard(here)
+                    raise
+                os.fsync(fd)  # (on failure it stays listed: the next put into it tries again)
+                with _unsynced_lock:
+                    _unsynced_dirs.discard(here)
+                try:
+                    child = self._open(here, flags)
+                except NotADirectoryError:
+                    if i == len(parts) - 1:  # (as os.makedirs: EEXIST for the path itself, ENOTDIR above)
+                        raise FileExistsError(errno.EEXIST, "a file of that name exists", here) from None
+                    raise
+                os.close(fd)
+                fd = child
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
 
     @staticmethod
     def _info(key: str, st: os.stat_result) -> ObjectInfo:
@@ -391,7 +485,16 @@ class LocalBackend:
                     self.root)
         return True
 
+    def _outside(self, key: str) -> None:
+        """One warning for a key whose path leaves the store (EXDEV)."""
+        log_once(log, logging.WARNING, f"{self._path(key)}: a symbolic link on this path leads out of the store; "
+                                       "not followed (-o follow_symlinks follows it)",
+                 tag=f"symlink out of {self.root}: {key}", interval=3600)
+
     def _fail(self, key: str, exc: OSError) -> StoreError:
+        if exc.errno == errno.EXDEV:  # (openat2: out of the store)
+            self._outside(key)
+            return NotFound(f"{key}: not found (a symbolic link out of the store)", key)
         if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
             return NotFound(f"{key}: not found", key)
         if exc.errno in (errno.EACCES, errno.EPERM):
@@ -410,24 +513,31 @@ class LocalBackend:
         bump(self.counters, "head")
         self._check_root(key, "looked up")
         try:
-            st = os.stat(self._path(key))
+            st = self._stat(key)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
+            if exc.errno == errno.EXDEV:
+                self._outside(key)
+                return None
             raise self._fail(key, exc) from None
-        if not os.path.isfile(self._path(key)):
+        if not stat.S_ISREG(st.st_mode):
             return None
         return self._info(key, st)
 
     def is_dir(self, key: str) -> bool:
         self._check_root(key, "looked up")
-        return os.path.isdir(self._path(key))
+        try:
+            return stat.S_ISDIR(self._stat(key).st_mode)
+        except OSError as exc:
+            if exc.errno == errno.EXDEV:
+                self._outside(key)
+            return False
 
     def get(self, key, start=0, length=None, *, suffix=None, if_match=None, max_size=None) -> Blob:
-        path = self._path(key)
         self._check_root(key, "read")  # (nowait reads of descriptors kept open read the tree mounted)
         try:  # non-blocking: a FIFO in the store must not hold a worker forever
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            fd = self._open(key, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as exc:
             raise self._fail(key, exc) from None
         keep = False
@@ -521,51 +631,74 @@ class LocalBackend:
         self._check_root(prefix, "listed")
         dirs, files = [], []
         try:
-            with os.scandir(self._path(prefix)) as it:
+            dfd = self._open_dir(prefix)
+        except (FileNotFoundError, NotADirectoryError):
+            return Listing([], [])
+        except OSError as exc:
+            if exc.errno == errno.EXDEV:
+                self._outside(prefix)
+                return Listing([], [])
+            raise self._fail(prefix, exc) from None
+        try:
+            with os.scandir(dfd) as it:
                 for entry in it:
-                    if entry.name.endswith(LOCK_SUFFIX) and entry.is_file() and \
-                            _is_key_lock(entry.name, entry.stat().st_size):
+                    name = entry.name
+                    key = f"{prefix}/{name}" if prefix else name
+                    if name.endswith(LOCK_SUFFIX) and entry.is_file(follow_symlinks=False) and \
+                            _is_key_lock(name, entry.stat(follow_symlinks=False).st_size):
                         if self.tidy:  # (a key's lock, held now or left by a writer killed)
-                            _remove_lock_if_stale(entry.path)
+                            _remove_lock_if_stale(dfd, name)
                         continue
-                    if _is_internal(entry.name):
-                        if _writer_gone(entry.path, entry.name):
+                    if _is_internal(name):
+                        path = self._path(key)
+                        if _writer_gone(path, name):
                             if self.tidy:
-                                _remove_if_old(entry.path)
+                                _remove_if_old(dfd, name, path)
                             else:
-                                _tell_if_old(entry.path)
+                                _tell_if_old(dfd, name, path)
                         continue
                     try:
-                        if entry.is_dir():
-                            dirs.append(entry.name)
-                        elif entry.is_file():
-                            key = f"{prefix}/{entry.name}" if prefix else entry.name
-                            files.append(self._info(key, entry.stat()))
+                        if entry.is_symlink():  # (followed as a lookup would, inside the store only)
+                            try:
+                                st = self._stat(key)
+                            except OSError as exc:
+                                if exc.errno != errno.EXDEV:
+                                    raise
+                                self._outside(key)
+                                continue
+                        else:
+                            st = entry.stat(follow_symlinks=False)
+                        if stat.S_ISDIR(st.st_mode):
+                            dirs.append(name)
+                        elif stat.S_ISREG(st.st_mode):
+                            files.append(self._info(key, st))
                     except FileNotFoundError:
                         continue
         except (FileNotFoundError, NotADirectoryError):
             return Listing([], [])
         except OSError as exc:
             raise self._fail(prefix, exc) from None
+        finally:
+            os.close(dfd)
         dirs.sort()
         files.sort(key=lambda f: f.key)
         return Listing(dirs, files)
 
     # -- writes --------------------------------------------------------------
 
+    @staticmethod
     @contextmanager
-    def _dir_lock(self, dirpath: str):
+    def _dir_lock(dfd: int):
         """flock on the directory itself: no lock file is left in the store."""
-        fd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(dfd, fcntl.LOCK_EX)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            os.close(fd)
+            fcntl.flock(dfd, fcntl.LOCK_UN)
 
-    def _check(self, key: str, path: str, if_match, if_none_match) -> None:
+    def _check(self, key: str, if_match, if_none_match) -> None:
         try:
-            current = self._info(key, os.stat(path))
+            current = self._info(key, self._stat(key))
         except FileNotFoundError:
             current = None
         if if_none_match and current is not None:
@@ -575,122 +708,156 @@ class LocalBackend:
             bump(self.counters, "precondition_failed")
             raise PreconditionFailed(f"{key}: changed since it was read", key)
 
-    def _sweep(self, dirpath: str) -> None:
+    def _sweep(self, dir_key: str, dfd: int) -> None:
         """Before the first put into a directory, remove the temporary files
         dead writers left there: chunk directories are listed from shard
         indexes, so no listing would ever meet them, and on a full disk they
         hold the space the put needs.  Done again on later puts while a dead
         writer's file there is still too young to remove."""
         with self._swept_lock:
-            if dirpath in self._swept:
+            if dir_key in self._swept:
                 return
         again = False
         try:
-            with os.scandir(dirpath) as it:
+            with os.scandir(dfd) as it:
                 for entry in it:
-                    if _is_internal(entry.name) and _writer_gone(entry.path, entry.name):
-                        again |= not _remove_if_old(entry.path)
-                    elif entry.name.endswith(LOCK_SUFFIX) and _is_key_lock(entry.name, entry.stat().st_size):
-                        again |= not _remove_lock_if_stale(entry.path)
+                    name = entry.name
+                    if _is_internal(name):
+                        path = self._path(join_key(dir_key, name))
+                        if _writer_gone(path, name):
+                            again |= not _remove_if_old(dfd, name, path)
+                    elif name.endswith(LOCK_SUFFIX) and entry.is_file(follow_symlinks=False) and \
+                            _is_key_lock(name, entry.stat(follow_symlinks=False).st_size):
+                        again |= not _remove_lock_if_stale(dfd, name)
         except OSError:
             return
         if not again:
             with self._swept_lock:
-                self._swept[dirpath] = None
+                self._swept[dir_key] = None
                 while len(self._swept) > self.SWEPT_DIRS:
                     self._swept.popitem(last=False)
 
     def put(self, key, data, *, if_match=None, if_none_match=False) -> ObjectInfo:
-        path = self._path(key)
-        dirpath = os.path.dirname(path)
-        tmp = os.path.join(dirpath, _tmp_name(os.path.basename(path)))
+        dir_key, _, name = key.rpartition("/")
+        tmp = _tmp_name(name)
+        shown = self._path(join_key(dir_key, tmp))  # (what _writer_gone knows it by)
         self._check_root(key)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         with _writing_lock:
-            _writing.add(tmp)
+            _writing.add(shown)
+        dfd = -1
         try:
-            _make_dirs(dirpath, self.root)
-            self._sweep(dirpath)
+            dfd = self._open_dir(dir_key, make=True)
+            self._sweep(dir_key, dfd)
             try:
                 try:
-                    f = open(tmp, "wb")
+                    fd = os.open(tmp, flags, 0o666, dir_fd=dfd)
                 except FileNotFoundError:  # pruned meanwhile by the delete of its last shard
-                    _make_dirs(dirpath, self.root)
-                    f = open(tmp, "wb")
-                with f:
+                    os.close(dfd)
+                    dfd = -1
+                    dfd = self._open_dir(dir_key, make=True)
+                    fd = os.open(tmp, flags, 0o666, dir_fd=dfd)
+                with open(fd, "wb") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
                 if if_match is not None or if_none_match:
-                    with _key_lock(path), self._dir_lock(dirpath):
-                        self._check(key, path, if_match, if_none_match)
-                        os.rename(tmp, path)
+                    with _key_lock(dfd, name), self._dir_lock(dfd):
+                        self._check(key, if_match, if_none_match)
+                        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 else:
-                    os.rename(tmp, path)
+                    os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             except BaseException:
                 # a partial temporary file (ENOSPC mid-write) would hold the
                 # space a retry needs, and nothing else would ever remove it
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+                if dfd >= 0:
+                    try:
+                        os.unlink(tmp, dir_fd=dfd)
+                    except OSError:
+                        pass
                 raise
-            _fsync_dir(dirpath)
-            st = os.stat(path)
+            os.fsync(dfd)
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except OSError as exc:
             raise self._fail(key, exc) from None
         finally:
+            if dfd >= 0:
+                os.close(dfd)
             with _writing_lock:
-                _writing.discard(tmp)
+                _writing.discard(shown)
         bump(self.counters, "put")
         self._forget_fds(key)
         bump(self.counters, "bytes_written", len(data))
         return self._info(key, st)
 
     def delete(self, key, *, if_match=None, prune_below=None) -> None:
-        path = self._path(key)
+        dir_key, _, name = key.rpartition("/")
+        self._path(key)
         self._check_root(key)
         changed = None  # the directory whose change must be made durable
         try:
+            dfd = self._open_dir(dir_key)
+        except FileNotFoundError:
+            dfd = -1
+        except OSError as exc:
+            raise self._fail(key, exc) from None
+        try:
+            if dfd < 0:
+                raise FileNotFoundError(errno.ENOENT, "no such directory", dir_key)
             if if_match is not None:
-                with _key_lock(path), self._dir_lock(os.path.dirname(path)):
-                    self._check(key, path, if_match, False)
-                    os.unlink(path)
+                with _key_lock(dfd, name), self._dir_lock(dfd):
+                    self._check(key, if_match, False)
+                    os.unlink(name, dir_fd=dfd)
             else:
-                os.unlink(path)
-            changed = os.path.dirname(path)
+                os.unlink(name, dir_fd=dfd)
+            changed = dir_key
         except FileNotFoundError:
             if if_match is not None:
                 raise PreconditionFailed(f"{key}: gone", key) from None
         except OSError as exc:
             raise self._fail(key, exc) from None
+        finally:
+            if dfd >= 0:
+                os.close(dfd)
         bump(self.counters, "delete")
         self._forget_fds(key)
         # Otherwise directories left empty stay, as in zarr-python's LocalStore:
         # they may be a user's (made with mkdir through the mount: real at once).
-        if prune_below is not None:
-            stop = self._path(prune_below)
-            parent = os.path.dirname(path)
-            while parent != stop and parent.startswith(stop + os.sep):
+        if prune_below is not None and changed is not None:
+            below = prune_below + "/" if prune_below else ""
+            while changed != prune_below and changed.startswith(below):
+                parent, _, child = changed.rpartition("/")
                 try:
-                    os.rmdir(parent)  # fails unless empty
+                    pfd = self._open_dir(parent)
                 except OSError:
                     break
-                parent = os.path.dirname(parent)
+                try:
+                    os.rmdir(child, dir_fd=pfd)  # fails unless empty
+                except OSError:
+                    break
+                finally:
+                    os.close(pfd)
                 changed = parent
         # one fsync: the deepest directory still there that changed (those
         # removed below it are gone with their entry in it)
         if changed is not None:
             self._sync_dir(key, changed)
 
-    def _sync_dir(self, key: str, dirpath: str) -> None:
+    def _sync_dir(self, key: str, dir_key: str) -> None:
         """fsync a directory an unlink or rmdir changed; one removed meanwhile
         (another writer pruning) took the change with it."""
         try:
-            _fsync_dir(dirpath)
+            fd = self._open_dir(dir_key)
         except (FileNotFoundError, NotADirectoryError):
-            pass
+            return
         except OSError as exc:
             raise self._fail(key, exc) from None
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise self._fail(key, exc) from None
+        finally:
+            os.close(fd)
 
     def statfs(self) -> os.statvfs_result:
         """The file system holding the store (``df`` on the mount shows it)."""
@@ -702,20 +869,29 @@ class LocalBackend:
     def make_dir(self, key: str) -> None:
         self._check_root(key)
         try:
-            _make_dirs(self._path(key), self.root)
+            os.close(self._open_dir(key, make=True))
         except OSError as exc:
             raise self._fail(key, exc) from None
 
     def remove_dir(self, key: str) -> None:
-        path = self._path(key)
+        parent, _, name = key.rpartition("/")
+        self._path(key)
         self._check_root(key)
         try:
-            os.rmdir(path)
+            pfd = self._open_dir(parent)
         except FileNotFoundError:
             return
         except OSError as exc:
             raise self._fail(key, exc) from None
-        self._sync_dir(key, os.path.dirname(path))
+        try:
+            os.rmdir(name, dir_fd=pfd)
+            os.fsync(pfd)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise self._fail(key, exc) from None
+        finally:
+            os.close(pfd)
 
     def close(self) -> None:
         with self._fd_lock:
