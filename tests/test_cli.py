@@ -850,6 +850,43 @@ def test_sighup_never_ends_the_daemon(store, mnt, tmp_path):
     assert "lost" not in log.read_text()
 
 
+def _fd_target(pid: int, fd: int) -> str:
+    return os.readlink(f"/proc/{pid}/fd/{fd}")
+
+
+def test_a_rotated_log_takes_stdout_and_stderr_along(store, mnt, tmp_path):
+    """A background daemon's descriptors 1 and 2 (libfuse's ``-o debug``
+    trace, last-resort messages) follow the log file when it is reopened:
+    at SIGHUP (logrotate's postrotate), and at the next log line once it was
+    moved away; they never stay on the rotated (or deleted) file."""
+    log = tmp_path / "z.log"
+    run_mount(store.root, mnt, "ro", "debug", log=log)
+    pid = daemon_pid(mnt)
+    name, data = first_chunk(store)
+    assert _fd_target(pid, 2) == str(log) and _fd_target(pid, 1) == str(log)
+
+    # logrotate's "create" and a postrotate SIGHUP, with nothing else going on
+    os.rename(log, tmp_path / "z.log.1")
+    log.touch()
+    os.kill(pid, signal.SIGHUP)
+    assert wait_for(lambda: _fd_target(pid, 2) == str(log) and _fd_target(pid, 1) == str(log), timeout=10), \
+        (_fd_target(pid, 1), _fd_target(pid, 2))
+    assert (mnt / name).read_bytes() == data
+    assert wait_for(lambda: "unique:" in log.read_text(), timeout=10), log.read_text()[-2000:]
+    assert "signal SIGHUP: log file reopened" in log.read_text()
+
+    # moved away without a signal (logrotate's "nocreate", no postrotate): the
+    # next line the daemon logs reopens the file, and the descriptors follow
+    os.rename(log, tmp_path / "z.log.2")
+    assert (mnt / name).read_bytes() == data  # (-o debug: every request is a log line)
+    assert wait_for(lambda: log.exists() and _fd_target(pid, 2) == str(log), timeout=10), _fd_target(pid, 2)
+    before = (tmp_path / "z.log.2").read_text().count("unique:")
+    os.listdir(mnt / "arr")
+    assert wait_for(lambda: "opcode: READDIR" in log.read_text() or "opcode: LOOKUP" in log.read_text(), timeout=10)
+    assert (tmp_path / "z.log.2").read_text().count("unique:") == before  # nothing more went to the old one
+    assert zs("umount", mnt).returncode == 0
+
+
 def test_systemd_is_told_when_the_mount_is_ready(store, mnt, tmp_path):
     """``Type=notify`` (systemd/zshardfs@.service): a foreground daemon sends
     ``READY=1`` to ``$NOTIFY_SOCKET`` once the view is there, so units

@@ -64,13 +64,58 @@ class _Formatter(logging.Formatter):
 SYSLOG = "/dev/log"
 
 
-def _setup_logging(cfg: MountConfig, background: bool) -> None:
+class _LogFile(logging.handlers.WatchedFileHandler):
+    """The ``-o log_file`` handler.  Opened anew when logrotate moved the
+    file away (WatchedFileHandler: at the next line) and at :meth:`reopen`
+    (SIGHUP, a postrotate script's way to say so).  Once :meth:`take_std`
+    was called (a background daemon), every opening points descriptors 1
+    and 2 at the new file too: libfuse's ``debug`` trace and last-resort
+    messages follow the log instead of filling a rotated (or deleted) file."""
+
+    std_too = False
+
+    def _open(self):
+        stream = super()._open()
+        if self.std_too:
+            for std in (sys.stdout, sys.stderr):
+                try:
+                    std.flush()
+                except (OSError, ValueError):
+                    pass
+            for fd in (1, 2):
+                os.dup2(stream.fileno(), fd)
+        return stream
+
+    def take_std(self) -> None:
+        """From now on fds 1 and 2 write to the log file (and follow it)."""
+        self.std_too = True
+        self.reopen()
+
+    def reopen(self) -> None:
+        """Close the file and open its path again (rotated or not)."""
+        self.acquire()
+        try:
+            if self.stream is not None:
+                try:
+                    self.stream.flush()
+                finally:
+                    self.stream.close()
+            self.stream = None
+            try:
+                self.stream = self._open()
+            except OSError:
+                return  # (the next line tries again, and reports it if it must)
+            self._statstream()
+        finally:
+            self.release()
+
+
+def _setup_logging(cfg: MountConfig, background: bool) -> logging.Handler:
     root = logging.getLogger()
     root.handlers.clear()
     fmt = "%(asctime)s zshardfs[%(process)d] %(levelname)s %(name)s: %(message)s"
     if cfg.log_file:
-        # (reopened when logrotate moves the file away)
-        handler: logging.Handler = logging.handlers.WatchedFileHandler(cfg.log_file, errors="backslashreplace")
+        handler: logging.Handler = _LogFile(cfg.log_file, errors="backslashreplace")
     elif background and os.path.exists(SYSLOG):
         handler = logging.handlers.SysLogHandler(SYSLOG)
         fmt = "zshardfs[%(process)d]: %(levelname)s %(name)s: %(message)s"
@@ -82,6 +127,7 @@ def _setup_logging(cfg: MountConfig, background: bool) -> None:
     # boto's own chatter (which could include request details) stays quiet
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    return handler
 
 
 def check_mountpoint(path: str) -> None:
@@ -203,7 +249,8 @@ def cmd_mount(args) -> int:
 
 def _redirect_std(path: str) -> None:
     """Point stdout/stderr at ``path`` (appending): libfuse's ``debug``
-    output and any last-resort Python message land in the log, not nowhere."""
+    output and any last-resort Python message go there, not to a terminal
+    long gone (the log file is followed by :class:`_LogFile` instead)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         for std in (1, 2):
@@ -231,15 +278,15 @@ def _serve(cfg: MountConfig, ready_fd: int | None) -> int:
                 os.close(fd)
 
     try:
-        _setup_logging(cfg, background=background)
+        handler = _setup_logging(cfg, background=background)
     except OSError as exc:
         message = f"cannot write the log file {cfg.log_file!r}: {exc.strerror}"
         tell(f"error: {message}")
         return _fail(message)
     if background:
         os.chdir("/")
-        if cfg.log_file:
-            _redirect_std(cfg.log_file)
+        if isinstance(handler, _LogFile):
+            handler.take_std()
 
     was_ready = []
 
@@ -251,7 +298,7 @@ def _serve(cfg: MountConfig, ready_fd: int | None) -> int:
         was_ready.append(True)
 
     try:
-        stored_all = run(cfg, ready=ready)
+        stored_all = run(cfg, ready=ready, reopen_log=handler.reopen if isinstance(handler, _LogFile) else None)
     except (ConfigError, StoreError) as exc:
         tell(f"error: {exc}")
         return _fail(str(exc))

@@ -6,7 +6,8 @@ serve until unmounted or signalled, then flush and unmount cleanly.
 
 Stopping never drops data silently: SIGTERM/SIGINT (or an unmount from
 outside) stores everything first, retrying while storage fails; only the
-same signal again gives up, and the log names what is lost.
+same signal again gives up, and the log names what is lost.  SIGHUP never
+ends the daemon: it reopens the log file (after logrotate moved it away).
 
 Control channel: extended attributes of the mount's root directory
 (``user.zshardfs.stats``, ``user.zshardfs.pid``) — no extra socket to
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 XATTR_STATS = "user.zshardfs.stats"
 XATTR_PID = "user.zshardfs.pid"
 XATTR_SYNC = "user.zshardfs.sync"
+
+#: "reopen your log file" (logrotate's postrotate habit); never a stop
+REOPEN_SIGNALS = (signal.SIGHUP,)
 
 
 def open_backend(cfg: MountConfig):
@@ -123,8 +127,10 @@ def build_view(cfg: MountConfig, backend) -> View:
 class Mount:
     """Everything one mount owns, wired bottom-up."""
 
-    def __init__(self, cfg: MountConfig, backend):
+    def __init__(self, cfg: MountConfig, backend, reopen_log=None):
         self.cfg = cfg
+        #: SIGHUP: open the log file anew (logrotate moved it away)
+        self.reopen_log = reopen_log
         self.started = time.time()
         self.view = build_view(cfg, backend)
         self.store, self.shards, self.writeback = self.view.store, self.view.shards, self.view.writeback
@@ -222,14 +228,20 @@ class Mount:
             self.store.close()
             log.info("unmounted %s", self.cfg.mountpoint)
 
+    def _reopen_log(self, signum: int) -> None:
+        if self.reopen_log is not None:
+            self.reopen_log()
+            log.info("signal %s: log file reopened", signal.Signals(signum).name)
+
     async def _signals(self, nursery) -> None:
         """SIGTERM/SIGINT: store everything, then unmount; the same signal
         again gives up storing (systemd sends it after TimeoutStopSec, see
-        systemd/zshardfs@.service)."""
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+        systemd/zshardfs@.service).  SIGHUP: reopen the log file."""
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, *REOPEN_SIGNALS) as signals:
             stopping = None
             async for signum in signals:
-                if signum == signal.SIGHUP:
+                if signum in REOPEN_SIGNALS:
+                    self._reopen_log(signum)
                     continue
                 name = signal.Signals(signum).name
                 if stopping is None:
@@ -278,10 +290,13 @@ class Mount:
         stored or SIGTERM/SIGINT; what is given up is logged."""
         with trio.CancelScope(shield=True):
             if not self._give_up:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, *REOPEN_SIGNALS) as signals:
                     async with trio.open_nursery() as nursery:
                         async def give_up():
                             async for signum in signals:
+                                if signum in REOPEN_SIGNALS:
+                                    self._reopen_log(signum)
+                                    continue
                                 log.warning("signal %s: exiting without storing what is left",
                                             signal.Signals(signum).name)
                                 nursery.cancel_scope.cancel()
@@ -297,15 +312,18 @@ class Mount:
                           ", ..." if len(keys) > 10 else "")
 
 
-def run(cfg: MountConfig, ready=None) -> bool:
+def run(cfg: MountConfig, ready=None, reopen_log=None) -> bool:
     """Open the source, mount and serve (blocks until unmounted).  False if
-    it exited without storing everything written (given up at a stop)."""
+    it exited without storing everything written (given up at a stop).
+    ``reopen_log()``: what SIGHUP does (open the log file anew)."""
     backend = open_backend(cfg)
-    mount = Mount(cfg, backend)
+    mount = Mount(cfg, backend, reopen_log=reopen_log)
     # SIGHUP (a closed terminal, a log rotation's habit) never ends the
-    # daemon, also not between its signal receivers (the final sync); the
-    # log file is reopened by itself when rotated (WatchedFileHandler)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # daemon, also not outside its signal receivers (before the mount, and
+    # between serving and the final sync); within them it reopens the log
+    # file, which is also reopened by itself at its next line once rotated
+    for signum in REOPEN_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     trio.run(mount.serve, ready)
     return not mount.lost
 
