@@ -822,34 +822,6 @@ def test_exit_status_two_is_for_bad_options_only(store, tmp_path):
     assert zs("mount", store.root, tmp_path / "nooptions", "-o", "frobnicate").returncode == 2
 
 
-def test_sighup_never_ends_the_daemon(store, mnt, tmp_path):
-    """SIGHUP is ignored while serving and also while the final sync after
-    an unmount from outside retries storing (before, it ended the daemon
-    there, and the written data was lost without a log line); a rotated log
-    file is reopened by itself."""
-    log = tmp_path / "z.log"
-    run_mount(store.root, mnt, "flush_delay=60", log=log)
-    pid = daemon_pid(mnt)
-    name, _ = first_chunk(store)
-    (mnt / name).write_bytes(b"new bytes")
-    os.kill(pid, signal.SIGHUP)
-    os.rename(log, tmp_path / "z.log.1")  # logrotate's way: move, then the next line goes to a new file
-    shard_dir = store.root / "arr" / "c"
-    hidden = tmp_path / "c-hidden"
-    os.rename(shard_dir, hidden)
-    shard_dir.write_bytes(b"a file where the shard directory must go")  # storing fails now
-    subprocess.run(["fusermount3", "-uz", str(mnt)], check=True)
-    assert wait_for(lambda: log.exists() and "not stored yet" in log.read_text(), timeout=20)
-    os.kill(pid, signal.SIGHUP)
-    time.sleep(0.5)
-    assert process_running(pid)
-    shard_dir.unlink()
-    os.rename(hidden, shard_dir)
-    assert wait_for(lambda: not process_running(pid), timeout=60)
-    assert "stored everything after" in log.read_text()
-    assert "lost" not in log.read_text()
-
-
 def _fd_target(pid: int, fd: int) -> str:
     return os.readlink(f"/proc/{pid}/fd/{fd}")
 
@@ -884,6 +856,52 @@ def test_a_rotated_log_takes_stdout_and_stderr_along(store, mnt, tmp_path):
     os.listdir(mnt / "arr")
     assert wait_for(lambda: "opcode: READDIR" in log.read_text() or "opcode: LOOKUP" in log.read_text(), timeout=10)
     assert (tmp_path / "z.log.2").read_text().count("unique:") == before  # nothing more went to the old one
+    assert zs("umount", mnt).returncode == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2], ids=lambda s: s.name)
+def test_hup_usr1_usr2_never_end_the_daemon(store, mnt, tmp_path, signum):
+    """SIGHUP, SIGUSR1 (what logrotate postrotate scripts send) and SIGUSR2
+    are ignored while serving and also while the final sync after an
+    unmount from outside retries storing (before, HUP ended the daemon
+    there, and USR1/USR2 anywhere: the written data was lost without a log
+    line and a dead mount left); HUP and USR1 reopen the log file."""
+    log = tmp_path / "z.log"
+    run_mount(store.root, mnt, "flush_delay=60", log=log)
+    pid = daemon_pid(mnt)
+    name, _ = first_chunk(store)
+    (mnt / name).write_bytes(b"new bytes")
+    os.rename(log, tmp_path / "z.log.1")  # logrotate's way: move, then tell the daemon
+    os.kill(pid, signum)
+    reopens = signum != signal.SIGUSR2
+    if reopens:
+        assert wait_for(lambda: log.exists() and f"signal {signum.name}: log file reopened" in log.read_text(),
+                        timeout=10)
+        assert _fd_target(pid, 2) == str(log)
+    else:
+        time.sleep(0.5)
+    assert process_running(pid)
+    assert int(os.getxattr(mnt, "user.zshardfs.pid")) == pid  # serving still
+    shard_dir = store.root / "arr" / "c"
+    hidden = tmp_path / "c-hidden"
+    os.rename(shard_dir, hidden)
+    shard_dir.write_bytes(b"a file where the shard directory must go")  # storing fails now
+    subprocess.run(["fusermount3", "-uz", str(mnt)], check=True)
+    assert wait_for(lambda: log.exists() and "not stored yet" in log.read_text(), timeout=20)
+    if reopens:
+        os.rename(log, tmp_path / "z.log.2")
+    os.kill(pid, signum)
+    time.sleep(0.5)
+    assert process_running(pid)
+    if reopens:
+        assert log.exists() and f"signal {signum.name}: log file reopened" in log.read_text()
+    shard_dir.unlink()
+    os.rename(hidden, shard_dir)
+    assert wait_for(lambda: not process_running(pid), timeout=60)
+    assert "stored everything after" in log.read_text()
+    assert "lost" not in log.read_text()
+    run_mount(store.root, mnt, "ro")
+    assert (mnt / name).read_bytes() == b"new bytes"
     assert zs("umount", mnt).returncode == 0
 
 

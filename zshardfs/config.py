@@ -138,7 +138,8 @@ OPTIONS = {
     "timeout": ("timeout", parse_timeout, f"deadline of one storage operation in seconds, at least "
                 f"{MIN_TIMEOUT:g} and at most {MAX_TIMEOUT:g}; then EIO (default 30)"),
     "log_level": ("log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
-    "log_file": ("log_file", str, "write the log to this file (default: stderr in --foreground, else syslog); reopened at SIGHUP"),
+    "log_file": ("log_file", str, "write the log to this file (default: stderr in --foreground, else syslog); "
+                                  "reopened at SIGHUP or SIGUSR1"),
     "fsname": ("fsname", str, "name shown in /proc/mounts (default: the source)"),
     "prefetch": ("prefetch", str, "read-ahead within shards during scans: on, off (default on)"),
     "prefetch_max": ("prefetch_max", parse_size, "bytes one read-ahead fetches at most (default 16M)"),

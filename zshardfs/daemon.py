@@ -6,8 +6,9 @@ serve until unmounted or signalled, then flush and unmount cleanly.
 
 Stopping never drops data silently: SIGTERM/SIGINT (or an unmount from
 outside) stores everything first, retrying while storage fails; only the
-same signal again gives up, and the log names what is lost.  SIGHUP never
-ends the daemon: it reopens the log file (after logrotate moved it away).
+same signal again gives up, and the log names what is lost.  SIGHUP and
+SIGUSR1 never end the daemon: they reopen the log file (after logrotate
+moved it away); SIGUSR2 is ignored.
 
 Control channel: extended attributes of the mount's root directory
 (``user.zshardfs.stats``, ``user.zshardfs.pid``) — no extra socket to
@@ -38,8 +39,11 @@ XATTR_STATS = "user.zshardfs.stats"
 XATTR_PID = "user.zshardfs.pid"
 XATTR_SYNC = "user.zshardfs.sync"
 
-#: "reopen your log file" (logrotate's postrotate habit); never a stop
-REOPEN_SIGNALS = (signal.SIGHUP,)
+#: "reopen your log file" (what logrotate postrotate scripts send: HUP, or
+#: USR1 as for nginx); never a stop
+REOPEN_SIGNALS = (signal.SIGHUP, signal.SIGUSR1)
+#: signals whose default action would end the daemon without its final sync
+IGNORED_SIGNALS = (signal.SIGUSR2,)
 
 
 def open_backend(cfg: MountConfig):
@@ -129,7 +133,7 @@ class Mount:
 
     def __init__(self, cfg: MountConfig, backend, reopen_log=None):
         self.cfg = cfg
-        #: SIGHUP: open the log file anew (logrotate moved it away)
+        #: SIGHUP/SIGUSR1: open the log file anew (logrotate moved it away)
         self.reopen_log = reopen_log
         self.started = time.time()
         self.view = build_view(cfg, backend)
@@ -236,7 +240,7 @@ class Mount:
     async def _signals(self, nursery) -> None:
         """SIGTERM/SIGINT: store everything, then unmount; the same signal
         again gives up storing (systemd sends it after TimeoutStopSec, see
-        systemd/zshardfs@.service).  SIGHUP: reopen the log file."""
+        systemd/zshardfs@.service).  SIGHUP, SIGUSR1: reopen the log file."""
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, *REOPEN_SIGNALS) as signals:
             stopping = None
             async for signum in signals:
@@ -315,15 +319,17 @@ class Mount:
 def run(cfg: MountConfig, ready=None, reopen_log=None) -> bool:
     """Open the source, mount and serve (blocks until unmounted).  False if
     it exited without storing everything written (given up at a stop).
-    ``reopen_log()``: what SIGHUP does (open the log file anew)."""
+    ``reopen_log()``: what SIGHUP and SIGUSR1 do (open the log file anew)."""
+    # SIGHUP (a closed terminal, a log rotation's habit), SIGUSR1 (another
+    # one's) and SIGUSR2 never end the daemon, whose default action they
+    # are: dirty data would be lost and a dead mount left.  Also not outside
+    # its signal receivers (before the mount, and between serving and the
+    # final sync); within them HUP and USR1 reopen the log file, which is
+    # also reopened by itself at its next line once rotated
+    for signum in (*REOPEN_SIGNALS, *IGNORED_SIGNALS):
+        signal.signal(signum, signal.SIG_IGN)
     backend = open_backend(cfg)
     mount = Mount(cfg, backend, reopen_log=reopen_log)
-    # SIGHUP (a closed terminal, a log rotation's habit) never ends the
-    # daemon, also not outside its signal receivers (before the mount, and
-    # between serving and the final sync); within them it reopens the log
-    # file, which is also reopened by itself at its next line once rotated
-    for signum in REOPEN_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
     trio.run(mount.serve, ready)
     return not mount.lost
 
