@@ -285,13 +285,15 @@ def _serve(cfg: MountConfig, ready_fd: int | None) -> int:
         return _fail(message)
     if background:
         os.chdir("/")
-        if isinstance(handler, _LogFile):
-            handler.take_std()
 
     was_ready = []
 
     def ready() -> None:
-        if background and not cfg.log_file:
+        # (not before: until the mount is there, stderr is what _spawn shows
+        # as the reason of a failure, such as libfuse's or fusermount3's)
+        if background and isinstance(handler, _LogFile):
+            handler.take_std()
+        elif background:
             _redirect_std(os.devnull)
         tell("ok")
         _sd_notify("READY=1")  # (systemd, Type=notify)
@@ -356,12 +358,30 @@ def _spawn(args, cfg: MountConfig) -> int:
         if answer == "ok":
             return EXIT_OK
         if answer.startswith("error: "):
-            return _fail(answer[len("error: "):])
+            # the daemon's words; what libfuse or fusermount3 said before
+            # (why the mount failed: "mount failed: Operation not permitted",
+            # "failed to open /dev/fuse: Permission denied") is on its stderr
+            message = answer[len("error: "):]
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            lines = [ln for ln in _last_words(early_err) if not ln.startswith("zshardfs: ")]
+            if lines and lines[-1] not in message:
+                message += f" ({lines[-1]})"
+            return _fail(message)
         code = proc.wait()
-        early_err.seek(0)
-        lines = [ln.strip() for ln in early_err.read()[-4096:].decode(errors="replace").splitlines() if ln.strip()]
+        lines = _last_words(early_err)
     reason = f": {lines[-1]}" if lines else (f" (see {cfg.log_file})" if cfg.log_file else "")
     return _fail(f"the daemon exited ({code}) before the mount was ready{reason}")
+
+
+def _last_words(early_err) -> list[str]:
+    """The non-empty lines of the end of the daemon's early stderr."""
+    fd = early_err.fileno()
+    size = os.fstat(fd).st_size
+    tail = os.pread(fd, 4096, max(0, size - 4096))  # (pread: the child shares the file offset)
+    return [ln.strip() for ln in tail.decode(errors="replace").splitlines() if ln.strip()]
 
 
 def _daemon_argv(args, ready_fd: int) -> list[str]:
