@@ -577,6 +577,84 @@ def test_allow_other_lets_another_user_read(store, public_mnt, allow_other):
         assert zs("umount", public_mnt).returncode == 0
 
 
+def _as_nobody(fn) -> tuple[int, str, str]:
+    """``fn()`` run as user nobody (65534) in a forked child: (its return
+    value as exit status, stdout, stderr).  Forked, not executed: the venv's
+    interpreter may lie where nobody cannot reach it."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 99
+            try:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                sys.stdout = open(out.fileno(), "w", closefd=False)
+                sys.stderr = open(err.fileno(), "w", closefd=False)
+                code = fn()
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        out.seek(0)
+        err.seek(0)
+        return os.waitstatus_to_exitcode(status), out.read().decode(), err.read().decode()
+
+
+def test_only_the_owner_or_root_can_sync_or_unmount(store, public_mnt, tmp_path):
+    """On root's ``allow_other`` mount another user may read (also the pid
+    and stats), but not make the daemon store now: the sync xattr answers
+    EACCES, and ``zshardfs sync``/``umount`` refuse in one line (umount
+    before asking anything: no sync), so nobody can turn the owner's merged
+    writes into one shard write per chunk."""
+    from zshardfs import cli
+
+    mnt = str(public_mnt)
+    run_mount(store.root, public_mnt, "rw", "allow_other", "flush_delay=inf", log=tmp_path / "z.log")
+    try:
+        name, data = first_chunk(store)
+        (public_mnt / name).write_bytes(data[::-1])  # root's write, held for merging
+        before = json.loads(zs("stats", "--json", mnt).stdout)["writeback"]
+        assert before["dirty_shards"] == 1
+
+        code, out, err = _as_nobody(lambda: cli.main(["sync", mnt]))
+        assert_one_line_error(subprocess.CompletedProcess([], code, out, err),
+                              "only the mount's owner or root can sync it")
+
+        def raw_sync() -> int:
+            try:
+                os.getxattr(mnt, "user.zshardfs.sync")
+            except OSError as exc:
+                return exc.errno
+            return 0
+
+        assert _as_nobody(raw_sync)[0] == errno.EACCES  # the daemon's own answer, whoever asks
+        pid = daemon_pid(mnt)
+        code, out, err = _as_nobody(lambda: 0 if int(os.getxattr(mnt, "user.zshardfs.pid")) == pid else 1)
+        assert code == 0, err  # read-only control values stay readable by all
+        code, out, err = _as_nobody(lambda: cli.main(["stats", mnt]))
+        assert code == 0 and "requests" in out, err
+
+        code, out, err = _as_nobody(lambda: cli.main(["umount", mnt]))
+        assert_one_line_error(subprocess.CompletedProcess([], code, out, err),
+                              "only the mount's owner or root can unmount it")
+        assert mounts_at(public_mnt), "unmounted by another user"
+
+        after = json.loads(zs("stats", "--json", mnt).stdout)["writeback"]
+        assert after["flushes"] == before["flushes"] and after["dirty_shards"] == 1, (before, after)
+        assert zs("sync", mnt).returncode == 0  # root may
+        assert json.loads(zs("stats", "--json", mnt).stdout)["writeback"]["dirty_shards"] == 0
+    finally:
+        assert zs("umount", mnt).returncode == 0
+    log = (tmp_path / "z.log").read_text()
+    assert "Traceback" not in log and "refused: only the mount's owner" in log, log
+
+
 def test_log_file_and_log_level(store, mount):
     m = mount(store.root, "ro")
     name, _ = first_chunk(store)

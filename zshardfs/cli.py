@@ -411,6 +411,8 @@ def _sync(mnt: str) -> str | None:
     try:  # (a read: unlike setxattr it takes no lock the mount's other users wait for)
         os.getxattr(mnt, "user.zshardfs.sync")
     except OSError as exc:
+        if exc.errno == errno.EACCES:  # (the daemon's answer to another user)
+            return f"{mnt}: only the mount's owner or root can sync it"
         if exc.errno != errno.ENODATA:
             return f"sync of {mnt} failed: {os.strerror(exc.errno)} (see the daemon's log)"
         try:  # a daemon started by an older zshardfs knows only the setxattr
@@ -422,8 +424,21 @@ def _sync(mnt: str) -> str | None:
     return None
 
 
+def _not_owner(mnt: str, what: str) -> str | None:
+    """Why the caller may not ``what`` (sync, unmount) the zshardfs mount
+    ``mnt``, or None: only its owner (``user_id=`` in /proc/mounts) and
+    root may."""
+    owner = _mount_owner(mnt)
+    if owner is None or os.getuid() in (0, owner):
+        return None
+    return f"{mnt}: only the mount's owner or root can {what} it (it is uid {owner}'s, you are uid {os.getuid()})"
+
+
 def cmd_sync(args) -> int:
     mnt = os.path.abspath(args.mountpoint)
+    refused = _not_owner(os.path.realpath(mnt), "sync")
+    if refused:
+        return _fail(refused)
     try:
         _control(mnt, "user.zshardfs.pid")
     except ConfigError as exc:
@@ -437,20 +452,31 @@ def _unescape_mount_field(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
-def _zshardfs_mounts() -> dict[str, bool]:
+def _zshardfs_mounts() -> dict[str, list[str]]:
     """Mount points /proc/mounts lists as zshardfs mounts (it lists them
     also when the daemon is dead and every access fails with ENOTCONN), and
-    whether each is read-only."""
+    the mount options of each (``ro``, ``user_id=``...)."""
     found = {}
     try:
         with open("/proc/mounts", encoding="utf-8", errors="surrogateescape") as f:
             for line in f:
                 fields = line.split()
                 if len(fields) >= 4 and fields[2] == "fuse.zshardfs":
-                    found[_unescape_mount_field(fields[1])] = "ro" in fields[3].split(",")
+                    found[_unescape_mount_field(fields[1])] = fields[3].split(",")
     except OSError:
         pass
     return found
+
+
+def _mount_owner(mnt: str) -> int | None:
+    """The uid of the zshardfs mount ``mnt`` (its daemon's), if it is one."""
+    for option in _zshardfs_mounts().get(mnt, ()):
+        if option.startswith("user_id="):
+            try:
+                return int(option[len("user_id="):])
+            except ValueError:
+                return None
+    return None
 
 
 def _is_zshardfs_mount(mnt: str) -> bool:
@@ -494,6 +520,9 @@ def cmd_umount(args) -> int:
             if exc.errno not in DEAD:
                 return EXIT_OK
         args.lazy = True
+    refused = _not_owner(mnt, "unmount")
+    if refused:  # (before its sync: fusermount3 would refuse the unmount after it)
+        return _fail(refused)
     if args.lazy and _is_zshardfs_mount(mnt):
         # the escape hatch: asks the daemon nothing (a wedged one would never
         # answer), detaches at once; the daemon stores what it holds and ends
@@ -508,7 +537,7 @@ def cmd_umount(args) -> int:
         if not _is_zshardfs_mount(mnt):
             return _fail(str(exc))
         pid = None  # the daemon is gone (killed): only the dead mount is left to remove
-    read_only = _zshardfs_mounts().get(mnt, False)
+    read_only = "ro" in _zshardfs_mounts().get(mnt, ())
     lost = f"anything it had not stored yet is lost{' (a read-only mount: nothing was)' if read_only else ''}"
     if pid is not None:
         problem = _sync(mnt)

@@ -12,11 +12,15 @@ moved it away); SIGUSR2 is ignored.
 
 Control channel: extended attributes of the mount's root directory
 (``user.zshardfs.stats``, ``user.zshardfs.pid``) — no extra socket to
-secure, no extra file in the view.
+secure, no extra file in the view.  Anyone who may read the root may read
+those; ``user.zshardfs.sync`` (store everything now) only the daemon's user
+and root may ask for (EACCES): another user of an ``allow_other`` mount
+syncing after each of the owner's writes would defeat write merging.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -29,6 +33,7 @@ import trio
 from .backends.base import AsyncStore, StoreError
 from .config import ConfigError, MountConfig
 from .fuse_ops import Operations
+from .logonce import log_once
 from .shards import ShardCache
 from .view import View
 from .writeback import WriteBack
@@ -177,12 +182,20 @@ class Mount:
                           "flushes": self.writeback.flushes, "flush_errors": self.writeback.flush_errors},
         }
 
-    async def set(self, name: str, value: bytes) -> bool:
+    def _may_sync(self, uid: int) -> None:
+        """Only the daemon's user and root may make it store now (EACCES)."""
+        if uid not in (0, os.getuid()):
+            log_once(log, logging.INFO, f"a sync asked by uid {uid} refused: only the mount's owner "
+                                        f"(uid {os.getuid()}) or root can sync it")
+            raise pyfuse3.FUSEError(errno.EACCES)
+
+    async def set(self, name: str, value: bytes, uid: int = 0) -> bool:
         """Control writes (setxattr on the root); True if ``name`` is ours.
         (Sync by setxattr is kept for older clients: the kernel holds the
         root directory's lock through a setxattr, so lookups there wait.)"""
         if name != XATTR_SYNC:
             return False
+        self._may_sync(uid)
         await self._sync()
         return True
 
@@ -196,11 +209,12 @@ class Mount:
         if refused:
             raise refused[0]
 
-    async def get(self, name: str) -> bytes | None:
-        """Control reads (getxattr on the root).  ``zshardfs sync`` reads
-        XATTR_SYNC: a getxattr takes no lock, so the mount goes on
-        answering lookups in its root while everything is stored."""
+    async def get(self, name: str, uid: int = 0) -> bytes | None:
+        """Control reads (getxattr on the root) by user ``uid``.  ``zshardfs
+        sync`` reads XATTR_SYNC: a getxattr takes no lock, so the mount goes
+        on answering lookups in its root while everything is stored."""
         if name == XATTR_SYNC:
+            self._may_sync(uid)
             await self._sync()
             return b"stored"
         if name == XATTR_STATS:

@@ -168,7 +168,7 @@ class Operations(pyfuse3.Operations):
         self.open_fill = open_fill
         #: READ requests served, and opens that filled the page cache instead
         self.reads = self.open_fills = 0
-        self.control = control  # .get(name) / async .set(name, value): xattrs of the root
+        self.control = control  # async .get(name, uid) / .set(name, value, uid): xattrs of the root
         self.view = view
         self.read_only = read_only
         self.entry_timeout = entry_timeout
@@ -564,7 +564,7 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def getxattr(self, inode, name, ctx):
         if inode == pyfuse3.ROOT_INODE and self.control is not None:
-            value = await self.control.get(os.fsdecode(name))
+            value = await self.control.get(os.fsdecode(name), ctx.uid)
             if value is not None:
                 return value
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
@@ -725,7 +725,7 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def setxattr(self, inode, name, value, ctx):
         if inode == pyfuse3.ROOT_INODE and self.control is not None:
-            if await self.control.set(os.fsdecode(name), value):
+            if await self.control.set(os.fsdecode(name), value, ctx.uid):
                 return
         self._writable()
         raise pyfuse3.FUSEError(errno.ENOTSUP)
