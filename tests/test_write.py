@@ -1443,6 +1443,45 @@ def test_names_outside_the_grid_are_refused(store, mount, tmp_path):
     assert "discarded" not in m.log_text()  # nothing was kept only to be dropped
 
 
+def test_rsync_of_a_grown_array_and_the_line_that_says_why(store, mount, tmp_path):
+    """``rsync -a`` of an unsharded twin whose array grew makes the new chunk
+    directories before it copies ``zarr.json`` (sorted order): the mount
+    refuses them (ENOENT, outside the stored grid), with one INFO line per
+    directory naming the array's shape and the way out; copying the
+    metadata first (SEMANTICS, Limits), or a second pass, copies it all."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    twin = tmp_path / "twin"
+    subprocess.run(["rsync", "-a", f"{m.path}/", f"{twin}/"], check=True, capture_output=True, timeout=120)
+    grown = zarr.open_array(str(twin / "arr"), mode="r+")
+    grown.resize((12, 8))
+    grown[8:12, :] = 7
+    assert (twin / "arr/c/5/3").is_file()
+
+    first = subprocess.run(["rsync", "-a", f"{twin}/", f"{m.path}/"], capture_output=True, text=True, timeout=120)
+    assert first.returncode != 0 and "arr/c/4" in first.stderr, first
+    text = m.log_text()
+    for d in ("arr/c/4", "arr/c/5"):
+        lines = [ln for ln in text.splitlines() if f"{d}: outside the chunk grid" in ln]
+        assert len(lines) == 1, (d, lines)  # one per directory, not per file
+        assert " INFO " in lines[0] and "of arr (shape [8, 8])" in lines[0], lines[0]
+        assert "write its larger zarr.json first" in lines[0], lines[0]
+    assert not any("outside the chunk grid" in ln for ln in text.splitlines()
+                   if not ("arr/c/4:" in ln or "arr/c/5:" in ln)), text
+
+    # the metadata first (-m: no directory without a zarr.json in it), then the rest
+    meta = subprocess.run(["rsync", "-a", "-m", "--include=*/", "--include=zarr.json", "--exclude=*",
+                           f"{twin}/", f"{m.path}/"], capture_output=True, text=True, timeout=120)
+    assert meta.returncode == 0, meta.stderr
+    again = subprocess.run(["rsync", "-a", f"{twin}/", f"{m.path}/"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    m.umount()
+    got = zarr.open_array(str(store.local_copy(tmp_path / "copy") / "arr"), mode="r")
+    assert got.shape == (12, 8) and got.metadata.to_dict()["codecs"][0]["name"] == "sharding_indexed"
+    assert (got[:8] == data).all() and (got[8:] == 7).all()
+
+
 def test_open_for_writing_shows_what_the_view_shows(store, mount, tmp_path):
     """Opening a sharded array's zarr.json read-write (an editor, ``r+``)
     starts from the view's document, so other readers keep seeing valid

@@ -807,6 +807,23 @@ class View:
             log_once(log, logging.WARNING, message)
             raise ViewError(errno.EINVAL, message)
 
+    @staticmethod
+    def _outside(dataset: Dataset, directory: str, path: str) -> ViewError:
+        """The refusal (ENOENT) of a name spelled as a chunk (file or
+        directory) but outside ``dataset``'s grid, and one INFO line per
+        directory it would be made in (``directory``; a directory refused is
+        its own): a copy of a grown array (``rsync -a``, which makes the new
+        chunk directories before it copies ``zarr.json``) learns why."""
+        grid = getattr(dataset, "grid", None)
+        shape = getattr(grid, "shape", None)
+        document = {"precomputed": "info", "zarr-v3-draft-transformer": "array document"}.get(dataset.layout,
+                                                                                                "zarr.json")
+        message = (f"{directory or '/'}: outside the chunk grid of {dataset.root or 'the root'}"
+                   f"{f' (shape {list(shape)})' if shape is not None else ''}: its chunk names there are refused "
+                   f"(ENOENT); to grow it, write its larger {document} first")
+        log_once(log, logging.INFO, message, tag=f"outside the grid: {directory}")
+        return ViewError(errno.ENOENT, f"{path}: outside the chunk grid")
+
     async def create(self, parent: Node, name: str) -> Handle:
         """A new empty file ``name`` in ``parent``, opened for writing."""
         self._check_writable()
@@ -819,14 +836,14 @@ class View:
             if root_dataset is not None and root_dataset.claims((name,)):
                 dataset, rel = root_dataset, (name,)
             elif root_dataset is not None and root_dataset.outside((name,)):
-                raise ViewError(errno.ENOENT, f"{path}: outside the dataset's chunk grid")
+                raise self._outside(root_dataset, parent.path, path)
         if dataset is not None:
             target = dataset.target(rel)
             if target is not None:
                 node = Node(path, False, 0, time.time(), dataset=dataset, rel=rel, target=target)
                 return await self.open(node, write=True, truncate=True)
             if dataset.outside(rel):
-                raise ViewError(errno.ENOENT, f"{path}: outside the array's chunk grid")
+                raise self._outside(dataset, parent.path, path)
             # a shard a sharding-aware tool writes: stored as written; any
             # other name is scratch, a temporary inside the chunk namespace
             key = dataset.stored_as_is(rel)
@@ -1288,7 +1305,8 @@ class View:
         if await self.lookup(parent, name) is not None:
             raise ViewError(errno.EEXIST, f"{name}: exists")
         if self._in_dataset(parent) and parent.dataset.outside(parent.rel + (name,)):
-            raise ViewError(errno.ENOENT, f"{name}: outside the array's chunk grid")
+            path = join_key(parent.path, name)
+            raise self._outside(parent.dataset, path, path)
         dataset = parent.dataset
         if not self._in_dataset(parent):
             dataset = await self.dataset_at(parent.key)  # (the array's own directory: its dataset)
