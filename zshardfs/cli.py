@@ -592,6 +592,8 @@ def cmd_stats(args) -> int:
         print("handles     " + "  ".join(f"{k}={v}" for k, v in stats["handles"].items()))
     if "writeback" in stats:  # (what only memory holds: a failed flush shows here)
         print("write-back  " + "  ".join(f"{k}={v}" for k, v in stats["writeback"].items()))
+    if "gc" in stats:
+        print("gc          " + "  ".join(f"{k}={v}" for k, v in stats["gc"].items()))
     return EXIT_OK
 
 

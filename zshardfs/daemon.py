@@ -21,6 +21,7 @@ syncing after each of the owner's writes would defeat write merging.
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ import time
 import pyfuse3
 import trio
 
+from . import gcpolicy
 from .backends.base import AsyncStore, StoreError
 from .config import ConfigError, MountConfig
 from .fuse_ops import Operations
@@ -180,6 +182,8 @@ class Mount:
                         + sum(map(len, self.view.readers.values()))},
             "writeback": {"dirty_shards": len(self.writeback.dirty), "dirty_bytes": self.writeback.dirty_bytes,
                           "flushes": self.writeback.flushes, "flush_errors": self.writeback.flush_errors},
+            # the collector's permanent generation (see gcpolicy)
+            "gc": {"frozen_objects": gc.get_freeze_count(), "full_collections": gc.get_stats()[2]["collections"]},
         }
 
     def _may_sync(self, uid: int) -> None:
@@ -344,6 +348,7 @@ def run(cfg: MountConfig, ready=None, reopen_log=None) -> bool:
         signal.signal(signum, signal.SIG_IGN)
     backend = open_backend(cfg)
     mount = Mount(cfg, backend, reopen_log=reopen_log)
+    gcpolicy.install()  # (short collector pauses with a big inode table)
     trio.run(mount.serve, ready)
     return not mount.lost
 

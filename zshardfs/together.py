@@ -49,8 +49,12 @@ _cpu_limiter = trio.CapacityLimiter(2)
 async def off_loop(fn: Callable[[], Any], nbytes: int) -> Any:
     """``fn()`` (pure CPU work on ``nbytes`` of input): in a worker thread
     when that is large, so the loop goes on answering the kernel while a
-    shard is gzipped or a big document parsed; inline when small, where the
-    thread hop would cost more than the work."""
+    shard is gzipped or hashed (zlib, zstd and crc32c release the GIL) or
+    a document's rewrite runs (Python code: the interpreter switches
+    threads every few ms); inline when small, where the thread hop would
+    cost more than the work.  What holds the GIL throughout still stops
+    the loop: ``json.loads`` of a document, about 10 ms per MiB (see
+    SEMANTICS, Limits)."""
     if nbytes <= HEAVY:
         return fn()
     return await trio.to_thread.run_sync(fn, limiter=_cpu_limiter)
