@@ -315,7 +315,10 @@ def test_read_ahead_follows_the_reader(mount, moto_server, bucket, array):
     expected = sorted(array.shards, key=scan_order)
     assert sorted(fetched) == sorted(expected)
     places = [expected.index(key) for key in fetched]
-    assert max(abs(p - i) for i, p in enumerate(places)) <= AHEAD_PARALLEL, places
+    # (the server logs a request when it has answered it: of AHEAD_PARALLEL
+    # GETs in flight, a slow one is logged after later ones, and on a loaded
+    # machine after one more round; any other order would be off by up to 31)
+    assert max(abs(p - i) for i, p in enumerate(places)) <= 2 * AHEAD_PARALLEL, places
     assert m.stats()["read_aheads"] >= len(expected) - 2
 
 
