@@ -1040,6 +1040,7 @@ def test_the_systemd_unit_mounts_on_the_host_and_clears_a_dead_mount(store, mnt)
     leaves a live one alone."""
     settings = _unit()
     assert settings["Type"] == ["notify"]
+    assert settings["ExecReload"] == ["/bin/kill -HUP $MAINPID"]  # (reopens the log: test_hup_usr1_usr2_...)
     namespaced = {"PrivateTmp", "ProtectSystem", "ProtectHome", "PrivateMounts", "PrivateDevices",
                   "ReadOnlyPaths", "ReadWritePaths", "InaccessiblePaths", "TemporaryFileSystem",
                   "BindPaths", "BindReadOnlyPaths", "ProtectKernelTunables", "ProtectControlGroups",
