@@ -655,6 +655,21 @@ def test_only_the_owner_or_root_can_sync_or_unmount(store, public_mnt, tmp_path)
     assert "Traceback" not in log and "refused: only the mount's owner" in log, log
 
 
+def test_stats_by_another_user_of_a_private_mount_says_whose_it_is(store, public_mnt):
+    """Without ``allow_other`` the kernel keeps other users out of the
+    mount (EACCES): ``zshardfs stats`` by one of them names the owner and
+    the option, not "not a zshardfs mount point" (before)."""
+    from zshardfs import cli
+
+    run_mount(store.root, public_mnt, "ro")
+    try:
+        code, out, err = _as_nobody(lambda: cli.main(["stats", str(public_mnt)]))
+        assert_one_line_error(subprocess.CompletedProcess([], code, out, err),
+                              "uid 0's zshardfs mount", "without allow_other")
+    finally:
+        assert zs("umount", public_mnt).returncode == 0
+
+
 def test_log_file_and_log_level(store, mount):
     m = mount(store.root, "ro")
     name, _ = first_chunk(store)

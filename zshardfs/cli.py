@@ -403,6 +403,10 @@ def _control(mountpoint: str, name: str) -> bytes:
         if exc.errno in DEAD:
             raise ConfigError(f"{mountpoint!r} is a dead mount (its daemon is gone); "
                               f"'zshardfs umount {mountpoint}' removes it") from None
+        owner = _mount_owner(os.path.realpath(mountpoint)) if exc.errno in (errno.EACCES, errno.EPERM) else None
+        if owner is not None and owner != os.getuid():  # (the kernel keeps others out without allow_other)
+            raise ConfigError(f"{mountpoint!r} is uid {owner}'s zshardfs mount, mounted without allow_other: "
+                              "only that user and root can reach it") from None
         raise ConfigError(f"{mountpoint!r} is not a zshardfs mount point") from None
 
 
