@@ -1341,3 +1341,29 @@ def test_local_keys_never_resolve_outside_the_store(tmp_path):
     free = LocalBackend(str(root), confine=False)  # -o follow_symlinks
     assert free.get("leak").data == b"secret" and free.get("etc/passwd").data == b"root:x:0:0"
     free.close()
+
+
+def test_local_conditional_write_is_judged_in_the_directory_it_lands_in(tmp_path, monkeypatch):
+    """A conditional put judges its precondition in the directory it renames
+    into: when the key's directory is moved away and another made in its
+    place meanwhile (``mv d x && mkdir d``), the put fails its precondition
+    (and is retried by the write-back) instead of replacing, unseen, the
+    object that moved along. Before, the check looked at the new directory
+    and an ``if_none_match`` put overwrote ``x/k``."""
+    import zshardfs.backends.local as local
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "k").write_bytes(b"precious")
+    b = LocalBackend(str(tmp_path))
+    real_lock = local._key_lock
+
+    def swapping_lock(dfd, name):
+        os.rename(tmp_path / "d", tmp_path / "x")
+        (tmp_path / "d").mkdir()
+        return real_lock(dfd, name)
+
+    monkeypatch.setattr(local, "_key_lock", swapping_lock)
+    with pytest.raises(PreconditionFailed):
+        b.put("d/k", b"clobber", if_none_match=True)
+    assert (tmp_path / "x" / "k").read_bytes() == b"precious"
+    b.close()

@@ -281,31 +281,41 @@ def test_long_lived_objects_leave_the_collector_s_walks(huge_dirs, mount):
     assert gc_stats["frozen_objects"] > 100_000, gc_stats
 
 
-def test_gc_policy_hands_frozen_objects_back_every_refresh():
+@pytest.mark.parametrize("trigger", ["time", "growth"])
+def test_gc_policy_hands_frozen_objects_back(trigger):
     """A cycle that became garbage after its freeze is freed once the
-    refresh time has passed (the next full collection walks everything),
-    not before: frozen objects cannot pile up for good."""
+    refresh time has passed, or once the frozen objects are GROWTH times what
+    the last walk of everything found alive (the next full collection walks
+    everything), not before: frozen objects cannot pile up for good."""
     import gc
     import weakref
 
-    from zshardfs.gcpolicy import FreezeAfterFullCollections
+    from zshardfs.gcpolicy import GROWTH, FreezeAfterFullCollections
 
     class Cycle:
         pass
 
-    policy = FreezeAfterFullCollections(refresh=3600)
+    policy = FreezeAfterFullCollections(refresh=3600, floor=0)
     gc.callbacks.append(policy)
     try:
+        gc.collect()  # (walks everything: what lives now is "alive")
+        assert policy.alive > 0 and gc.get_freeze_count() > 0
         x = Cycle()
         x.me = x
         alive = weakref.ref(x)
         gc.collect()
-        assert gc.get_freeze_count() > 0 and policy.freezes >= 1
+        assert gc.get_freeze_count() > 0 and policy.freezes >= 2
         del x
         gc.collect()
         assert alive() is not None  # (frozen: kept)
-        policy.refresh = 0.0
+        if trigger == "time":
+            policy.refresh = 0.0
+        else:
+            grown = [[] for _ in range(GROWTH * policy.alive)]  # (kept alive: frozen at the next collection)
+            gc.collect()
+            assert grown
         gc.collect()  # (at its end: handed back)
+        assert alive() is not None or trigger == "growth"
         gc.collect()
         assert alive() is None
     finally:

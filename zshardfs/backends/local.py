@@ -230,9 +230,10 @@ def _tmp_name(basename: str) -> str:
 
 
 #: directories this process made whose entry may not be durable in their
-#: parent yet (made, parent not yet fsynced), by key: a put into one fsyncs
-#: that parent itself rather than trust the maker's fsync to have happened
-_unsynced_dirs: set[str] = set()
+#: parent yet (made, parent not yet fsynced), by (store root, key): a put
+#: into one fsyncs that parent itself rather than trust the maker's fsync to
+#: have happened
+_unsynced_dirs: set[tuple[str, str]] = set()
 _unsynced_lock = threading.Lock()
 
 
@@ -365,7 +366,7 @@ class LocalBackend:
         if not make:
             return self._open(key, flags)
         with _unsynced_lock:
-            unsynced = key in _unsynced_dirs
+            unsynced = (self.root, key) in _unsynced_dirs
         if not unsynced:
             try:
                 return self._open(key, flags)
@@ -378,7 +379,7 @@ class LocalBackend:
             for i, name in enumerate(parts):
                 here = "/".join(parts[:i + 1])
                 with _unsynced_lock:
-                    unsynced = here in _unsynced_dirs
+                    unsynced = (self.root, here) in _unsynced_dirs
                 if not unsynced:
                     try:
                         child = self._open(here, flags)
@@ -389,18 +390,18 @@ class LocalBackend:
                         fd = child
                         continue
                 with _unsynced_lock:
-                    _unsynced_dirs.add(here)
+                    _unsynced_dirs.add((self.root, here))
                 try:
                     os.mkdir(name, dir_fd=fd)
                 except FileExistsError:
                     pass  # (made by another writer just now: fsynced here too; a file: ENOTDIR below)
                 except BaseException:
                     with _unsynced_lock:
-                        _unsynced_dirs.discard(here)
+                        _unsynced_dirs.discard((self.root, here))
                     raise
                 os.fsync(fd)  # (on failure it stays listed: the next put into it tries again)
                 with _unsynced_lock:
-                    _unsynced_dirs.discard(here)
+                    _unsynced_dirs.discard((self.root, here))
                 try:
                     child = self._open(here, flags)
                 except NotADirectoryError:
@@ -696,7 +697,17 @@ class LocalBackend:
         finally:
             fcntl.flock(dfd, fcntl.LOCK_UN)
 
-    def _check(self, key: str, if_match, if_none_match) -> None:
+    def _check(self, key: str, dfd: int, if_match, if_none_match) -> None:
+        """The precondition, judged in the directory ``dfd`` the change is
+        made in: the key's path must still lead there (a directory moved
+        away meanwhile, another in its place: judged, and retried, anew)."""
+        try:
+            held, now = os.fstat(dfd), self._stat(key.rpartition("/")[0])
+        except (FileNotFoundError, NotADirectoryError):
+            now = None
+        if now is None or (held.st_dev, held.st_ino) != (now.st_dev, now.st_ino):
+            bump(self.counters, "precondition_failed")
+            raise PreconditionFailed(f"{key}: its directory was moved or replaced", key)
         try:
             current = self._info(key, self._stat(key))
         except FileNotFoundError:
@@ -763,7 +774,7 @@ class LocalBackend:
                     os.fsync(f.fileno())
                 if if_match is not None or if_none_match:
                     with _key_lock(dfd, name), self._dir_lock(dfd):
-                        self._check(key, if_match, if_none_match)
+                        self._check(key, dfd, if_match, if_none_match)
                         os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 else:
                     os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
@@ -806,7 +817,7 @@ class LocalBackend:
                 raise FileNotFoundError(errno.ENOENT, "no such directory", dir_key)
             if if_match is not None:
                 with _key_lock(dfd, name), self._dir_lock(dfd):
-                    self._check(key, if_match, False)
+                    self._check(key, dfd, if_match, False)
                     os.unlink(name, dir_fd=dfd)
             else:
                 os.unlink(name, dir_fd=dfd)
