@@ -1367,3 +1367,18 @@ def test_local_conditional_write_is_judged_in_the_directory_it_lands_in(tmp_path
         b.put("d/k", b"clobber", if_none_match=True)
     assert (tmp_path / "x" / "k").read_bytes() == b"precious"
     b.close()
+
+
+def test_local_listing_leaves_out_links_that_name_nothing(tmp_path):
+    """A symbolic link loop, or a link through a file, is left out of its
+    directory's listing (a loop with one warning); the rest is listed.
+    Before, the whole listing failed (EIO for ``ls`` of the directory)."""
+    (tmp_path / "a").write_bytes(b"a")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "through").symlink_to("a/x")
+    (tmp_path / "dangling").symlink_to("nothing")
+    b = LocalBackend(str(tmp_path))
+    listing = b.list("")
+    assert listing.dirs == ["d"] and [f.key for f in listing.files] == ["a"]
+    b.close()

@@ -663,9 +663,13 @@ class LocalBackend:
                             try:
                                 st = self._stat(key)
                             except OSError as exc:
-                                if exc.errno != errno.EXDEV:
-                                    raise
-                                self._outside(key)
+                                if exc.errno == errno.EXDEV:
+                                    self._outside(key)
+                                elif exc.errno == errno.ELOOP:  # (left out, as a damaged object is)
+                                    log_once(log, logging.WARNING, f"{self._path(key)}: a symbolic link "
+                                             "loop; left out", tag=f"symlink loop: {self._path(key)}", interval=3600)
+                                elif exc.errno != errno.ENOTDIR:
+                                    raise  # (ENOTDIR: a link through a file, which names nothing)
                                 continue
                         else:
                             st = entry.stat(follow_symlinks=False)
