@@ -29,6 +29,7 @@ from tests.s3server import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, MotoServer, free_
 from zshardfs.backends.base import (
     AccessDenied,
     AsyncStore,
+    Listing,
     NotFound,
     PreconditionFailed,
     StoreError,
@@ -1325,7 +1326,7 @@ def test_local_keys_never_resolve_outside_the_store(tmp_path):
     assert listing.dirs == ["sub"] and [f.key for f in listing.files] == ["inside"]
     assert b.list("etc").files == [] and b.list("up").dirs == []
     assert b.get("inside").data == b"inside" and b.get("sub/back/file").data == b"inside"
-    assert sorted(b.list("sub").dirs) == ["back"]
+    assert b.list("sub").dirs == []  # (back -> ../sub: a loop, left out of listings; its path still reads)
     with pytest.raises(NotFound):
         b.put("etc/new", b"x")
     with pytest.raises(NotFound):
@@ -1381,4 +1382,88 @@ def test_local_listing_leaves_out_links_that_name_nothing(tmp_path):
     b = LocalBackend(str(tmp_path))
     listing = b.list("")
     assert listing.dirs == ["d"] and [f.key for f in listing.files] == ["a"]
+    b.close()
+
+
+def test_local_links_to_a_directory_above_are_left_out_as_loops(tmp_path):
+    """Symbolic links to the directory they are in, or to one above it, are
+    left out of listings (one warning each), and a listing through such a
+    link is empty: a walk down the tree (``fsck``, ``find``, ``rm -rf``)
+    ends. Before, three links to ``.`` made ``zshardfs fsck`` walk about
+    3^40 paths, and ``rm -rf MNT/loop`` with ``loop -> .`` emptied the whole
+    source."""
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "e" / "f").write_bytes(b"f")
+    for i in range(3):
+        (tmp_path / "d" / f"self{i}").symlink_to(".")
+    (tmp_path / "d" / "e" / "up").symlink_to("../..")
+    (tmp_path / "d" / "sib").symlink_to("e")  # (not a loop: listed)
+    b = LocalBackend(str(tmp_path))
+    assert b.list("d").dirs == ["e", "sib"]
+    assert b.list("d/e").dirs == [] and [f.key for f in b.list("d/e").files] == ["d/e/f"]
+    assert b.list("d/self0") == b.list("d/e/up") == b.list("d/self1/self2") == Listing([], [])
+    assert [f.key for f in b.list("d/sib").files] == ["d/sib/f"]
+    assert b.get("d/self0/e/f").data == b"f"  # (a path named outright still reads)
+    b.close()
+
+
+def test_local_writes_never_wait_forever_on_what_other_users_put_there(tmp_path, monkeypatch):
+    """What any user who can read (or write) the store can do does not hold
+    a conditional write's thread for good: a directory flock held by
+    another process is waited for LOCK_WAIT at most (EBUSY, the flush is
+    retried); a FIFO at a key's lock name is refused at once, also by the
+    sweep of stale lock files; a FIFO or a hard link at a temporary file's
+    name is never opened (the names are random and made with O_EXCL).
+    Before, each of them blocked a worker thread forever or (the hard link)
+    wrote the shard into the file elsewhere."""
+    import fcntl
+
+    import zshardfs.backends.local as local
+
+    monkeypatch.setattr(local, "LOCK_WAIT", 0.3)
+    (tmp_path / "d").mkdir()
+    b = LocalBackend(str(tmp_path))
+    b.put("d/k", b"v0")
+    held = os.open(tmp_path / "d", os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # (another process's, to the backend: an open file description of its own)
+    started = time.monotonic()
+    with pytest.raises(StoreError) as raised:
+        b.put("d/k", b"v1", if_match=b.stat("d/k").etag)
+    assert raised.value.errno == errno.EBUSY and time.monotonic() - started < 5
+    os.close(held)
+    os.mkfifo(tmp_path / "d" / "k.__lock")
+    with pytest.raises(StoreError):
+        b.put("d/k", b"v1", if_match=b.stat("d/k").etag)
+    dfd = os.open(tmp_path / "d", os.O_RDONLY)
+    assert not local._remove_lock_if_stale(dfd, "k.__lock")
+    os.close(dfd)
+    os.unlink(tmp_path / "d" / "k.__lock")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"precious")
+    names = iter(["planted-fifo", "planted-link"])
+    real_name = local._tmp_name
+    monkeypatch.setattr(local, "_tmp_name", lambda base: next(names, None) or real_name(base))
+    os.mkfifo(tmp_path / "d" / "planted-fifo")
+    os.link(outside, tmp_path / "d" / "planted-link")
+    b.put("d/k", b"v2", if_match=b.stat("d/k").etag)
+    assert b.get("d/k").data == b"v2" and outside.read_bytes() == b"precious"
+    b.close()
+
+
+def test_local_entries_the_view_cannot_see_are_replaced_by_a_write(tmp_path):
+    """A FIFO, or a link leading out, at a shard's name shows as nothing,
+    and a write there (if_none_match) replaces the entry itself; the link's
+    target is left alone. Before, every flush of it failed (12 "conflicting
+    writes"), and unmount was refused for as long as the entry was there."""
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"precious")
+    (tmp_path / "s" / "c").mkdir(parents=True)
+    (tmp_path / "s" / "c" / "link").symlink_to(outside)
+    os.mkfifo(tmp_path / "s" / "c" / "fifo")
+    b = LocalBackend(str(tmp_path / "s"))
+    for name in ("link", "fifo"):
+        assert b.stat(f"c/{name}") is None
+        b.put(f"c/{name}", b"shard", if_none_match=True)
+        assert b.get(f"c/{name}").data == b"shard"
+    assert outside.read_bytes() == b"precious"
     b.close()

@@ -38,6 +38,7 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
 import stat
 import struct
 import threading
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 #: table (x86_64, arm64, riscv...) since Linux 5.6
 _SYS_OPENAT2 = 437
 _RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
 
 
@@ -69,11 +71,12 @@ _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 
 
-def openat2_beneath(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
+def openat2_beneath(dirfd: int, path: str, flags: int, mode: int = 0, no_symlinks: bool = False) -> int:
     """``openat(dirfd, path, flags)`` that fails with EXDEV rather than
     resolve outside ``dirfd``'s directory (``..``, symlinks, absolute ones
     too).  Python has no ``os.openat2``; ctypes releases the GIL for it."""
-    how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS)
+    how = _OpenHow(flags | os.O_CLOEXEC, mode,
+                   _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS | (_RESOLVE_NO_SYMLINKS if no_symlinks else 0))
     name = os.fsencode(path)
     for _ in range(16):  # EAGAIN: a rename raced the kernel's walk of "..": walk again
         fd = _syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dirfd), ctypes.c_char_p(name),
@@ -140,8 +143,10 @@ def _key_lock(dfd: int, name: str):
     LOCK_WAIT at most (EBUSY).  The lock file is removed when done, as
     tensorstore removes it after a write that did not rename it."""
     lock_name = name + LOCK_SUFFIX
-    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW  # (a symlink planted there: ELOOP)
-    fd = os.open(lock_name, flags, 0o666, dir_fd=dfd)
+    # (a symlink planted there: ELOOP; a FIFO: ENXIO or not a regular file,
+    # never an open that waits for a reader)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    fd = _open_regular(lock_name, flags, dfd)
     try:
         deadline, delay = time.monotonic() + LOCK_WAIT, 0.001
         while True:
@@ -165,7 +170,7 @@ def _key_lock(dfd: int, name: str):
             fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _OFD_UNLCK)
             os.close(fd)
             fd = -1  # (closed: an open below that fails must not close it again)
-            fd = os.open(lock_name, flags, 0o666, dir_fd=dfd)
+            fd = _open_regular(lock_name, flags, dfd)
         try:
             yield
         finally:
@@ -176,6 +181,16 @@ def _key_lock(dfd: int, name: str):
     finally:
         if fd >= 0:
             os.close(fd)  # (releases the lock)
+
+
+def _open_regular(name: str, flags: int, dfd: int) -> int:
+    """``os.open`` in ``dfd`` that accepts a regular file only (EBUSY for
+    anything else another user may have put there)."""
+    fd = os.open(name, flags, 0o666, dir_fd=dfd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EBUSY, "not a regular file", name)
+    return fd
 
 
 def _is_key_lock(name: str, size: int) -> bool:
@@ -191,7 +206,7 @@ def _remove_lock_if_stale(dfd: int, name: str) -> bool:
     that opened it meanwhile finds it gone when it checks, and retries).
     True if it is gone."""
     try:
-        fd = os.open(name, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dfd)
+        fd = _open_regular(name, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dfd)
     except FileNotFoundError:
         return True
     except OSError:
@@ -216,11 +231,13 @@ def _remove_lock_if_stale(dfd: int, name: str) -> bool:
 
 
 def _tmp_name(basename: str) -> str:
-    """``.zshardfs-tmp-<pid>-<thread>-<basename>``, the basename cut so that
+    """``.zshardfs-tmp-<pid>-<random>-<basename>``, the basename cut so that
     the name fits NAME_MAX: a key whose own name is legal must be storable.
-    The pid and thread make it unique (a thread writes one put at a time); the
-    pid is what :func:`_writer_gone` reads."""
-    head = f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-"
+    The random part makes it unique and unguessable (it is created with
+    O_EXCL: whatever another user put at a name they foresaw, a FIFO or a
+    hard link to a file elsewhere, is never opened); the pid is what
+    :func:`_writer_gone` reads."""
+    head = f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}-"
     room = NAME_MAX - len(head)  # (ASCII)
     tail = os.fsencode(basename)
     if len(tail) <= room:
@@ -627,12 +644,46 @@ class LocalBackend:
         info = ObjectInfo(key, etag_size, if_match, 0.0)
         return self._count_read(info, start, bytes(buf), None)
 
+    def _ancestry(self, prefix: str) -> set[tuple[int, int]]:
+        """(st_dev, st_ino) of ``prefix``'s directory and of every directory
+        above it up to the root: a symlink to one of them is a loop."""
+        parts = prefix.split("/") if prefix else []
+        out = set()
+        for i in range(len(parts) + 1):
+            st = self._stat("/".join(parts[:i]))
+            out.add((st.st_dev, st.st_ino))
+        return out
+
+    def _loop(self, key: str) -> None:
+        log_once(log, logging.WARNING, f"{self._path(key)}: a symbolic link to a directory above it (a loop); "
+                                       "left out", tag=f"symlink loop: {self._path(key)}", interval=3600)
+
     def list(self, prefix: str) -> Listing:
         bump(self.counters, "list")
         self._check_root(prefix, "listed")
         dirs, files = [], []
+        ancestry = None  # (computed when a symlink may make a loop)
         try:
-            dfd = self._open_dir(prefix)
+            try:  # (the common case: no symlink on the way, so no loop either)
+                if not self.confine or self._root_fd is None:
+                    raise OSError(errno.ELOOP, "")
+                self._path(prefix)
+                dfd = openat2_beneath(self._root_fd, prefix or ".", os.O_RDONLY | os.O_DIRECTORY, no_symlinks=True)
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                dfd = self._open_dir(prefix)
+                try:
+                    ancestry = self._ancestry(prefix.rpartition("/")[0]) if prefix else set()
+                    here = os.fstat(dfd)
+                    if prefix and (here.st_dev, here.st_ino) in ancestry:  # (a walk down it would never end)
+                        self._loop(prefix)
+                        os.close(dfd)
+                        return Listing([], [])
+                    ancestry.add((here.st_dev, here.st_ino))
+                except BaseException:
+                    os.close(dfd)
+                    raise
         except (FileNotFoundError, NotADirectoryError):
             return Listing([], [])
         except OSError as exc:
@@ -671,6 +722,12 @@ class LocalBackend:
                                 elif exc.errno != errno.ENOTDIR:
                                     raise  # (ENOTDIR: a link through a file, which names nothing)
                                 continue
+                            if stat.S_ISDIR(st.st_mode):
+                                if ancestry is None:
+                                    ancestry = self._ancestry(prefix)
+                                if (st.st_dev, st.st_ino) in ancestry:
+                                    self._loop(key)
+                                    continue
                         else:
                             st = entry.stat(follow_symlinks=False)
                         if stat.S_ISDIR(st.st_mode):
@@ -694,8 +751,20 @@ class LocalBackend:
     @staticmethod
     @contextmanager
     def _dir_lock(dfd: int):
-        """flock on the directory itself: no lock file is left in the store."""
-        fcntl.flock(dfd, fcntl.LOCK_EX)
+        """flock on the directory itself: no lock file is left in the store.
+        Waits LOCK_WAIT at most (EBUSY; the flush is retried): anyone who
+        can read the directory can flock it, and a wait without end would
+        hold a worker thread for good."""
+        deadline, delay = time.monotonic() + LOCK_WAIT, 0.001
+        while True:
+            try:
+                fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise OSError(errno.EBUSY, f"directory locked by another process for {LOCK_WAIT:g} s") from None
+                time.sleep(delay)
+                delay = min(0.05, 2 * delay)
         try:
             yield
         finally:
@@ -713,8 +782,13 @@ class LocalBackend:
             bump(self.counters, "precondition_failed")
             raise PreconditionFailed(f"{key}: its directory was moved or replaced", key)
         try:
-            current = self._info(key, self._stat(key))
-        except FileNotFoundError:
+            st = self._stat(key)
+            # (a FIFO, or a link leading out, named like the key: the view
+            # shows nothing there, and the rename replaces the entry itself)
+            current = self._info(key, st) if stat.S_ISREG(st.st_mode) else None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.EXDEV, errno.ELOOP):
+                raise
             current = None
         if if_none_match and current is not None:
             bump(self.counters, "precondition_failed")
@@ -754,24 +828,33 @@ class LocalBackend:
 
     def put(self, key, data, *, if_match=None, if_none_match=False) -> ObjectInfo:
         dir_key, _, name = key.rpartition("/")
-        tmp = _tmp_name(name)
-        shown = self._path(join_key(dir_key, tmp))  # (what _writer_gone knows it by)
+        self._path(key)
         self._check_root(key)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        with _writing_lock:
-            _writing.add(shown)
-        dfd = -1
+        # (O_EXCL: a new file of a random name, never one that was there)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        dfd, tmp, shown = -1, None, None
         try:
             dfd = self._open_dir(dir_key, make=True)
             self._sweep(dir_key, dfd)
             try:
-                try:
-                    fd = os.open(tmp, flags, 0o666, dir_fd=dfd)
-                except FileNotFoundError:  # pruned meanwhile by the delete of its last shard
-                    os.close(dfd)
-                    dfd = -1
-                    dfd = self._open_dir(dir_key, make=True)
-                    fd = os.open(tmp, flags, 0o666, dir_fd=dfd)
+                for _ in range(8):
+                    tmp = _tmp_name(name)
+                    shown = self._path(join_key(dir_key, tmp))  # (what _writer_gone knows it by)
+                    with _writing_lock:
+                        _writing.add(shown)
+                    try:
+                        fd = os.open(tmp, flags, 0o666, dir_fd=dfd)
+                        break
+                    except (FileExistsError, FileNotFoundError) as exc:
+                        with _writing_lock:
+                            _writing.discard(shown)
+                        tmp = None
+                        if isinstance(exc, FileNotFoundError):  # pruned meanwhile by the delete of its last shard
+                            os.close(dfd)
+                            dfd = -1
+                            dfd = self._open_dir(dir_key, make=True)
+                else:
+                    raise FileExistsError(errno.EEXIST, "no free temporary name", dir_key)
                 with open(fd, "wb") as f:
                     f.write(data)
                     f.flush()
@@ -785,7 +868,7 @@ class LocalBackend:
             except BaseException:
                 # a partial temporary file (ENOSPC mid-write) would hold the
                 # space a retry needs, and nothing else would ever remove it
-                if dfd >= 0:
+                if dfd >= 0 and tmp is not None:
                     try:
                         os.unlink(tmp, dir_fd=dfd)
                     except OSError:
@@ -798,8 +881,9 @@ class LocalBackend:
         finally:
             if dfd >= 0:
                 os.close(dfd)
-            with _writing_lock:
-                _writing.discard(shown)
+            if shown is not None:
+                with _writing_lock:
+                    _writing.discard(shown)
         bump(self.counters, "put")
         self._forget_fds(key)
         bump(self.counters, "bytes_written", len(data))
