@@ -36,6 +36,7 @@ from zshardfs.backends.base import (
     Unavailable,
 )
 from zshardfs.backends.local import LocalBackend
+from tests.util import wait_for
 from zshardfs.backends.s3 import S3Backend, S3URLError, parse_s3_url
 
 DATA = bytes(range(256)) * 4  # 1024 bytes, every offset distinguishable
@@ -1466,4 +1467,48 @@ def test_local_entries_the_view_cannot_see_are_replaced_by_a_write(tmp_path):
         b.put(f"c/{name}", b"shard", if_none_match=True)
         assert b.get(f"c/{name}").data == b"shard"
     assert outside.read_bytes() == b"precious"
+    b.close()
+
+
+def test_local_a_live_put_s_temporary_survives_a_listing_by_another_path(tmp_path):
+    """A put's temporary file (its write and fsync slow, or its key locked by
+    tensorstore, so its mtime is STALE_AGE old) is not taken for a dead
+    writer's by a listing of its directory reached by another path (a
+    relative symlink inside the store): the process knows its own
+    temporaries by name. Before, by path: the listing removed it and the
+    put failed (NotFound, retried)."""
+    import fcntl
+    import threading
+
+    import zshardfs.backends.local as local
+
+    (tmp_path / "real" / "c").mkdir(parents=True)
+    (tmp_path / "alias").symlink_to("real")
+    b = LocalBackend(str(tmp_path))
+    b.put("real/c/0", b"v0")
+    etag = b.stat("real/c/0").etag
+    lock = os.open(tmp_path / "real" / "c" / "0.__lock", os.O_RDWR | os.O_CREAT)
+    fcntl.fcntl(lock, fcntl.F_OFD_SETLK, local._OFD_WRLCK)  # (another writer's lock of the key)
+    out = {}
+
+    def writer():
+        try:
+            out["info"] = b.put("real/c/0", b"v1", if_match=etag)
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            out["exc"] = exc
+
+    t = threading.Thread(target=writer)
+    t.start()
+    assert wait_for(lambda: any(n.startswith(local.TMP_PREFIX) for n in os.listdir(tmp_path / "real" / "c")),
+                    timeout=5)
+    tmp = next(n for n in os.listdir(tmp_path / "real" / "c") if n.startswith(local.TMP_PREFIX))
+    old = time.time() - 2 * local.STALE_AGE
+    os.utime(tmp_path / "real" / "c" / tmp, (old, old))
+    b.list("alias/c")
+    assert (tmp_path / "real" / "c" / tmp).exists()
+    fcntl.fcntl(lock, fcntl.F_OFD_SETLK, local._OFD_UNLCK)
+    os.close(lock)
+    t.join(timeout=30)
+    assert "exc" not in out, out
+    assert b.get("real/c/0").data == b"v1"
     b.close()

@@ -112,8 +112,12 @@ NAME_MAX = 255
 #: nothing here) has written it within moments
 STALE_AGE = 60.0
 
-#: temporary files this process is writing now (its pid alone does not prove
-#: a file is its own: a restarted container's daemon often gets the same pid)
+#: names of the temporary files this process is writing now (its pid alone
+#: does not prove a file is its own: a restarted container's daemon often
+#: gets the same pid).  By name, not path: the random part makes a name
+#: unique, and one directory can be reached by several paths (a relative
+#: symlink inside the store, a case-folding file system), each of which a
+#: listing or sweep would see it by
 _writing: set[str] = set()
 _writing_lock = threading.Lock()
 
@@ -263,7 +267,7 @@ def _writer_gone(path: str, name: str) -> bool:
         return False
     if pid == os.getpid():
         with _writing_lock:
-            return path not in _writing
+            return name not in _writing
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -664,13 +668,14 @@ class LocalBackend:
         dirs, files = [], []
         ancestry = None  # (computed when a symlink may make a loop)
         try:
-            try:  # (the common case: no symlink on the way, so no loop either)
-                if not self.confine or self._root_fd is None:
+            try:  # (the common case: no symlink on the way, so no loop either; with or
+                # without confine: a key has no "..", so no symlink means beneath)
+                if self._root_fd is None:
                     raise OSError(errno.ELOOP, "")
                 self._path(prefix)
                 dfd = openat2_beneath(self._root_fd, prefix or ".", os.O_RDONLY | os.O_DIRECTORY, no_symlinks=True)
             except OSError as exc:
-                if exc.errno != errno.ELOOP:
+                if exc.errno not in (errno.ELOOP, errno.ENOSYS):  # (ENOSYS: -o follow_symlinks before Linux 5.6)
                     raise
                 dfd = self._open_dir(prefix)
                 try:
@@ -839,7 +844,7 @@ class LocalBackend:
             try:
                 for _ in range(8):
                     tmp = _tmp_name(name)
-                    shown = self._path(join_key(dir_key, tmp))  # (what _writer_gone knows it by)
+                    shown = tmp  # (what _writer_gone knows it by)
                     with _writing_lock:
                         _writing.add(shown)
                     try:
