@@ -36,7 +36,7 @@ from zshardfs.backends.base import (
     Unavailable,
 )
 from zshardfs.backends.local import LocalBackend
-from tests.util import wait_for
+from tests.util import store_with_links_out, wait_for
 from zshardfs.backends.s3 import S3Backend, S3URLError, parse_s3_url
 
 DATA = bytes(range(256)) * 4  # 1024 bytes, every offset distinguishable
@@ -1290,25 +1290,6 @@ def test_local_lock_files_left_by_killed_writers_are_removed(tmp_path):
     assert isinstance(done[0], PreconditionFailed), done
 
 
-def _store_with_links_out(tmp_path):
-    """A store holding symbolic links that lead out of it (absolute, and
-    relative ones climbing out), one that stays inside, and the files
-    outside they name."""
-    root, outside = tmp_path / "store", tmp_path / "outside"
-    (root / "sub").mkdir(parents=True)
-    (outside / "etc").mkdir(parents=True)
-    (outside / "secret").write_bytes(b"secret")
-    (outside / "etc" / "passwd").write_bytes(b"root:x:0:0")
-    (root / "sub" / "file").write_bytes(b"inside")
-    (root / "leak").symlink_to(outside / "secret")
-    (root / "etc").symlink_to(outside / "etc")
-    (root / "climb").symlink_to("../outside/secret")
-    (root / "up").symlink_to("..")
-    (root / "inside").symlink_to("sub/file")
-    (root / "sub" / "back").symlink_to("../sub")
-    return root, outside
-
-
 def test_local_keys_never_resolve_outside_the_store(tmp_path):
     """A symbolic link in a local store that leads out of it (absolute, or
     climbing with ``..``) is not followed by any operation: not read,
@@ -1316,7 +1297,7 @@ def test_local_keys_never_resolve_outside_the_store(tmp_path):
     followed. Before, every link was followed: through a root daemon's
     ``allow_other`` mount any user read any file of the machine, and
     ``rm -rf`` through the mount deleted what a link's directory held."""
-    root, outside = _store_with_links_out(tmp_path)
+    root, outside = store_with_links_out(tmp_path)
     b = LocalBackend(str(root))
     for key in ("leak", "climb", "etc/passwd", "up/outside/secret"):
         assert b.stat(key) is None
