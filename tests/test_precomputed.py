@@ -1156,6 +1156,33 @@ def test_an_info_that_would_hide_plain_chunk_files_is_refused(tmp_path, mount, k
     assert json.loads((src / "e" / "info").read_text()) == sharded
 
 
+def test_an_info_that_would_hide_chunk_files_being_written_is_refused(tmp_path, mount):
+    """The same refusal for chunk files that exist only in the mount's memory
+    so far (open for writing, not closed) in a scale directory made through
+    the mount. Before, only the info's own directory was checked for them,
+    so the info was stored and the file, once closed, vanished from the view."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    sharding = {"@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity",
+                "minishard_bits": 0, "shard_bits": 0, "minishard_index_encoding": "raw", "data_encoding": "raw"}
+    scale = {"key": "s0", "size": [32, 16, 16], "voxel_offset": [0, 0, 0], "chunk_sizes": [[16, 16, 16]],
+             "resolution": [1, 1, 1], "encoding": "raw"}
+    plain = {"type": "image", "data_type": "uint8", "num_channels": 1, "scales": [scale]}
+    (src / "d" / "info").write_text(json.dumps(plain))
+    m = mount(src)
+    (m.path / "d" / "s0").mkdir()
+    with open(m.path / "d" / "s0" / "0-16_0-16_0-16", "wb") as f:
+        f.write(b"x" * 16 ** 3)
+        f.flush()
+        with pytest.raises(PermissionError):
+            (m.path / "d" / "info").write_text(json.dumps(dict(plain, scales=[dict(scale, sharding=sharding)])))
+    assert os.listdir(m.path / "d" / "s0") == ["0-16_0-16_0-16"]
+    m.umount()
+    assert m.log_text().count("under a sharded info they would be unreadable") == 1
+    assert json.loads((src / "d" / "info").read_text()) == plain
+    assert (src / "d" / "s0" / "0-16_0-16_0-16").read_bytes() == b"x" * 16 ** 3
+
+
 def test_tensorstore_writes_a_sharded_volume_through_the_view(tmp_path, mount):
     """tensorstore creating a *sharded* volume inside a mount writes each
     shard to ``<n>.shard.__lock`` and renames it onto ``<n>.shard`` while

@@ -978,7 +978,7 @@ class View:
                 try:
                     if accept is not None:
                         accepted = await accept(self.ctx, buf.key, data, stored,
-                                                self.shard_option, self._pending_children(_parent(buf.path)))
+                                                self.shard_option, self._pending_children)
                     else:
                         accepted = await off_loop(functools.partial(layout.accept_document, buf.key, data, stored,
                                                                     self.shard_option), len(data))

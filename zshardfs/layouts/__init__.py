@@ -9,7 +9,8 @@
 and optionally ``accept_document(key, new, stored, shard_option)`` (what to
 store when a document is written through the view) and its variant with
 storage reads, ``async accept_document_async(ctx, key, new, stored,
-shard_option, pending)``.
+shard_option, pending)``, where ``pending(dir_key)`` names what the view
+holds only in memory in a directory.
 
 ``LAYOUTS`` is the order in which the view asks them.
 """

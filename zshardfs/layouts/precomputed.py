@@ -850,13 +850,13 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option) ->
 
 
 async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored: bytes | None,
-                                shard_option, pending=()) -> bytes | None:
+                                shard_option, pending=lambda dir_key: ()) -> bytes | None:
     """``accept_document``, after one check that needs a listing: an ``info``
     that makes a directory sharded is refused (ValueError: EPERM) while that
     directory holds chunk files stored plain, which would vanish from the
     view (as zarr refuses a sharded ``zarr.json`` over plain chunks).  An
-    empty directory, or one holding ``.shard`` files, is fine.  ``pending``:
-    names held only in memory in the info's own directory."""
+    empty directory, or one holding ``.shard`` files, is fine.  ``pending(dir_key)``:
+    the names held only in memory in a directory (files being written there)."""
     doc = await load_json_async(new, key) if is_document(key) else None
     if doc is not None:
         old = await load_json_async(stored, key) if stored is not None else None
@@ -867,9 +867,7 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
                 continue  # sharded already
             where = join_key(base, part.key) if part.key is not None else base
             listing = await ctx.store.list(where)
-            names = [f.key.rsplit("/", 1)[-1] for f in listing.files]
-            if part.key is None:
-                names += list(pending)
+            names = [f.key.rsplit("/", 1)[-1] for f in listing.files] + list(pending(where))
             plain = sorted(n for n in names if part.naming.parse(n) is not None)
             if plain:
                 raise ValueError(f"{where or '/'} holds chunk files stored unsharded ({', '.join(plain[:3])}"

@@ -458,12 +458,12 @@ async def _stored_document(ctx: LayoutContext, key: str) -> dict | None:
 
 
 async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored: bytes | None,
-                                shard_option, pending=()) -> bytes | None:
+                                shard_option, pending=lambda dir_key: ()) -> bytes | None:
     """``accept_document`` with the facts it needs read from storage: the
     stored documents of a group's consolidated members (all at once), and,
     for a new array under ``-o shard``, the listing of its directory plus
-    ``pending``, the names the view holds there only in memory (directories
-    made, files being written)."""
+    ``pending(dir_key)``, the names the view holds there only in memory
+    (directories made, files being written)."""
     doc = await load_json_async(new, key) if is_document(key) else None
     members = below = None
     restoring = False
@@ -481,7 +481,8 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
             shard_option or not _is_unsharded_array(doc)):
         # (-o shard: chunks made before it; a sharded document: shards to restore it over)
         listing = await ctx.store.list(key.rpartition("/")[0])
-        below = {*listing.dirs, *(f.key.rsplit("/", 1)[-1] for f in listing.files), *pending}
+        below = {*listing.dirs, *(f.key.rsplit("/", 1)[-1] for f in listing.files),
+                 *pending(key.rpartition("/")[0])}
         if not _is_unsharded_array(doc):
             restoring = await _its_shards_are_stored(ctx, key.rpartition("/")[0], doc, listing)
     return await off_loop(functools.partial(accept_document, key, new, stored, shard_option,
