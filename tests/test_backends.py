@@ -1326,6 +1326,101 @@ def test_local_keys_never_resolve_outside_the_store(tmp_path):
     free.close()
 
 
+def test_local_links_are_reported_as_themselves(tmp_path):
+    """Every symbolic link of a local store is reported as the link itself
+    (``Listing.links``, ``stat(links=True)``: its target text, never followed), whatever
+    it names: leading out, a loop, dangling; ``dirs`` and ``files`` go on
+    showing the links that stay inside as what they name (for the names the
+    view derives).  ``symlink`` makes a link (EEXIST if the name is taken),
+    ``move_link`` renames the link itself, ``delete`` removes the link and
+    never its target.  ``-o follow_symlinks`` (confine=False) reports none.
+    Before, there was no such thing: links were followed or left out."""
+    root, outside = store_with_links_out(tmp_path)
+    (root / "dangling").symlink_to("nothing")
+    b = LocalBackend(str(root))
+    assert b.symlinks
+    listing = b.list("")
+    targets = {info.key: info.link for info in listing.links}
+    assert targets == {"climb": "../outside/secret", "dangling": "nothing", "etc": str(outside / "etc"),
+                       "inside": "sub/file", "leak": str(outside / "secret"), "up": ".."}
+    assert all(info.size == len(os.fsencode(info.link)) for info in listing.links)
+    assert listing.dirs == ["sub"] and [f.key for f in listing.files] == ["inside"]  # (as before)
+    assert [(i.key, i.link) for i in b.list("sub").links] == [("sub/back", "../sub")]
+    assert b.stat("leak", links=True).link == str(outside / "secret")
+    assert b.stat("sub/back", links=True).link == "../sub" and b.stat("inside", links=True).link == "sub/file"
+    assert b.stat("inside").link is None and b.stat("inside").size == 6  # (followed: a name the view derives)
+    assert b.stat("sub/file", links=True).link is None and b.stat("sub/back/file", links=True).size == 6
+    for key in ("sub", "missing", "etc/passwd", "up/outside"):
+        assert b.stat(key, links=True) is None, key  # (no file; or below a link leading out: never resolved)
+    made = b.symlink("sub/new", "/anything at all")
+    assert made.link == "/anything at all" and os.readlink(root / "sub" / "new") == "/anything at all"
+    with pytest.raises(StoreError) as taken:
+        b.symlink("sub/new", "x")
+    assert taken.value.errno == errno.EEXIST
+    b.move_link("etc", "sub/moved")
+    assert os.readlink(root / "sub" / "moved") == str(outside / "etc") and not os.path.lexists(root / "etc")
+    (root / "sub" / "plain").write_bytes(b"replaced")
+    b.move_link("sub/moved", "sub/plain")  # (as rename(2): the file at the new name is replaced)
+    assert os.readlink(root / "sub" / "plain") == str(outside / "etc")
+    with pytest.raises(NotFound):
+        b.move_link("sub/file", "sub/x")  # (no longer a link: not moved)
+    b.delete("sub/plain")
+    b.delete("leak")
+    assert not os.path.lexists(root / "sub" / "plain") and not os.path.lexists(root / "leak")
+    assert (outside / "secret").read_bytes() == b"secret" and os.listdir(outside / "etc") == ["passwd"]
+    b.close()
+    free = LocalBackend(str(root), confine=False)
+    assert not free.symlinks and free.list("").links == () and free.stat("inside", links=True).link is None
+    free.close()
+
+
+def test_kept_listings_follow_the_mount_s_own_link_changes(tmp_path):
+    """A listing kept for ``list_ttl`` answers lookups of links, and the
+    mount's own changes of a link show at once: an unlink removes it from
+    the listing, a file stored over it replaces it, a link made or moved
+    drops the listing (S3, without links, is never asked)."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a").symlink_to("x")
+    (tmp_path / "d" / "b").symlink_to("y")
+    backend = LocalBackend(str(tmp_path))
+    store = AsyncStore(backend, list_ttl=60)
+
+    async def link(key):
+        info = await store.stat(key, listed_ok=True, links=True)
+        return info.link if info is not None else None
+
+    async def main():
+        await store.list("d")
+        asked = backend.counters["head"]
+        assert await link("d/a") == "x" and await link("d/nothing") is None
+        assert backend.counters["head"] == asked  # (answered by the listing)
+        await store.delete("d/a")
+        assert await link("d/a") is None and not os.path.lexists(tmp_path / "d" / "a")
+        await store.put("d/b", b"file")
+        assert await link("d/b") is None and (await store.stat("d/b", listed_ok=True, links=True)).size == 4
+        assert backend.counters["head"] == asked
+        await store.symlink("d/c", "z")
+        assert await link("d/c") == "z"
+        await store.move_link("d/c", "d/e")
+        assert await link("d/c") is None and await link("d/e") == "z"
+
+    trio.run(main)
+    store.close()
+
+
+def test_s3_has_no_links(s3):
+    """S3 has no symbolic links: its backend says so, its listings report
+    none, and a lookup asking for links asks S3 as any lookup does."""
+    _, _, backend = s3
+    assert backend.symlinks is False
+    backend.put("a/b", b"x")
+    assert backend.list("a").links == ()
+    store = AsyncStore(backend)
+    before = sum(backend.counters.values())
+    assert trio.run(lambda: store.stat("a/b", links=True)).link is None  # (S3 is asked as ever: no links kwarg)
+    assert sum(backend.counters.values()) == before + 1
+
+
 def test_local_conditional_write_is_judged_in_the_directory_it_lands_in(tmp_path, monkeypatch):
     """A conditional put judges its precondition in the directory it renames
     into: when the key's directory is moved away and another made in its

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import json
 import os
 import re
 import stat
@@ -875,34 +876,257 @@ def test_index_cache_is_bounded_by_bytes(big_store, mount):
 
 
 def test_symlinks_leading_out_of_a_local_source_are_not_followed(tmp_path, mount):
-    """A symbolic link in a local source that leads out of it is not
-    followed: the view does not show it, so no user of an ``allow_other``
-    mount reads what it names, ``rm -rf`` through the mount deletes nothing
-    outside the source, and a link to the mount itself does not send the
-    daemon's own threads into its mount (before: 30 s stalls, and an
-    unmount refused as busy). A link that stays inside is followed;
-    ``-o follow_symlinks`` follows them all."""
+    """A symbolic link in a local source that leads out of it is never
+    followed by the daemon: the view shows it as the link it is, and the
+    client's kernel resolves it, with the client's own permissions, so no
+    user of an ``allow_other`` mount reads through the daemon what it names
+    (``nobody`` reading ``/etc/shadow`` through one gets the host's EACCES),
+    ``rm -rf`` through the mount removes the link and nothing it names, and
+    a link to the mount itself never sends the daemon into its own mount
+    (before: 30 s stalls, and an unmount refused as busy).  A metadata
+    document that is such a link (a name the view derives) is not read by
+    the daemon: left out, with one warning.  ``-o follow_symlinks`` follows
+    them all.  Before, links leading out were left out of the view (one
+    warning each), and those staying inside shown as what they name."""
     src, outside = store_with_links_out(tmp_path)
+    (src / "shadow").symlink_to("/etc/shadow")
+    (src / "grp").mkdir()
+    (outside / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
+    (src / "grp" / "zarr.json").symlink_to(outside / "zarr.json")
     m = mount(src, "allow_other")
     (src / "loop").symlink_to(m.path)
-    assert sorted(os.listdir(m.path)) == ["inside", "sub"]
-    as_nobody = subprocess.run(["cat", str(m / "leak")], capture_output=True, user=65534, group=65534, timeout=30)
-    assert as_nobody.returncode != 0 and as_nobody.stdout == b""
-    for name in ("leak", "climb", "etc/passwd", "loop/sub/file"):
-        with pytest.raises(FileNotFoundError):
-            (m / name).read_bytes()
+    links = {"climb": "../outside/secret", "etc": str(outside / "etc"), "inside": "sub/file",
+             "leak": str(outside / "secret"), "loop": str(m.path), "shadow": "/etc/shadow", "up": ".."}
+    assert sorted(os.listdir(m.path)) == sorted([*links, "grp", "sub"])
+    for name, target in links.items():
+        assert stat.S_ISLNK(os.lstat(m / name).st_mode) and os.readlink(m / name) == target, name
+    for name in ("leak", "shadow", "etc/passwd"):  # (the host refuses nobody: tmp_path is root's, 0700)
+        as_nobody = subprocess.run(["cat", str(m / name)], capture_output=True, user=65534, group=65534, timeout=30)
+        assert as_nobody.returncode != 0 and as_nobody.stdout == b"", name
+        assert b"Permission denied" in as_nobody.stderr, (name, as_nobody.stderr)
+    with pytest.raises(FileNotFoundError):
+        (m / "climb").read_bytes()  # (resolved by the kernel beside the mount point, where nothing is)
+    assert not os.path.lexists(m / "grp" / "zarr.json") and os.listdir(m / "grp") == []
     rm = subprocess.run(["rm", "-rf", str(m / "etc")], capture_output=True, timeout=30)
-    assert rm.returncode == 0
+    assert rm.returncode == 0 and not os.path.lexists(src / "etc")
     assert (outside / "etc" / "passwd").read_bytes() == b"root:x:0:0"
     started = time.monotonic()
     stats = [subprocess.Popen(["stat", str(m / "loop" / "sub" / "file")], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL) for _ in range(40)]
-    assert all(p.wait(timeout=60) != 0 for p in stats)
+    assert all(p.wait(timeout=60) == 0 for p in stats)  # (the client's kernel walks its own mount, at once)
     assert time.monotonic() - started < 10
     assert (m / "inside").read_bytes() == b"inside"
     m.umount()
     text = m.log_text()
-    for name in ("leak", "etc", "loop"):
-        assert len(re.findall(rf"store/{name}: a symbolic link on this path leads out of the store", text)) == 1, text
+    for name in links:  # (shown as links: nothing to warn of; a derived name's probe is told of, below)
+        assert f"store/{name}: a symbolic link" not in text, text
+    assert len(re.findall(r"grp/zarr.json: a symbolic link \(-> .*\) where the view derives", text)) == 1, text
     followed = mount(src, "ro", "follow_symlinks")
     assert (followed / "leak").read_bytes() == b"secret"
+
+
+def _array(path: Path, value: int = 7):
+    """A small sharded zarr array (inner chunks 2x3, shards 4x6: two shards)."""
+    import zarr
+
+    a = zarr.create_array(str(path), shape=(4, 12), chunks=(2, 3), shards=(4, 6), dtype="u1", compressors=None,
+                          fill_value=0)
+    a[...] = value
+    return a
+
+
+DT_LNK = 10
+
+
+def test_links_of_a_local_source_are_shown_as_links(tmp_path, mount):
+    """Every symbolic link at a name the view passes through (plain and
+    group directories, an array directory's own files) is shown as a link:
+    ``S_IFLNK``, mode 0777, its target's length as size, ``readlink`` the
+    target verbatim, the link type in readdir.  The kernel resolves it, so
+    a link to a directory inside leads back into the view (``cat``, zarr
+    opening an array through it), a dangling one is ENOENT, and a link
+    looping to ``.`` is one entry that ``find`` does not enter.  Before, a
+    link inside was shown as what it names (``ls -l`` showed no link) and
+    ``find`` and ``ls -R`` met the loop's target again below it."""
+    import zarr
+
+    src = tmp_path / "store"
+    _array(src / "v3" / "arr")
+    (src / "v3" / "notes.txt").write_bytes(b"notes")
+    (src / "v3" / "arr" / "readme").symlink_to("../notes.txt")
+    links = {"latest": "v3", "notes": "v3/notes.txt", "loop": ".", "dangling": "nothing", "abs": "/nonexistent/x"}
+    for name, target in links.items():
+        (src / name).symlink_to(target)
+    m = mount(src, "ro")
+    fd = os.open(m.path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        types = {name: d_type for name, _, _, d_type in read_all_dents(fd, 4096)}
+    finally:
+        os.close(fd)
+    assert {n for n, t in types.items() if t == DT_LNK} == set(links), types
+    for name, target in links.items():
+        st = os.lstat(m / name)
+        assert stat.S_ISLNK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o777 and st.st_size == len(target), name
+        assert os.readlink(m / name) == target
+    ls = subprocess.run(["ls", "-l", str(m.path)], capture_output=True, text=True, timeout=30)
+    assert "latest -> v3" in ls.stdout and "loop -> ." in ls.stdout, ls.stdout
+    assert stat.S_ISDIR(os.stat(m / "latest").st_mode) and os.stat(m / "notes").st_size == 5
+    assert (m / "latest" / "notes.txt").read_bytes() == b"notes" and (m / "notes").read_bytes() == b"notes"
+    assert os.readlink(m / "v3" / "arr" / "readme") == "../notes.txt"
+    assert (m / "latest" / "arr" / "readme").read_bytes() == b"notes"
+    a = zarr.open_array(str(m / "latest" / "arr"), mode="r")  # through the link, as an unsharded array
+    assert a.chunks == (2, 3) and a.shards is None and (a[...] == 7).all()
+    assert sorted(os.listdir(m / "latest" / "arr" / "c" / "0")) == ["0", "1", "2", "3"]
+    for name in ("dangling", "abs"):
+        with pytest.raises(FileNotFoundError):
+            (m / name).read_bytes()
+    found = subprocess.run(["find", str(m.path)], capture_output=True, text=True, timeout=60)
+    assert found.returncode == 0, found.stderr
+    paths = found.stdout.split()
+    assert str(m / "loop") in paths and not any(p.startswith(str(m / "loop") + "/") for p in paths)
+    assert not any(p.startswith(str(m / "latest") + "/") for p in paths) and len(paths) < 40, paths
+    m.umount()
+    assert "symbolic link" not in m.log_text(), m.log_text()
+
+
+def test_rm_rf_of_a_link_to_a_directory_removes_only_the_link(tmp_path, mount):
+    """``rm -rf MNT/latest`` with ``latest -> v3`` removes the link and
+    leaves all ``v3`` holds, as on any file system; so does ``rm -rf`` of a
+    link looping to ``.``.  Before, the daemon followed the link: ``rm -rf``
+    deleted everything ``v3`` held, then failed to remove ``latest``."""
+    src = tmp_path / "store"
+    _array(src / "v3" / "arr")
+    (src / "v3" / "a" / "b").mkdir(parents=True)
+    (src / "v3" / "a" / "b" / "file").write_bytes(b"kept")
+    (src / "latest").symlink_to("v3")
+    (src / "loop").symlink_to(".")
+    before = tree_digest(src / "v3")
+    m = mount(src)
+    for name in ("latest", "loop"):
+        rm = subprocess.run(["rm", "-rf", str(m / name)], capture_output=True, text=True, timeout=60)
+        assert rm.returncode == 0 and rm.stderr == "", rm.stderr
+        assert not os.path.lexists(src / name) and not os.path.lexists(m / name)
+    assert tree_digest(src / "v3") == before
+    assert sorted(os.listdir(m.path)) == ["v3"] and (m / "v3" / "a" / "b" / "file").read_bytes() == b"kept"
+
+
+def test_links_are_made_renamed_and_removed_through_a_local_mount(tmp_path, mount):
+    """Through a writable local mount, ``symlink(2)`` makes a link (any
+    target text, made as given; EEXIST if the name is taken), only where the
+    view passes names through: in a sharded array's chunk namespace, and at
+    a metadata document's name, EPERM.  ``rename`` and ``unlink`` of a link
+    act on the link itself (a rename over a file replaces the file, a file
+    renamed over a link replaces the link), never on what it names, and a
+    hard link of a link is another link of the same text (links are copies,
+    4.x).  Before, every ``ln -s`` through the mount was EPERM."""
+    src = tmp_path / "store"
+    _array(src / "arr")
+    (src / "plain").mkdir()
+    (src / "file.txt").write_bytes(b"file")
+    m = mount(src)
+    os.symlink("arr", m / "alias")
+    os.symlink("/any text \n at all", m / "plain" / "odd")
+    assert os.readlink(src / "alias") == "arr" and os.readlink(m / "alias") == "arr"
+    assert os.readlink(src / "plain" / "odd") == os.readlink(m / "plain" / "odd") == "/any text \n at all"
+    assert stat.S_ISLNK(os.lstat(m / "alias").st_mode) and (m / "alias" / "zarr.json").is_file()
+    for taken in ("alias", "file.txt", "arr"):
+        with pytest.raises(FileExistsError):
+            os.symlink("x", m / taken)
+    for derived in ("arr/c/x", "arr/c/0/x", "plain/zarr.json"):
+        with pytest.raises(PermissionError):
+            os.symlink("x", m / derived)
+        assert not os.path.lexists(src / derived)
+    with pytest.raises(PermissionError):
+        os.rename(m / "alias", m / "arr" / "c" / "0" / "x")
+    os.rename(m / "alias", m / "plain" / "moved")
+    assert os.readlink(src / "plain" / "moved") == "arr" and not os.path.lexists(src / "alias")
+    assert os.readlink(m / "plain" / "moved") == "arr" and not os.path.lexists(m / "alias")
+    os.rename(m / "plain" / "moved", m / "file.txt")
+    assert os.readlink(src / "file.txt") == "arr" and os.readlink(m / "file.txt") == "arr"
+    os.link(m / "file.txt", m / "hard", follow_symlinks=False)
+    assert os.readlink(src / "hard") == "arr" and stat.S_ISLNK(os.lstat(m / "hard").st_mode)
+    os.unlink(m / "file.txt")
+    assert not os.path.lexists(src / "file.txt") and not os.path.lexists(m / "file.txt")
+    (m / "new.txt").write_bytes(b"new")
+    os.rename(m / "new.txt", m / "hard")
+    assert not (src / "hard").is_symlink() and (src / "hard").read_bytes() == b"new"
+    assert (m / "hard").read_bytes() == b"new" and stat.S_ISREG(os.lstat(m / "hard").st_mode)
+    assert _array_values(m / "arr") == 7 and _array_values(src / "arr") == 7  # (what the links named: intact)
+    m.umount()
+    ro = mount(src, "ro")
+    with pytest.raises(OSError) as raised:
+        os.symlink("x", ro / "plain" / "new")
+    assert raised.value.errno == errno.EROFS
+
+
+def _array_values(path: Path) -> int:
+    import zarr
+
+    values = set(zarr.open_array(str(path), mode="r")[...].ravel().tolist())
+    assert len(values) == 1, values
+    return values.pop()
+
+
+def test_symlink_through_an_s3_mount_is_eperm(s3_bucket, mount):
+    """S3 has no symbolic links: ``ln -s`` through an S3 mount is EPERM,
+    and nothing is stored."""
+    endpoint, bucket = s3_bucket
+    m = mount(f"s3://{bucket}/p", extra=["--endpoint-url", endpoint])
+    (m / "f").write_bytes(b"x")
+    with pytest.raises(PermissionError):
+        os.symlink("f", m / "l")
+    assert not os.path.lexists(m / "l") and sorted(os.listdir(m.path)) == ["f"]
+
+
+def test_names_the_view_derives_are_read_through_links_inside_the_store(tmp_path, mount):
+    """Names the view derives keep being read through links that stay inside
+    the store: an array whose ``zarr.json`` and chunk-key directory ``c``
+    are links into another array, and a shard that is a link, are served
+    as an unsharded array (``zarr.json`` rewritten, ``c`` a directory, the
+    linked shard's chunks there), never shown as links."""
+    import zarr
+
+    src = tmp_path / "store"
+    _array(src / "real", 5)
+    (src / "spare").mkdir()
+    os.rename(src / "real" / "c" / "0" / "1", src / "spare" / "s01")
+    (src / "real" / "c" / "0" / "1").symlink_to("../../../spare/s01")
+    (src / "arr").mkdir()
+    (src / "arr" / "zarr.json").symlink_to("../real/zarr.json")
+    (src / "arr" / "c").symlink_to("../real/c")
+    m = mount(src, "ro")
+    for name in ("real", "arr"):
+        assert stat.S_ISREG(os.lstat(m / name / "zarr.json").st_mode)
+        assert stat.S_ISDIR(os.lstat(m / name / "c").st_mode)
+        doc = json.loads((m / name / "zarr.json").read_bytes())
+        assert doc["chunk_grid"]["configuration"]["chunk_shape"] == [2, 3], doc
+        assert "sharding_indexed" not in json.dumps(doc["codecs"])
+        assert sorted(os.listdir(m / name / "c" / "0")) == ["0", "1", "2", "3"]
+        assert (m / name / "c" / "0" / "3").read_bytes() == b"\x05" * 6  # (in the linked shard)
+        a = zarr.open_array(str(m / name), mode="r")
+        assert a.shards is None and (a[...] == 5).all()
+    m.umount()
+    assert "symbolic link" not in m.log_text(), m.log_text()
+
+
+def test_follow_symlinks_shows_what_links_name(tmp_path, mount):
+    """``-o follow_symlinks`` keeps its meaning: the daemon follows every
+    link (out of the source too) and shows what it names; no entry is a
+    link, ``readlink`` is EINVAL, and ``ln -s`` through the mount is EPERM."""
+    src, outside = store_with_links_out(tmp_path)
+    (src / "latest").symlink_to("sub")
+    m = mount(src, "follow_symlinks")
+    fd = os.open(m.path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        types = {name: d_type for name, _, _, d_type in read_all_dents(fd, 4096)}
+    finally:
+        os.close(fd)
+    assert DT_LNK not in types.values() and {"latest", "leak", "inside", "etc"} <= set(types), types
+    assert stat.S_ISDIR(os.lstat(m / "latest").st_mode) and (m / "latest" / "file").read_bytes() == b"inside"
+    assert stat.S_ISREG(os.lstat(m / "leak").st_mode) and (m / "leak").read_bytes() == b"secret"
+    assert (m / "etc" / "passwd").read_bytes() == b"root:x:0:0"
+    with pytest.raises(OSError) as raised:
+        os.readlink(m / "latest")
+    assert raised.value.errno == errno.EINVAL
+    with pytest.raises(PermissionError):
+        os.symlink("sub", m / "new")

@@ -703,11 +703,14 @@ def test_fsck_command_line_errors(tmp_path):
 
 
 def test_fsck_ends_on_loops_and_deep_trees(tmp_path, monkeypatch):
-    """A symlink loop in a local store ends in one problem line (a link to a
-    directory above it, left out), and a tree deeper than fsck.MAX_DEPTH is
-    reported, not entered:
-    the walk always ends, and never by a Python stack overflow."""
+    """A symlink loop in a local store ends the walk: where the view passes
+    names through it is a link (counted as a file, never followed, never
+    read, no problem); where the view derives names (an array's chunk-key
+    directory) it is left out, one problem line.  A tree deeper than
+    fsck.MAX_DEPTH is reported, not entered: the walk always ends, and never
+    by a Python stack overflow."""
     import trio
+    import zarr
 
     from zshardfs import fsck
     from zshardfs.config import MountConfig
@@ -715,10 +718,16 @@ def test_fsck_ends_on_loops_and_deep_trees(tmp_path, monkeypatch):
 
     (tmp_path / "loop/a").mkdir(parents=True)
     (tmp_path / "loop/a/up").symlink_to("..")
+    (tmp_path / "loop/a/self").symlink_to(".")
     (tmp_path / "loop/a/f.txt").write_text("x")
+    code, report = _fsck(str(tmp_path / "loop"), "--data")
+    assert code == 0 and report["problems"] == [], report
+    assert (report["directories"], report["files"], report["bytes_read"]) == (2, 3, 1), report
+    zarr.create_array(str(tmp_path / "loop/arr"), shape=(4, 4), chunks=(2, 2), shards=(4, 4), dtype="u1")
+    (tmp_path / "loop/arr/c").symlink_to(".")
     code, report = _fsck(str(tmp_path / "loop"))
     assert code == 1 and len(report["problems"]) == 1, report
-    assert "loop/a/up: a symbolic link to a directory above it (a loop); left out" in report["problems"][0], report
+    assert "arr/c: a symbolic link (-> .) where the view derives" in report["problems"][0], report
 
     deep = tmp_path / "deep"
     (deep / "/".join("d" * 6)).mkdir(parents=True)

@@ -114,9 +114,9 @@ async def _walk(view: View, root: Node, report: Report, data: bool) -> None:
                 if child.is_dir:
                     subdirs.append(child)
                     continue
-                report.files += 1
+                report.files += 1  # (symbolic links too: shown, never followed)
                 report.chunk_files += child.is_chunk
-                if data:
+                if data and child.link is None:
                     await _read(view, child, report)
         except StoreError as exc:
             report.error(f"{directory.path or '/'}: cannot be listed: {exc}")

@@ -256,7 +256,7 @@ class Operations(pyfuse3.Operations):
         # inode and state; constants are precomputed, and fields left at
         # their zero default are not set
         entry = self.inodes.get(ino)
-        made_of = (node.is_dir, node.size, node.mtime)
+        made_of = (node.is_dir, node.size, node.mtime, node.link is not None)
         if entry is not None and entry.attrs_of == made_of:
             return entry.attrs
         a = pyfuse3.EntryAttributes()
@@ -266,6 +266,9 @@ class Operations(pyfuse3.Operations):
         if node.is_dir:
             a.st_mode = self._dir_mode
             a.st_nlink = 2
+        elif node.link is not None:  # (as every file system shows a link: its permissions are never checked)
+            a.st_mode = stat.S_IFLNK | 0o777
+            a.st_nlink = 1
         else:
             a.st_mode = self._file_mode
             a.st_nlink = 1
@@ -713,7 +716,20 @@ class Operations(pyfuse3.Operations):
     async def _unsupported(self, *args, **kwargs):
         raise pyfuse3.FUSEError(errno.EROFS if self.read_only else errno.EPERM)
 
-    mknod = symlink = removexattr = _unsupported
+    mknod = removexattr = _unsupported
+
+    @_translate
+    async def readlink(self, inode, ctx):
+        node = self._node(inode)
+        if node.link is None:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return os.fsencode(node.link)
+
+    @_translate
+    async def symlink(self, parent_inode, name, target, ctx):
+        self._writable()
+        node = await self.view.symlink(self._node(parent_inode), os.fsdecode(name), os.fsdecode(target))
+        return self._entry(node)
 
     @_translate
     async def link(self, inode, new_parent_inode, new_name, ctx):

@@ -15,6 +15,14 @@ Writes (when mounted rw):
   chunk — lives only in memory until it is renamed or unlinked, so it never
   lands in the store as a stray object.
 
+Symbolic links (local stores): a name the view passes through that is a
+link in the store is shown as that link (``Node.link``), whatever it names;
+the client's kernel resolves it, so the daemon never follows it for the
+client (``rm -rf`` of a link to a directory removes the link).  Names the
+view derives (chunk files and directories made from shards, metadata
+documents) are read through links that stay inside the store, as the
+backend resolves every key, and links leading out are left out.
+
 Nothing here knows about FUSE (inodes, handles, errno numbers): ``fuse_ops``
 translates.  Nothing here knows a shard format: layouts do.
 """
@@ -73,6 +81,7 @@ class Node:
     rel: tuple[str, ...] = ()  # path below the dataset root
     target: ChunkTarget | None = None  # for chunk files: where the chunk is stored
     version: str | None = None  # passthrough files: the etag their reads are pinned to
+    link: str | None = None  # a symbolic link of the store: its target (the kernel resolves it)
     created: float = field(default_factory=time.monotonic)
 
     @property
@@ -406,6 +415,16 @@ class View:
         size = len(doc) if doc is not None else info.size
         return Node(path, False, size, info.mtime, key=info.key, document=doc, version=info.etag)
 
+    @staticmethod
+    def _link_node(path: str, info: ObjectInfo) -> Node:
+        return Node(path, False, info.size, info.mtime, key=info.key, link=info.link)
+
+    def _derived(self, dataset: Dataset | None, name: str, key: str) -> bool:
+        """Is ``name`` (stored at ``key``) in a pass-through directory one the
+        view derives rather than shows as stored (a dataset's claimed name,
+        a metadata document)?  A link there is followed inside the store."""
+        return (dataset is not None and dataset.claims((name,))) or self._is_dataset_document(key)
+
     def _buffer_node(self, buf: FileBuffer) -> Node:
         return Node(buf.path, False, len(buf.data), buf.mtime, key=buf.key)
 
@@ -478,7 +497,9 @@ class View:
         if made:
             return Node(path, True, 0, time.time(), key=join_key(parent.key, name))
         key = join_key(parent.key, name)
-        info = await self.store.stat(key, listed_ok=True)
+        info = await self.store.stat(key, listed_ok=True, links=not self._is_dataset_document(key))
+        if info is not None and info.link is not None:
+            return self._link_node(path, info)
         if info is not None and not (info.size == 0 and await self.store.is_dir(key)):
             return await self._stored_file(path, info)
         if info is not None or await self.store.is_dir(key):
@@ -493,6 +514,9 @@ class View:
             return self._buffer_node(buf)
         if node.is_chunk:
             return await self._dataset_child(node.path, node.dataset, node.rel)
+        if node.link is not None:
+            link = await self.store.stat(node.key, links=True)
+            return self._link_node(node.path, link) if link is not None and link.link is not None else None
         if node.key is not None and not node.is_dir:
             info = await self.store.stat(node.key)
             return await self._stored_file(node.path, info) if info is not None else None
@@ -560,8 +584,9 @@ class View:
             dirs = set(listing.dirs)
             both = {name: info.size for info in listing.files
                     if (name := info.key.rsplit("/", 1)[-1]) in dirs} if dirs else {}
+            links = self._shown_links(listing, dataset)
             for name in listing.dirs:
-                if both.get(name):
+                if both.get(name) or name in links:
                     continue
                 if dataset is None or not dataset.claims((name,)):
                     child = Node(join_key(node.path, name), True, 0, self.started, key=join_key(node.key, name))
@@ -569,7 +594,7 @@ class View:
                         yield child
             for info in listing.files:
                 name = info.key.rsplit("/", 1)[-1]
-                if both.get(name) == 0:
+                if both.get(name) == 0 or name in links:
                     continue
                 if dataset is None or not dataset.claims((name,)):
                     try:
@@ -578,6 +603,10 @@ class View:
                         continue
                     if fresh(child):
                         yield child
+            for name, info in links.items():
+                child = self._link_node(join_key(node.path, name), info)
+                if fresh(child):
+                    yield child
             if dataset is not None:
                 prefix = _prefix(node.path)
                 async for name, entry in dataset.listdir(()):
@@ -589,6 +618,28 @@ class View:
                 child = await self.lookup(node, name)
                 if child is not None:
                     yield child
+
+    def _shown_links(self, listing, dataset: Dataset | None) -> dict[str, ObjectInfo]:
+        """The links of a pass-through directory's listing that the view shows
+        as links, by name.  The others are at names it derives: followed
+        inside the store (the listing's dirs and files), and one that leads
+        out or names nothing is left out, with one warning."""
+        if not listing.links:
+            return {}
+        shown, listed = {}, None
+        for info in listing.links:
+            name = info.key.rsplit("/", 1)[-1]
+            if not self._derived(dataset, name, info.key):
+                shown[name] = info
+                continue
+            if listed is None:
+                listed = {*listing.dirs, *(f.key.rsplit("/", 1)[-1] for f in listing.files)}
+            if name not in listed:
+                log_once(log, logging.WARNING, f"{info.key}: a symbolic link (-> {info.link}) where the view derives "
+                                               "what it shows (a shard, chunk directory or metadata document) leads "
+                                               "out of the store, loops or names nothing; left out",
+                         tag=f"derived link left out: {info.key}", interval=3600)
+        return shown
 
     def _pending_children(self, path: str) -> list[str]:
         """Names below ``path`` that exist only in memory so far."""
@@ -704,6 +755,8 @@ class View:
                 path = _parent(path)
 
     async def open(self, node: Node, *, write: bool, truncate: bool) -> Handle:
+        if node.link is not None:  # (the kernel resolves links itself: never asked)
+            raise ViewError(errno.ELOOP, f"{node.path}: a symbolic link")
         if not write:
             handle = Handle(node)
             if node.is_chunk and not self.read_only:  # (only writes of this mount can remove it under them)
@@ -1397,6 +1450,9 @@ class View:
 
     async def _rename(self, parent: Node, name: str, new_parent: Node, new_name: str) -> None:
         node = await self._file_to_change(parent, name, errno.EXDEV)
+        if node.link is not None:
+            await self._rename_link(node, new_parent, new_name)
+            return
         buf = self.buffers.get(node.path)
         data = bytes(buf.data) if buf is not None else (
             await self.content(node) if node.is_chunk else await self._stored_bytes(node, recent_ok=True))
@@ -1430,6 +1486,51 @@ class View:
             await self._unlink(parent, name, moving=True)
         await self._move_writers(node.path, new_parent, new_name)
 
+    async def _rename_link(self, node: Node, new_parent: Node, new_name: str) -> None:
+        """rename(2) of a symbolic link: the link itself moves (renameat),
+        replacing a file at the new name; never what it names."""
+        new_parent = await self._fresh(new_parent)
+        new_key = await self._link_key(new_parent, new_name)
+        existing = await self.lookup(new_parent, new_name)
+        if existing is not None and existing.is_dir:
+            raise ViewError(errno.EISDIR, f"{new_name}: is a directory")
+        if existing is not None:
+            self._detach_writers(existing.path)
+            buf = self.buffers.pop(existing.path, None)
+            if buf is not None and buf.storing.locked():
+                async with buf.storing:  # (its PUT lands first, then the link replaces it)
+                    pass
+        await self.store.move_link(node.key, new_key)
+
+    async def _link_key(self, parent: Node, name: str) -> str:
+        """The store key a symbolic link named ``name`` in ``parent`` is made
+        at: only where the view passes names through (EPERM in a sharded
+        array's chunk namespace and at a metadata document's name, which the
+        view derives; and where the store has no links: S3, or every link
+        followed by -o follow_symlinks)."""
+        if not self.store.symlinks:
+            raise ViewError(errno.EPERM, f"{name}: this mount shows no symbolic links (an S3 store has none; "
+                                         "-o follow_symlinks follows them)")
+        if self._in_dataset(parent):
+            raise ViewError(errno.EPERM, f"{join_key(parent.path, name)}: no symbolic links in a chunk namespace")
+        key = join_key(parent.key, name)
+        if self._derived(await self.dataset_at(parent.key), name, key):
+            raise ViewError(errno.EPERM, f"{join_key(parent.path, name)}: a name the view derives; no symbolic link")
+        return key
+
+    async def symlink(self, parent: Node, name: str, target: str) -> Node:
+        """symlink(2): a link holding ``target`` as given (any text; the
+        client's kernel resolves it), made only where names pass through."""
+        self._check_writable()
+        self._check_name(name)
+        parent = await self._fresh(parent)
+        key = await self._link_key(parent, name)
+        if await self.lookup(parent, name) is not None:
+            raise ViewError(errno.EEXIST, f"{name}: exists")
+        info = await self.store.symlink(key, target)
+        self._made_in(parent.path)
+        return self._link_node(join_key(parent.path, name), info)
+
     async def link(self, node: Node, new_parent: Node, new_name: str) -> Node:
         """A hard link, made as a copy: a new file ``new_name`` holding the
         bytes ``node`` holds now; EEXIST if the name is taken.  The view's
@@ -1442,6 +1543,8 @@ class View:
         self._check_name(new_name)
         if node.is_dir:
             raise ViewError(errno.EPERM, f"{node.path}: a directory cannot be linked")
+        if node.link is not None:  # (a copy of a symbolic link: another link of the same text)
+            return await self.symlink(new_parent, new_name, node.link)
         async with self._linking:
             if await self.lookup(new_parent, new_name) is not None:
                 raise ViewError(errno.EEXIST, f"{new_name}: exists")

@@ -100,6 +100,9 @@ class ObjectInfo:
     size: int
     etag: str
     mtime: float  # seconds since the epoch
+    #: a symbolic link's target: the object is the link itself (``size`` is
+    #: the target's length in bytes), which the view shows as a link
+    link: str | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,11 @@ class Listing:
     #: what the write answered, not what a listing or HEAD would (on S3 the
     #: mtime differs): they prove a name exists, their attributes are asked for
     unconfirmed: frozenset = frozenset()
+    #: every entry that is a symbolic link, as the link itself (``link`` set),
+    #: whatever it names; ``dirs`` and ``files`` show the links that stay
+    #: inside the store as what they name, for the names the view derives
+    #: (backends that have links and show them: local, not -o follow_symlinks)
+    links: tuple[ObjectInfo, ...] = ()
 
     def file(self, key: str) -> ObjectInfo | None:
         """The entry of the object ``key`` (a full key), if listed."""
@@ -128,6 +136,16 @@ class Listing:
             by_key = {info.key: info for info in self.files}
             object.__setattr__(self, "_by_key", by_key)
         return by_key.get(key)
+
+    def link(self, key: str) -> ObjectInfo | None:
+        """The symbolic link at ``key`` (a full key), if listed."""
+        if not self.links:
+            return None
+        return next((info for info in self.links if info.key == key), None)
+
+    def without(self, key: str) -> tuple[ObjectInfo, ...]:
+        """``links`` without the one at ``key`` (a write replaced or removed it)."""
+        return tuple(info for info in self.links if info.key != key) if self.links else ()
 
 
 class Backend(Protocol):
@@ -146,9 +164,16 @@ class Backend(Protocol):
     #: a lookup costs a request (S3: a HEAD, and a LIST for a name that is
     #: not a file); False where it is a local ``stat``
     lookups_cost_requests: bool
+    #: the store has symbolic links and shows them as links (``stat(links=)``,
+    #: ``symlink``, ``move_link``, ``Listing.links``): local, unless every
+    #: link is followed (-o follow_symlinks); S3 has none
+    symlinks: bool
 
-    def stat(self, key: str) -> ObjectInfo | None:
-        """Info of the object at ``key``, or None if there is none."""
+    def stat(self, key: str, *, links: bool = False) -> ObjectInfo | None:
+        """Info of the object at ``key``, or None if there is none.
+        ``links`` (only where ``symlinks``): a symbolic link at ``key`` is
+        answered as itself (``link`` set), never followed; the path to it is
+        resolved as any key's."""
 
     def is_dir(self, key: str) -> bool:
         """True if some object exists below ``key + '/'`` (or key is '')."""
@@ -170,6 +195,14 @@ class Backend(Protocol):
 
     def list(self, prefix: str) -> Listing:
         """Immediate children of directory ``prefix`` ('' is the root)."""
+
+    def symlink(self, key: str, target: str) -> ObjectInfo:
+        """Make a symbolic link ``key`` holding ``target`` (any text; EEXIST
+        if the name is taken).  Only where ``symlinks``."""
+
+    def move_link(self, key: str, new_key: str) -> None:
+        """Rename the symbolic link ``key`` itself to ``new_key`` (replacing
+        a file there, as rename(2)).  Only where ``symlinks``."""
 
     def put(
         self,
@@ -272,6 +305,7 @@ class AsyncStore:
         self.backend = backend
         self.url = backend.url
         self.keeps_empty_dirs = backend.keeps_empty_dirs
+        self.symlinks = getattr(backend, "symlinks", False)
         self.limiter = trio.CapacityLimiter(max_connections)
         self.timeout = timeout
         # optional non-blocking fast path (local files in the page cache)
@@ -428,7 +462,8 @@ class AsyncStore:
                 del self._listings[prefix]  # (patching costs its size: only small, fresh ones)
             elif stored is not None and prefix != ancestors[-1]:
                 if child not in listing.dirs:
-                    listing = Listing(sorted([*listing.dirs, child]), listing.files, listing.unconfirmed)
+                    listing = Listing(sorted([*listing.dirs, child]), listing.files, listing.unconfirmed,
+                                      listing.links)
                 self._listings[prefix] = (listing, when)
             elif (stored is not None or deleted) and prefix == ancestors[-1]:
                 files = [f for f in listing.files if f.key != key]
@@ -437,21 +472,26 @@ class AsyncStore:
                     bisect.insort(files, stored, key=lambda f: f.key)
                     if not getattr(self.backend, "put_info_exact", False):
                         unconfirmed = unconfirmed | {key}
-                self._listings[prefix] = (Listing(listing.dirs, files, unconfirmed), when)
+                self._listings[prefix] = (Listing(listing.dirs, files, unconfirmed, listing.without(key)), when)
             else:
                 del self._listings[prefix]
 
-    async def stat(self, key: str, *, listed_ok: bool = False) -> ObjectInfo | None:
+    async def stat(self, key: str, *, listed_ok: bool = False, links: bool = False) -> ObjectInfo | None:
         """Info of the object ``key``, asked now; with ``listed_ok``, from a
         listing of its directory made within ``list_ttl`` if there is one (a
         lookup after a listing, as in ``ls`` then ``cat``, costs no request).
-        Re-validation of a cached version must ask: a listing may be older."""
+        Re-validation of a cached version must ask: a listing may be older.
+        ``links``: a symbolic link at ``key`` is answered as itself (a name
+        the view passes through), in stores that have links."""
+        links = links and self.symlinks
         if listed_ok:
             listing = await self._listing_for_lookup(key.rpartition("/")[0])
             if listing is not None and key not in listing.unconfirmed:
-                return listing.file(key)
+                return (links and listing.link(key)) or listing.file(key)
         generation = self._list_generation
-        info = await self._run(self.backend.stat, key)
+        info = await self._run(self.backend.stat, key, **({"links": True} if links else {}))
+        if info is not None and info.link is not None:
+            return info  # (the link itself: no version of an object, nothing to confirm)
         self._seen(info)
         self._confirm(key, info, generation)
         return info
@@ -470,7 +510,7 @@ class AsyncStore:
         files = [f for f in listing.files if f.key != key]
         if info is not None:
             bisect.insort(files, info, key=lambda f: f.key)
-        self._listings[prefix] = (Listing(listing.dirs, files, listing.unconfirmed - {key}), when)
+        self._listings[prefix] = (Listing(listing.dirs, files, listing.unconfirmed - {key}, listing.links), when)
 
     async def _listing_for_lookup(self, prefix: str) -> Listing | None:
         """The listing that answers a lookup in ``prefix``: a fresh one, or,
@@ -495,6 +535,19 @@ class AsyncStore:
         if cached is not None and time.monotonic() - cached[1] < self.list_ttl:
             return cached[0]
         return None
+
+    async def symlink(self, key: str, target: str) -> ObjectInfo:
+        try:
+            return await self._run(self.backend.symlink, key, target, _writes=True)
+        finally:
+            self._changed(key)
+
+    async def move_link(self, key: str, new_key: str) -> None:
+        try:
+            await self._run(self.backend.move_link, key, new_key, _writes=True)
+        finally:
+            self._changed(key)
+            self._changed(new_key)
 
     async def is_dir(self, key: str) -> bool:
         parent, _, name = key.rpartition("/")

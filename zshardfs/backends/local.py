@@ -25,10 +25,14 @@ with ``RESOLVE_BENEATH``: the kernel refuses (EXDEV) a path that would leave
 the store, through ``..`` or a symbolic link (absolute links included), so a
 user who can write into the source cannot make the daemon read, list, write
 or delete anything outside it, nor send it into its own mount.  Links that
-stay inside (relative ones) are followed.  Changes are made relative to the
-descriptor of the directory resolved (``*at`` calls), never by a path
+stay inside (relative ones) are followed for the names the view derives
+(shards, chunk directories, metadata documents).  Every link is also
+reported as itself (``Listing.links``, ``stat(links=True)``): the view
+shows the names it passes through as links, which the client's kernel
+resolves, so the daemon never follows those.  Changes are made relative to
+the descriptor of the directory resolved (``*at`` calls), never by a path
 resolved again.  ``confine=False`` (``-o follow_symlinks``) follows every
-link, as the file system does.
+link, as the file system does, and reports none.
 """
 
 from __future__ import annotations
@@ -333,6 +337,7 @@ class LocalBackend:
         self.root = os.path.abspath(root)
         self.tidy = tidy  # remove dead writers' temporary files (False: only tell of them)
         self.confine = confine  # keys resolve below the root only (see the module's docstring)
+        self.symlinks = confine  # links reported as links (-o follow_symlinks: followed, never shown)
         self.url = self.root
         self.counters: Counter = Counter()
         # (key, etag) -> [fd, when the path last showed that version]
@@ -441,6 +446,11 @@ class LocalBackend:
         return ObjectInfo(key, st.st_size, f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}", st.st_mtime)
 
     @staticmethod
+    def _link_info(key: str, st: os.stat_result, target: str) -> ObjectInfo:
+        size = len(os.fsencode(target))
+        return ObjectInfo(key, size, f"{st.st_ino:x}-{st.st_mtime_ns:x}-l{size:x}", st.st_mtime, link=target)
+
+    @staticmethod
     def reserved_name(name: str) -> bool:
         """Temporary files' names: hidden from listings, removed once their
         writer is gone; a user's file of such a name would vanish.  (Not
@@ -531,11 +541,21 @@ class LocalBackend:
 
     # -- reads ---------------------------------------------------------------
 
-    def stat(self, key: str) -> ObjectInfo | None:
+    def stat(self, key: str, *, links: bool = False) -> ObjectInfo | None:
         bump(self.counters, "head")
         self._check_root(key, "looked up")
         try:
-            st = self._stat(key)
+            if links and self.symlinks and key:
+                # (O_PATH | O_NOFOLLOW: a descriptor of the link itself, never of what it names)
+                fd = self._open(key, os.O_PATH | os.O_NOFOLLOW)
+                try:
+                    st = os.fstat(fd)
+                    if stat.S_ISLNK(st.st_mode):
+                        return self._link_info(key, st, os.readlink("", dir_fd=fd))
+                finally:
+                    os.close(fd)
+            else:
+                st = self._stat(key)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
@@ -665,7 +685,7 @@ class LocalBackend:
     def list(self, prefix: str) -> Listing:
         bump(self.counters, "list")
         self._check_root(prefix, "listed")
-        dirs, files = [], []
+        dirs, files, links = [], [], []
         ancestry = None  # (computed when a symlink may make a loop)
         try:
             try:  # (the common case: no symlink on the way, so no loop either; with or
@@ -715,23 +735,34 @@ class LocalBackend:
                                 _tell_if_old(dfd, name, path)
                         continue
                     try:
-                        if entry.is_symlink():  # (followed as a lookup would, inside the store only)
-                            try:
+                        if entry.is_symlink():
+                            if self.symlinks:  # the link itself: what the view shows where it passes names through
+                                try:
+                                    links.append(self._link_info(key, entry.stat(follow_symlinks=False),
+                                                                 os.readlink(name, dir_fd=dfd)))
+                                except OSError:  # (replaced or removed meanwhile: as if not there)
+                                    continue
+                            try:  # followed as a lookup would, inside the store only: for derived names
                                 st = self._stat(key)
                             except OSError as exc:
+                                # (left out of dirs and files; told of only where no link is
+                                # reported: the view warns for the names it derives)
                                 if exc.errno == errno.EXDEV:
-                                    self._outside(key)
+                                    if not self.symlinks:
+                                        self._outside(key)
                                 elif exc.errno == errno.ELOOP:  # (left out, as a damaged object is)
-                                    log_once(log, logging.WARNING, f"{self._path(key)}: a symbolic link "
-                                             "loop; left out", tag=f"symlink loop: {self._path(key)}", interval=3600)
-                                elif exc.errno != errno.ENOTDIR:
+                                    if not self.symlinks:
+                                        log_once(log, logging.WARNING, f"{self._path(key)}: a symbolic link loop; "
+                                                 "left out", tag=f"symlink loop: {self._path(key)}", interval=3600)
+                                elif exc.errno not in (errno.ENOTDIR, errno.ENOENT):
                                     raise  # (ENOTDIR: a link through a file, which names nothing)
                                 continue
                             if stat.S_ISDIR(st.st_mode):
                                 if ancestry is None:
                                     ancestry = self._ancestry(prefix)
                                 if (st.st_dev, st.st_ino) in ancestry:
-                                    self._loop(key)
+                                    if not self.symlinks:
+                                        self._loop(key)
                                     continue
                         else:
                             st = entry.stat(follow_symlinks=False)
@@ -749,7 +780,8 @@ class LocalBackend:
             os.close(dfd)
         dirs.sort()
         files.sort(key=lambda f: f.key)
-        return Listing(dirs, files)
+        links.sort(key=lambda f: f.key)
+        return Listing(dirs, files, links=tuple(links))
 
     # -- writes --------------------------------------------------------------
 
@@ -996,6 +1028,53 @@ class LocalBackend:
             raise self._fail(key, exc) from None
         finally:
             os.close(pfd)
+
+    def symlink(self, key: str, target: str) -> ObjectInfo:
+        dir_key, _, name = key.rpartition("/")
+        self._path(key)
+        self._check_root(key)
+        try:
+            dfd = self._open_dir(dir_key)
+        except OSError as exc:
+            raise self._fail(key, exc) from None
+        try:
+            os.symlink(target, name, dir_fd=dfd)  # (symlinkat: the text as given, never resolved here)
+            os.fsync(dfd)
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileExistsError:
+            err = StoreError(f"{key}: exists", key)
+            err.errno = errno.EEXIST
+            raise err from None
+        except OSError as exc:
+            raise self._fail(key, exc) from None
+        finally:
+            os.close(dfd)
+        bump(self.counters, "put")
+        return self._link_info(key, st, target)
+
+    def move_link(self, key: str, new_key: str) -> None:
+        (src_dir, _, src), (dst_dir, _, dst) = key.rpartition("/"), new_key.rpartition("/")
+        self._path(key)
+        self._path(new_key)
+        self._check_root(key)
+        sfd = dfd = -1
+        try:
+            sfd = self._open_dir(src_dir)
+            dfd = self._open_dir(dst_dir)
+            if not stat.S_ISLNK(os.stat(src, dir_fd=sfd, follow_symlinks=False).st_mode):
+                raise FileNotFoundError(errno.ENOENT, "no longer a symbolic link", key)
+            os.rename(src, dst, src_dir_fd=sfd, dst_dir_fd=dfd)  # (renameat: the link itself moves)
+            os.fsync(dfd)
+            if src_dir != dst_dir:
+                os.fsync(sfd)
+        except OSError as exc:
+            raise self._fail(key, exc) from None
+        finally:
+            for fd in (sfd, dfd):
+                if fd >= 0:
+                    os.close(fd)
+        bump(self.counters, "put")
+        self._forget_fds(new_key)  # (a file it replaced)
 
     def close(self) -> None:
         with self._fd_lock:

@@ -165,6 +165,7 @@ class S3Backend:
     keeps_empty_dirs = False  # a prefix exists while an object is below it
     put_info_exact = False  # (PutObject answers no LastModified: listings show another mtime)
     lookups_cost_requests = True
+    symlinks = False  # (S3 has no links)
 
     def __init__(
         self,
