@@ -141,7 +141,11 @@ class Listing:
         """The symbolic link at ``key`` (a full key), if listed."""
         if not self.links:
             return None
-        return next((info for info in self.links if info.key == key), None)
+        by_key = self.__dict__.get("_links_by_key")
+        if by_key is None:
+            by_key = {info.key: info for info in self.links}
+            object.__setattr__(self, "_links_by_key", by_key)
+        return by_key.get(key)
 
     def without(self, key: str) -> tuple[ObjectInfo, ...]:
         """``links`` without the one at ``key`` (a write replaced or removed it)."""
