@@ -1017,8 +1017,9 @@ def test_links_are_made_renamed_and_removed_through_a_local_mount(tmp_path, moun
     a metadata document's name, EPERM.  ``rename`` and ``unlink`` of a link
     act on the link itself (a rename over a file replaces the file, a file
     renamed over a link replaces the link), never on what it names, and a
-    hard link of a link is another link of the same text (links are copies,
-    4.x).  Before, every ``ln -s`` through the mount was EPERM."""
+    hard link of a link is another link of the same text (hard links are
+    copies, SEMANTICS Limits).  Under ``-o ro``: EROFS.  Before, every
+    ``ln -s`` through the mount was EPERM."""
     src = tmp_path / "store"
     _array(src / "arr")
     (src / "plain").mkdir()
