@@ -2108,6 +2108,45 @@ def test_open_files_unlinked_or_replaced_behave_as_on_posix(store, mount, tmp_pa
     os.mkdir(m / "new/c/0")
 
 
+def test_a_handle_writing_on_after_its_file_was_unlinked_reads_what_it_wrote(store, mount, tmp_path):
+    """POSIX: the old file lives on for its descriptors.  A read-write handle
+    that goes on writing once its file was unlinked (or replaced by a rename)
+    sees its own writes through fstat and pread, whatever size the file had
+    (the mount answered the size at the unlink, so the kernel cut every read
+    of the handle there: writes past it vanished)."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    (m / "plain.bin").write_bytes(b"p" * 10)
+    for name, flags in [("arr/c/0/0", os.O_RDWR), ("arr/c/3/3", os.O_RDWR | os.O_CREAT | os.O_TRUNC),
+                        ("plain.bin", os.O_RDWR), ("arr/new.txt", os.O_RDWR | os.O_CREAT)]:
+        fd = os.open(m / name, flags, 0o644)
+        try:
+            os.pwrite(fd, b"x" * 4, 20)
+            os.unlink(m / name)
+            os.pwrite(fd, b"y" * 100, 0)
+            assert os.fstat(fd).st_size == 100, name
+            assert os.pread(fd, 1000, 0) == b"y" * 100, name
+        finally:
+            os.close(fd)
+        assert not (m / name).exists(), name
+    # replaced by a rename while open for writing: the handle's own file
+    (m / "src.txt").write_bytes(b"AAAA")
+    fd = os.open(m / "dst.txt", os.O_RDWR | os.O_CREAT)
+    try:
+        os.write(fd, b"old")
+        os.rename(m / "src.txt", m / "dst.txt")
+        os.pwrite(fd, b"-late-and-longer", 3)
+        assert os.fstat(fd).st_size == 19
+        assert os.pread(fd, 100, 0) == b"old-late-and-longer"
+    finally:
+        os.close(fd)
+    assert (m / "dst.txt").read_bytes() == b"AAAA"
+    m.umount()
+    got = stored_chunks(store, "arr", (2, 2))
+    assert (0, 0) not in got and (3, 3) not in got and store.get("plain.bin") is None
+
+
 # ---------------------------------------------------------------------------
 # directory fsync
 

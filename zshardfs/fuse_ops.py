@@ -308,6 +308,13 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def getattr(self, inode, ctx=None):
         node = self._node(inode)
+        if self.by_path.get(node.path) != inode and not node.is_dir:
+            # unlinked or replaced while open for writing: its writers write
+            # to the old file (view._detach_writers), whose size is theirs
+            # (else the kernel would cut their reads at the size it had)
+            own = self._detached_size(inode)
+            if own is not None:
+                return self._attrs(inode, dataclasses.replace(node, size=own))
         if node.is_chunk and self.by_path.get(node.path) != inode:
             # a chunk file replaced (rename onto its name) or unlinked while
             # open: its descriptors read what it held (view._keep_for_readers),
@@ -391,6 +398,22 @@ class Operations(pyfuse3.Operations):
         self._handles[fh] = (inode, handle)
         self.inodes[inode].handles += 1
         return fh
+
+    def _detached_size(self, inode: int) -> int | None:
+        """Size of the file a handle open for writing on ``inode`` holds,
+        once no name leads to that inode (unlinked, or replaced by a rename)."""
+        entry = self.inodes.get(inode)
+        if entry is None or not entry.handles:
+            return None
+        for value in self._handles.values():  # (rare: only such inodes ask)
+            if not isinstance(value, tuple) or value[0] != inode or not value[1].writable:
+                continue
+            handle = value[1]
+            if handle.buffer is not None:
+                return len(handle.buffer.data)
+            if handle.chunk is not None and handle.chunk.data is not None:
+                return len(handle.chunk.data)
+        return None
 
     def _handle(self, fh: int) -> Handle:
         entry = self._handles.get(fh)
