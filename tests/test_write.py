@@ -1013,6 +1013,37 @@ def test_unlink_of_last_chunk_deletes_the_shard(store, mount, tmp_path):
     assert len(got) == 12 and (0, 0) not in got and got[3, 3] == data[6:8, 6:8].tobytes()
 
 
+def test_chunks_written_where_storage_has_no_directory_are_listed_at_once(store, mount, tmp_path):
+    """A chunk written (closed, not stored yet) is listed at once at every
+    level above it, also where storage holds no directory for its shard: an
+    array stored empty, or a row whose shards were all deleted.  (Only its own
+    chunk directory listed it: ``ls arr`` showed no ``c``, ``find`` and
+    ``cp -r`` out of the view missed the chunk until its shard was stored.)"""
+    seed_array(store, tmp_path, "empty", (8, 8), (2, 2), (4, 4), "<i4")
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=np.arange(64, dtype="<i4").reshape(8, 8))
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+
+    def walked(top):
+        return sorted(os.path.relpath(os.path.join(d, f), m / top) for d, _, fs in os.walk(m / top) for f in fs)
+
+    write_file(m / "empty/c/1/3", raw_chunk(7))
+    assert sorted(os.listdir(m / "empty")) == ["c", "zarr.json"]
+    assert os.listdir(m / "empty/c") == ["1"]
+    assert walked("empty") == ["c/1/3", "zarr.json"]
+    # the first row of shards removed chunk by chunk and stored: storage's c/0 is gone
+    for i in range(2):
+        for j in range(4):
+            os.unlink(m / "arr" / chunk_name((i, j), "/"))
+    zs("sync", m.path)
+    assert all(not k.startswith("arr/c/0/") for k in store.keys())
+    write_file(m / "arr/c/1/2", raw_chunk(9))
+    assert sorted(os.listdir(m / "arr/c")) == ["1", "2", "3"]
+    assert "c/1/2" in walked("arr")
+    m.umount()
+    assert stored_chunks(store, "empty", (2, 2)) == {(1, 3): raw_chunk(7)}
+    assert stored_chunks(store, "arr", (2, 2))[1, 2] == raw_chunk(9)
+
+
 def test_chunk_directories_behave_like_a_directory_store(store, mount, tmp_path):
     data = np.arange(64, dtype="<i4").reshape(8, 8) + 1
     seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)

@@ -645,6 +645,17 @@ class View:
         """Names below ``path`` that exist only in memory so far."""
         names = set(self.new_dirs.get(path, ()))
         names.update(self.new_chunks.get(path, ()))
+        # the directories leading to chunks written but not stored yet: their
+        # shards' storage directories may not exist (an array stored empty, a
+        # row whose shards were all deleted), and storage lists only those
+        below = path + "/" if path else ""
+        for d, chunks in self.new_chunks.items():
+            if d.startswith(below) and d != path:
+                name = d[len(below):].split("/", 1)[0]
+                if name not in names and any(
+                        (c := self.writeback.pending(t.shard_key, t.chunk_id)) is not None and c.data is not None
+                        for _, _, t in chunks.values()):
+                    names.add(name)
         if self.emptied:
             names.update(p[len(_prefix(path)):] for p in list(self.emptied)
                          if _parent(p) == path and self._still_emptied(p))
