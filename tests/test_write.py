@@ -1474,6 +1474,27 @@ def test_names_outside_the_grid_are_refused(store, mount, tmp_path):
     assert "discarded" not in m.log_text()  # nothing was kept only to be dropped
 
 
+def test_directories_outside_the_grid_of_a_v2_keyed_array_are_refused(store, mount, tmp_path):
+    """With the ``v2`` key encoding and ``/`` the chunk directories begin in
+    the array's own directory (``arr/9``): one outside the grid is ENOENT at
+    ``mkdir``, as ``arr/c/9`` is with the default encoding.  (It was made, in
+    memory only: listed, yet refusing every file below, and gone at unmount.)"""
+    local = tmp_path / "seed"
+    a = zarr.create_array(store=str(local), shape=(8, 8), chunks=(2, 2), shards=(4, 4), dtype="<i4",
+                          compressors=None, fill_value=0, chunk_key_encoding={"name": "v2", "separator": "/"})
+    a[...] = np.arange(64, dtype="<i4").reshape(8, 8)
+    store.put_tree(local, "arr")
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    for name in ("4", "9"):
+        with pytest.raises(FileNotFoundError):
+            os.mkdir(m / "arr" / name)
+        assert not (m / "arr" / name).exists()
+    with pytest.raises(FileExistsError):
+        os.mkdir(m / "arr/3")
+    assert sorted(os.listdir(m / "arr")) == ["0", "1", "2", "3", "zarr.json"]
+    assert "arr/9: outside the chunk grid" in m.log_text()
+
+
 def test_rsync_of_a_grown_array_and_the_line_that_says_why(store, mount, tmp_path):
     """``rsync -a`` of an unsharded twin whose array grew makes the new chunk
     directories before it copies ``zarr.json`` (sorted order): the mount

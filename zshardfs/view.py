@@ -1374,6 +1374,10 @@ class View:
         dataset = parent.dataset
         if not self._in_dataset(parent):
             dataset = await self.dataset_at(parent.key)  # (the array's own directory: its dataset)
+            if dataset is not None and dataset.outside((name,)):
+                # (``9`` of a ``v2``/``/`` array: its chunk directories begin here)
+                path = join_key(parent.path, name)
+                raise self._outside(dataset, path, path)
             if dataset is None or not dataset.claims((name,)):
                 await self.store.make_dir(join_key(parent.key, name))
         self.new_dirs.setdefault(parent.path, set()).add(name)
