@@ -1010,6 +1010,31 @@ def test_rm_rf_of_a_link_to_a_directory_removes_only_the_link(tmp_path, mount):
     assert sorted(os.listdir(m.path)) == ["v3"] and (m / "v3" / "a" / "b" / "file").read_bytes() == b"kept"
 
 
+def test_a_link_to_a_directory_removed_or_replaced_leaves_no_directory_behind(tmp_path, mount):
+    """A link to a directory is listed both as a link and (for the names the
+    view derives) as the directory it names; once the mount itself removes
+    it (``rm``) or renames a file over it, the kept listing of its directory
+    no longer holds that directory.  Before, ``ls`` and ``stat`` showed a
+    directory ``latest`` (empty) where nothing was any more, and an empty
+    file renamed over ``l2`` showed as a directory, until the listing
+    expired (``metadata_ttl``)."""
+    src = tmp_path / "store"
+    (src / "v3" / "a").mkdir(parents=True)
+    (src / "v3" / "notes.txt").write_bytes(b"notes")
+    (src / "latest").symlink_to("v3")
+    (src / "l2").symlink_to("v3")
+    m = mount(src, "metadata_ttl=60", "attr_timeout=0")
+    assert sorted(os.listdir(m.path)) == ["l2", "latest", "v3"]  # (the listing kept 60 s)
+    os.unlink(m / "latest")
+    assert not os.path.lexists(src / "latest")
+    assert sorted(os.listdir(m.path)) == ["l2", "v3"] and not os.path.lexists(m / "latest")
+    (m / "empty").write_bytes(b"")
+    os.rename(m / "empty", m / "l2")
+    assert (src / "l2").is_file() and not (src / "l2").is_symlink()
+    assert stat.S_ISREG(os.lstat(m / "l2").st_mode) and (m / "l2").read_bytes() == b""
+    assert sorted(os.listdir(m.path)) == ["l2", "v3"] and os.listdir(m / "v3") == ["a", "notes.txt"]
+
+
 def test_links_are_made_renamed_and_removed_through_a_local_mount(tmp_path, mount):
     """Through a writable local mount, ``symlink(2)`` makes a link (any
     target text, made as given; EEXIST if the name is taken), only where the

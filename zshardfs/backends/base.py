@@ -476,7 +476,12 @@ class AsyncStore:
                     bisect.insort(files, stored, key=lambda f: f.key)
                     if not getattr(self.backend, "put_info_exact", False):
                         unconfirmed = unconfirmed | {key}
-                self._listings[prefix] = (Listing(listing.dirs, files, unconfirmed, listing.without(key)), when)
+                dirs = listing.dirs
+                if listing.link(key) is not None and child in dirs:
+                    # a link to a directory, listed as that directory too: the
+                    # name was the link's, so the directory goes with it
+                    dirs = [d for d in dirs if d != child]
+                self._listings[prefix] = (Listing(dirs, files, unconfirmed, listing.without(key)), when)
             else:
                 del self._listings[prefix]
 
