@@ -1035,6 +1035,33 @@ def test_a_link_to_a_directory_removed_or_replaced_leaves_no_directory_behind(tm
     assert sorted(os.listdir(m.path)) == ["l2", "v3"] and os.listdir(m / "v3") == ["a", "notes.txt"]
 
 
+def test_a_link_that_cannot_be_followed_leaves_its_directory_listable(tmp_path, mount):
+    """A link whose target names a component longer than NAME_MAX (the
+    kernel answers ENAMETOOLONG when it is followed) is shown as the link it
+    is, target verbatim (up to PATH_MAX - 1 bytes, odd bytes included), and
+    the rest of its directory is listed; with ``-o follow_symlinks`` it is
+    left out, with one warning.  Before, one such link, planted in the
+    source or made with ``ln -s`` through the mount by any user who may
+    write there, made its whole directory unlistable (``ls``: File name too
+    long)."""
+    src = tmp_path / "store"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "file").write_bytes(b"f")
+    long_name, longest = "a" * 300, b"b" * 200 + b"/\n\xff" + b"c" * (4095 - 203)
+    (src / "d" / "planted").symlink_to(long_name)
+    m = mount(src)
+    os.symlink(longest, os.fsencode(m / "d" / "made"))
+    assert os.readlink(os.fsencode(src / "d" / "made")) == longest
+    assert sorted(os.listdir(m / "d")) == ["file", "made", "planted"]
+    assert os.readlink(m / "d" / "planted") == long_name and os.readlink(os.fsencode(m / "d" / "made")) == longest
+    assert os.lstat(m / "d" / "made").st_size == 4095 and (m / "d" / "file").read_bytes() == b"f"
+    m.umount()
+    followed = mount(src, "ro", "follow_symlinks")
+    assert os.listdir(followed / "d") == ["file"]
+    followed.umount()
+    assert len(re.findall(r"d/planted: a symbolic link that cannot be followed", followed.log_text())) == 1
+
+
 def test_links_are_made_renamed_and_removed_through_a_local_mount(tmp_path, mount):
     """Through a writable local mount, ``symlink(2)`` makes a link (any
     target text, made as given; EEXIST if the name is taken), only where the

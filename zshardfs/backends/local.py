@@ -754,8 +754,13 @@ class LocalBackend:
                                     if not self.symlinks:
                                         log_once(log, logging.WARNING, f"{self._path(key)}: a symbolic link loop; "
                                                  "left out", tag=f"symlink loop: {self._path(key)}", interval=3600)
-                                elif exc.errno not in (errno.ENOTDIR, errno.ENOENT):
-                                    raise  # (ENOTDIR: a link through a file, which names nothing)
+                                elif exc.errno not in (errno.ENOTDIR, errno.ENOENT) and not self.symlinks:
+                                    # (ENOTDIR: a link through a file, which names nothing; any other
+                                    # failure to follow, e.g. ENAMETOOLONG for a target naming a
+                                    # component over NAME_MAX, is this link's, never the listing's)
+                                    log_once(log, logging.WARNING, f"{self._path(key)}: a symbolic link that "
+                                             f"cannot be followed ({exc.strerror}); left out",
+                                             tag=f"symlink unfollowed: {self._path(key)}", interval=3600)
                                 continue
                             if stat.S_ISDIR(st.st_mode):
                                 if ancestry is None:
