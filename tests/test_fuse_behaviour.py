@@ -1062,6 +1062,23 @@ def test_a_link_that_cannot_be_followed_leaves_its_directory_listable(tmp_path, 
     assert len(re.findall(r"d/planted: a symbolic link that cannot be followed", followed.log_text())) == 1
 
 
+def test_a_link_target_cannot_forge_log_lines(tmp_path, mount):
+    """The warning for a link at a name the view derives that it leaves out
+    quotes the link's target (``repr``): a target holding a newline, which
+    anyone who may write into the source can plant, stays inside that one
+    line.  Before, the text after the newline was a log line of its own,
+    e.g. a forged ``ERROR`` (in the log and in ``fsck``'s problems)."""
+    src = tmp_path / "store"
+    (src / "grp").mkdir(parents=True)
+    (src / "grp" / "zarr.json").symlink_to("/x\n2000-01-01 00:00:00,000 zshardfs[1] ERROR forged")
+    m = mount(src, "ro")
+    assert os.listdir(m / "grp") == []
+    m.umount()
+    lines = m.log_text().splitlines()
+    assert not any(line.startswith("2000-01-01") for line in lines), lines
+    assert len([line for line in lines if "grp/zarr.json: a symbolic link" in line and "forged" in line]) == 1
+
+
 def test_links_are_made_renamed_and_removed_through_a_local_mount(tmp_path, mount):
     """Through a writable local mount, ``symlink(2)`` makes a link (any
     target text, made as given; EEXIST if the name is taken), only where the

@@ -727,7 +727,7 @@ def test_fsck_ends_on_loops_and_deep_trees(tmp_path, monkeypatch):
     (tmp_path / "loop/arr/c").symlink_to(".")
     code, report = _fsck(str(tmp_path / "loop"))
     assert code == 1 and len(report["problems"]) == 1, report
-    assert "arr/c: a symbolic link (-> .) where the view derives" in report["problems"][0], report
+    assert "arr/c: a symbolic link (-> '.') where the view derives" in report["problems"][0], report
 
     deep = tmp_path / "deep"
     (deep / "/".join("d" * 6)).mkdir(parents=True)

@@ -635,7 +635,7 @@ class View:
             if listed is None:
                 listed = {*listing.dirs, *(f.key.rsplit("/", 1)[-1] for f in listing.files)}
             if name not in listed:
-                log_once(log, logging.WARNING, f"{info.key}: a symbolic link (-> {info.link}) where the view derives "
+                log_once(log, logging.WARNING, f"{info.key}: a symbolic link (-> {info.link!r}) where the view derives "
                                                "what it shows (a shard, chunk directory or metadata document) leads "
                                                "out of the store, loops or names nothing; left out",
                          tag=f"derived link left out: {info.key}", interval=3600)
