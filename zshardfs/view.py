@@ -16,9 +16,10 @@ Writes (when mounted rw):
   lands in the store as a stray object.
 
 Symbolic links (local stores): a name the view passes through that is a
-link in the store is shown as that link (``Node.link``), whatever it names;
-the client's kernel resolves it, so the daemon never follows it for the
-client (``rm -rf`` of a link to a directory removes the link).  Names the
+link in the store is shown as that link (``Node.link``) if the client's
+kernel, which resolves it, stays in the view doing so (``_stays_in_view``);
+the daemon never follows it for the client (``rm -rf`` of a link to a
+directory removes the link).  Links leading out are left out.  Names the
 view derives (chunk files and directories made from shards, metadata
 documents) are read through links that stay inside the store, as the
 backend resolves every key, and links leading out are left out.
@@ -203,6 +204,26 @@ def _could_be_chunk(name: str) -> bool:
     """A stored file name a Zarr chunk key could have (``c``, ``c.1.2``,
     ``1.2``): a tool's temporary metadata file next to a new array is not."""
     return name == "c" or name.startswith("c.") or all(p.isdigit() for p in name.split("."))
+
+
+def _stays_in_view(dir_path: str, target: str) -> bool:
+    """Does a symbolic link in the view directory ``dir_path`` holding
+    ``target`` lead, as the client's kernel resolves it, only to names of
+    this view?  So when it is relative, its ``..`` all come first and climb
+    no higher than the mount's root, and no ``..`` follows a name (a name
+    may be a link landing elsewhere, from where ``..`` would climb on).
+    The kernel resolves every link shown by the same rule, so each step of
+    a resolution stays inside: what the client does through the mount never
+    leaves it, whoever planted the link (an ``allow_other`` mount's users
+    write through links other users made)."""
+    if not target or target.startswith("/"):
+        return False
+    parts = [p for p in target.split("/") if p not in ("", ".")]
+    ups = 0
+    while ups < len(parts) and parts[ups] == "..":
+        ups += 1
+    depth = len(dir_path.split("/")) if dir_path else 0
+    return ups <= depth and ".." not in parts[ups:]
 
 
 def _parent(path: str) -> str:
@@ -416,7 +437,14 @@ class View:
         return Node(path, False, size, info.mtime, key=info.key, document=doc, version=info.etag)
 
     @staticmethod
-    def _link_node(path: str, info: ObjectInfo) -> Node:
+    def _link_node(path: str, info: ObjectInfo) -> Node | None:
+        """The node of a symbolic link at ``path``, or None (left out, one
+        warning) if it would lead the client out of the view."""
+        if not _stays_in_view(_parent(path), info.link):
+            log_once(log, logging.WARNING, f"{info.key}: a symbolic link (-> {info.link!r}) that leads out of the "
+                                           "mount; left out (-o follow_symlinks follows it, for a source no one "
+                                           "else can write into)", tag=f"link out: {info.key}", interval=3600)
+            return None
         return Node(path, False, info.size, info.mtime, key=info.key, link=info.link)
 
     def _derived(self, dataset: Dataset | None, name: str, key: str) -> bool:
@@ -605,7 +633,7 @@ class View:
                         yield child
             for name, info in links.items():
                 child = self._link_node(join_key(node.path, name), info)
-                if fresh(child):
+                if child is not None and fresh(child):
                     yield child
             if dataset is not None:
                 prefix = _prefix(node.path)
@@ -1505,7 +1533,7 @@ class View:
         """rename(2) of a symbolic link: the link itself moves (renameat),
         replacing a file at the new name; never what it names."""
         new_parent = await self._fresh(new_parent)
-        new_key = await self._link_key(new_parent, new_name)
+        new_key = await self._link_key(new_parent, new_name, node.link)
         existing = await self.lookup(new_parent, new_name)
         if existing is not None and existing.is_dir:
             raise ViewError(errno.EISDIR, f"{new_name}: is a directory")
@@ -1517,12 +1545,13 @@ class View:
                     pass
         await self.store.move_link(node.key, new_key)
 
-    async def _link_key(self, parent: Node, name: str) -> str:
-        """The store key a symbolic link named ``name`` in ``parent`` is made
-        at: only where the view passes names through (EPERM in a sharded
-        array's chunk namespace and at a metadata document's name, which the
-        view derives; and where the store has no links: S3, or every link
-        followed by -o follow_symlinks)."""
+    async def _link_key(self, parent: Node, name: str, target: str | None) -> str:
+        """The store key a symbolic link named ``name`` in ``parent``, holding
+        ``target``, is made at: only where the view passes names through
+        (EPERM in a sharded array's chunk namespace and at a metadata
+        document's name, which the view derives; and where the store has no
+        links: S3, or every link followed by -o follow_symlinks), and only if
+        the view would show it (EPERM for one leading out of the mount)."""
         if not self.store.symlinks:
             raise ViewError(errno.EPERM, f"{name}: this mount shows no symbolic links (an S3 store has none; "
                                          "-o follow_symlinks follows them)")
@@ -1531,15 +1560,20 @@ class View:
         key = join_key(parent.key, name)
         if self._derived(await self.dataset_at(parent.key), name, key):
             raise ViewError(errno.EPERM, f"{join_key(parent.path, name)}: a name the view derives; no symbolic link")
+        if target is not None and not _stays_in_view(parent.path, target):
+            raise ViewError(errno.EPERM, f"{join_key(parent.path, name)} -> {target!r}: a symbolic link there would "
+                                         "lead out of the mount (absolute, climbing above its root, or '..' after "
+                                         "a name)")
         return key
 
     async def symlink(self, parent: Node, name: str, target: str) -> Node:
-        """symlink(2): a link holding ``target`` as given (any text; the
-        client's kernel resolves it), made only where names pass through."""
+        """symlink(2): a link holding ``target`` as given (the client's
+        kernel resolves it), made only where names pass through and only if
+        it stays in the view (see :func:`_stays_in_view`)."""
         self._check_writable()
         self._check_name(name)
         parent = await self._fresh(parent)
-        key = await self._link_key(parent, name)
+        key = await self._link_key(parent, name, target)
         if await self.lookup(parent, name) is not None:
             raise ViewError(errno.EEXIST, f"{name}: exists")
         info = await self.store.symlink(key, target)
