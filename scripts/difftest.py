@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""Long runs of the randomized differential tester (engine: tests/difftest.py).
+
+Why: the suite's own tests check one behaviour each; this applies long random
+sequences of file operations (writes, truncates, renames, links, held-open handles,
+temporary-then-rename, fsync, sync, remounts, kill -9 of the daemon) to a zshardfs
+mount of a sharded Zarr store and to a directory holding its unsharded twin, and
+compares them after every step. tests/test_differential.py runs a few fixed seeds;
+run more seeds and steps here after changing the write path.
+
+  .venv/bin/python scripts/difftest.py --seed 7 --layout basic --steps 200 [--backend s3]
+  .venv/bin/python scripts/difftest.py --replay repro.json [--minimize]
+
+On a divergence it prints what differed and the op list, saves it as
+repro-LAYOUT-BACKEND-SEED.json in --base (which --replay reads: the same ops, no
+generator), and with --minimize the smallest subsequence that still diverges.
+Exit 0: no divergence; 1: a divergence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests import difftest as dt  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layout", default="basic", choices=sorted(dt.LAYOUTS))
+    ap.add_argument("--backend", default="local", choices=["local", "s3"])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("-o", dest="opts", default=",".join(dt.DEFAULT_OPTS), help="mount options")
+    ap.add_argument("--no-kill", action="store_true", help="no kill -9 of the daemon")
+    ap.add_argument("--no-conc", action="store_true", help="no concurrent writers")
+    ap.add_argument("--replay", metavar="FILE", help="replay the ops saved in FILE (layout, backend, opts too)")
+    ap.add_argument("--minimize", action="store_true", help="on a divergence, find a minimal op sequence")
+    ap.add_argument("--verbose", action="store_true", help="print every op and its result")
+    ap.add_argument("--base", default="/tmp/zshardfs-difftest", help="where runs and repro files go")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory of a run that passed")
+    args = ap.parse_args()
+    base = Path(args.base)
+    base.mkdir(parents=True, exist_ok=True)
+    layout, backend, opts = args.layout, args.backend, [o for o in args.opts.split(",") if o]
+    ops, seed = None, args.seed
+    if args.replay:
+        spec = json.loads(Path(args.replay).read_text())
+        ops, seed = spec["ops"], spec.get("seed")
+        layout, backend, opts = spec.get("layout", layout), spec.get("backend", backend), spec.get("opts", opts)
+    weights = {}
+    if args.no_kill:
+        weights["kill9"] = 0
+    if args.no_conc:
+        weights["conc"] = 0
+    server = None
+    if backend == "s3":
+        from tests.s3server import MotoServer, set_dummy_credentials
+        set_dummy_credentials(os.environ)
+        server = MotoServer(base / "moto-access.log")
+        server.start()
+    try:
+        out = dt.run(layout, backend, base=base, seed=seed, steps=args.steps, ops=ops, opts=opts, server=server,
+                     weights=weights, verbose=args.verbose)
+        if out.ok:
+            print("PASS", out.summary(), flush=True)
+            if not args.keep:
+                shutil.rmtree(out.work, ignore_errors=True)
+            return 0
+        repro = base / f"repro-{layout}-{backend}-{seed}.json"
+        repro.write_text(json.dumps(out.repro(), indent=1))
+        print(out.report(repro), flush=True)
+        if args.minimize:
+            small = dt.minimize(out, base=base, server=server)
+            repro = base / f"repro-{layout}-{backend}-{seed}-min.json"
+            repro.write_text(json.dumps(small.repro(), indent=1))
+            print(f"MINIMAL: {len(small.ops)} ops")
+            print(small.report(repro), flush=True)
+        return 1
+    finally:
+        if server:
+            server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

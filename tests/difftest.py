@@ -1,0 +1,1024 @@
+"""Randomized differential testing of the write path (engine; tests/test_differential.py
+runs fixed seeds of it, scripts/difftest.py long runs, replays and minimisation).
+
+The same random sequence of file operations is applied to
+  (a) a zshardfs mount of a sharded Zarr store (local directory or moto S3), and
+  (b) the *twin*: an ordinary directory holding the equivalent unsharded store,
+and both trees (names, sizes, bytes, listings outside chunk directories, the result or
+errno of every op) are compared after every step, after remounts, and after ``kill -9`` of
+the daemon (then every file must hold one of the versions it had since the last durable
+point: a sync, an fsync of it, an unmount). At the end every chunk is made a valid
+encoding, the mount is unmounted and the sharded source is read with zarr-python and
+tensorstore (zarr 2.18 for the storage transformer) and compared with the twin.
+
+The documented differences (docs/SEMANTICS.md, Limits) are emulated on the twin:
+  - link(2) makes a copy (EEXIST on a taken name);
+  - in-grid chunk directories always exist (lenient lookup); ``mkdir`` of one is
+    EEXIST, ``rmdir`` succeeds unless a chunk is below;
+  - names outside the grid are ENOENT when created, renamed onto or made (mkdir);
+  - files with non-chunk names inside chunk directories live in memory only: dropped
+    at unmount and by a daemon kill;
+  - directories cannot be renamed (EXDEV);
+  - (empty) directories below the array's chunk directories are not compared.
+
+An op is a JSON-able dict (data as ``["pool", i]``, a valid encoded chunk, or
+``["rnd", seed, n]``), so a failing sequence can be printed, saved, replayed
+(``scripts/difftest.py --replay FILE``) and minimised (``--minimize``).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tests import peers_zarr as pz
+from tests.conftest import ZSHARDFS as ZS
+from tests.conftest import run_mount
+from tests.peers_zarr import ZarrCase
+from tests.util import process_running, wait_for
+
+B = ZarrCase(shape=(20, 12), chunks=(4, 3), shards=(8, 6), pattern="sparse")
+#: small arrays (a few shards, partial edge chunks where the shape is odd), one per kind of
+#: key and index; ``zarr2``: the v3-draft storage transformer, written by zarr-python 2.18.
+LAYOUTS: dict[str, ZarrCase] = {
+    "basic": B,
+    "start_nocrc_edges": B.with_(shape=(22, 13), index_location="start", index_crc32c=False),
+    "be_crc_3d_dot": ZarrCase(shape=(6, 8, 10), chunks=(2, 4, 5), shards=(4, 8, 10), index_endian="big",
+                              separator=".", pattern="sparse"),
+    "1d_v2_dot": ZarrCase(shape=(100,), chunks=(10,), shards=(40,), key_encoding="v2", separator=".",
+                          pattern="sparse"),
+    "v2_slash_gzip_edges": B.with_(shape=(22, 13), key_encoding="v2", separator="/", compressor="gzip"),
+    "3d_start_be_zstd": ZarrCase(shape=(7, 8, 9), chunks=(2, 4, 3), shards=(4, 8, 6), index_location="start",
+                                 index_endian="big", compressor="zstd", pattern="sparse"),
+    "be_nocrc_dot_edges": B.with_(shape=(21, 14), index_endian="big", index_crc32c=False, separator="."),
+    "zarr2": ZarrCase(shape=(20, 12), chunks=(4, 3), shards=(8, 6), index_crc32c=False, pattern="sparse",
+                      separator="/"),
+}
+
+PLAIN_FILES = ["notes.txt", "plain/a.bin", "plain/b.bin", "plain/sub/c.bin", "top.bin"]
+PLAIN_DIRS = ["plain", "plain/sub", "plain/new"]
+
+
+def errname(e: OSError) -> str:
+    return errno.errorcode.get(e.errno, str(e.errno))
+
+
+def h(b: bytes | None) -> str | None:
+    return None if b is None else f"{len(b)}:{hashlib.md5(b).hexdigest()[:10]}"
+
+
+class Divergence(Exception):
+    pass
+
+
+# ------------------------------------------------------------------ the layout of names
+
+
+class Names:
+    """Every name the generator uses, and what each is to the view."""
+
+    def __init__(self, case: ZarrCase, draft: bool):
+        self.case, self.draft = case, draft
+        bounds = pz.chunk_bounds(case)
+        self.grid = [len(b) - 1 for b in bounds]
+        self.coords = list(pz.grid_coords(bounds))
+        if draft:
+            self.arr = f"data/root/{case.path}"
+            key = lambda c: pz.draft_chunk_key(case, c)  # noqa: E731
+            # (zarr.json, the draft's entry point: zarr 2.18 writes it back when it opens a store)
+            self.meta = [f"meta/root/{case.path}.array.json", "zarr.json"]
+        else:
+            self.arr = case.path
+            key = lambda c: f"{case.path}/{pz.chunk_key(case, c)}"  # noqa: E731
+            self.meta = [f"{case.path}/zarr.json", "zarr.json"]
+        self.chunks = {key(c): c for c in self.coords}
+        out = []
+        for d in range(len(self.grid)):  # one step past the grid in each dimension
+            c = [0] * len(self.grid)
+            c[d] = self.grid[d]
+            out.append(tuple(c))
+        out.append(tuple(g + 3 for g in self.grid))
+        self.outside = {key(c): c for c in out}
+        # chunk directories: proper prefixes of chunk keys below the array
+        self.chunkdirs = set()
+        for k in list(self.chunks) + list(self.outside):
+            parts = k[len(self.arr) + 1:].split("/")
+            for i in range(1, len(parts)):
+                self.chunkdirs.add(self.arr + "/" + "/".join(parts[:i]))
+        self.inner_dirs = sorted(d for d in self.chunkdirs if self._in_grid_dir(d))
+        self.out_dirs = sorted(self.chunkdirs - set(self.inner_dirs))
+        self.leaf_dirs = sorted({k.rsplit("/", 1)[0] for k in self.chunks if k.rsplit("/", 1)[0] in self.chunkdirs})
+        self.arr_plain = [f"{self.arr}/extra.txt", f"{self.arr}/.tmp-arr"]
+
+    def _in_grid_dir(self, d: str) -> bool:
+        return any(k.startswith(d + "/") for k in self.chunks)
+
+    def kind(self, rel: str) -> str:
+        if rel in self.chunks:
+            return "chunk"
+        if rel in self.outside:
+            return "outside"
+        if rel in self.chunkdirs:
+            return "chunkdir" if rel in self.inner_dirs else "outdir"
+        parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
+        if parent in self.chunkdirs:
+            return "chunktmp"
+        if parent == self.arr:
+            return "arrplain"
+        return "plain"
+
+    def in_chunk_tree(self, rel: str) -> bool:
+        return any(rel == d or rel.startswith(d + "/") for d in self.chunkdirs)
+
+
+# ------------------------------------------------------------------ data
+
+
+class Data:
+    def __init__(self, pool: list[bytes]):
+        self.pool = pool
+
+    def get(self, spec) -> bytes:
+        if spec[0] == "pool":
+            return self.pool[spec[1] % len(self.pool)]
+        _, seed, n = spec
+        return random.Random(seed).randbytes(n)
+
+
+def build_pool(twin: Path, names: Names, draft: bool, n: int = 4) -> list[bytes]:
+    """Valid encoded chunks: the twin's own, and those of random arrays written with the twin's metadata."""
+    pool = []
+    for rel in names.chunks:
+        p = twin / rel
+        if p.is_file():
+            pool.append(p.read_bytes())
+    if not draft:
+        import zarr
+        with tempfile.TemporaryDirectory() as tmp:
+            src = twin / names.arr / "zarr.json"
+            for i in range(n):
+                d = Path(tmp) / f"p{i}"
+                (d / "a").mkdir(parents=True)
+                shutil.copy(src, d / "a" / "zarr.json")
+                a = zarr.open_array(zarr.storage.LocalStore(d), path="a", mode="r+")
+                rng = np.random.default_rng(i)
+                if a.dtype.kind == "b":
+                    v = rng.integers(0, 2, a.shape).astype(bool)
+                elif a.dtype.kind == "f":
+                    v = rng.random(a.shape).astype(a.dtype)
+                else:
+                    v = rng.integers(1, 100, a.shape).astype(a.dtype)
+                a[...] = v
+                for p in sorted((d / "a").rglob("*")):
+                    if p.is_file() and p.name != "zarr.json":
+                        pool.append(p.read_bytes())
+    return pool or [b"\0" * 24]
+
+
+# ------------------------------------------------------------------ environment
+
+
+class Env:
+    def __init__(self, layout: str, backend: str, opts: list[str], work: Path, log=print):
+        self.layout, self.backend, self.opts = layout, backend, opts
+        self.case = LAYOUTS[layout]
+        self.draft = layout.startswith("zarr2")  # (the v3-draft transformer)
+        self.work = work
+        self.src = work / "src"
+        self.twin = work / "twin"
+        self.mnt = work / "mnt"
+        self.log = log
+        self.names = Names(self.case, self.draft)
+        self.server = None
+        self.bucket = None
+        self.mount_count = 0
+
+    # -- setup
+    def setup(self, server=None):
+        for d in (self.src, self.twin, self.mnt):
+            d.mkdir(parents=True, exist_ok=True)
+        if self.draft:
+            pz.write_zarr2_transformer(self.case, self.src, self.twin)
+        else:
+            pz.write_zarr_python(self.case, self.src, self.twin)
+        seeds = [("notes.txt", b"hello\n"), ("plain/a.bin", b"A" * 100)]
+        if self.backend == "s3":  # S3 has no empty directories: keep one file in each (never touched)
+            seeds += [("plain/.keep", b"k"), ("plain/sub/.keep", b"k")]
+        for rel, data in seeds:
+            for root in (self.src, self.twin):
+                (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                (root / rel).write_bytes(data)
+        self.pool = build_pool(self.twin, self.names, self.draft)
+        self.data = Data(self.pool)
+        self.valid = set(self.pool)
+        if self.backend == "s3":
+            self.server = server
+            self.bucket = server.create_bucket()
+            items = {f"pfx/{p.relative_to(self.src)}": p.read_bytes() for p in self.src.rglob("*") if p.is_file()}
+            server.put_many(self.bucket, items)
+        self.mount()
+
+    @property
+    def source(self) -> str:
+        return str(self.src) if self.backend == "local" else f"s3://{self.bucket}/pfx"
+
+    def mount(self):
+        extra = [] if self.backend == "local" else ["--endpoint-url", self.server.endpoint_url]
+        self.mount_count += 1
+        r = run_mount(self.source, self.mnt, *self.opts, log=self.work / "daemon.log", extra=extra, check=False)
+        if r.returncode:
+            raise RuntimeError(f"mount failed: {r.stderr}")
+        self.pid = int(os.getxattr(self.mnt, "user.zshardfs.pid"))
+
+    def umount(self) -> str:
+        r = subprocess.run([*ZS, "umount", str(self.mnt)], capture_output=True, text=True, timeout=180)
+        if r.returncode:
+            return f"umount rc={r.returncode} {r.stderr.strip()}"
+        return "ok"
+
+    def kill9(self):
+        os.kill(self.pid, signal.SIGKILL)
+        if not wait_for(lambda: not process_running(self.pid), timeout=30):
+            raise RuntimeError(f"daemon {self.pid} still running 30 s after SIGKILL")
+        subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+
+    def teardown(self):
+        try:
+            if os.path.ismount(self.mnt):
+                self.umount()
+        except Exception:
+            pass
+        subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+        if self.server and self.bucket:
+            try:
+                self.server.delete_bucket(self.bucket)
+            except Exception:
+                pass
+
+    def source_copy(self) -> Path:
+        """A local directory holding the source (S3: downloaded)."""
+        if self.backend == "local":
+            return self.src
+        dest = self.work / "s3copy"
+        shutil.rmtree(dest, ignore_errors=True)
+        for k, v in self.server.snapshot([self.bucket])[self.bucket].items():
+            if k.startswith("pfx/"):
+                p = dest / k[4:]
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_bytes(v)
+        return dest
+
+    def daemon_log(self) -> str:
+        p = self.work / "daemon.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+
+# ------------------------------------------------------------------ operations
+
+
+def _open(path, flags):
+    return os.open(path, flags, 0o644)
+
+
+def _pwritten(data: bytes | None, writes: list[tuple[int, bytes]]) -> bytes:
+    """``data`` (None: a file created) after the pwrites (offset, bytes)."""
+    out = bytearray(data or b"")
+    for off, piece in writes:
+        if off > len(out):
+            out.extend(bytes(off - len(out)))
+        out[off:off + len(piece)] = piece
+    return bytes(out)
+
+
+class Applier:
+    """Applies one op to one root.  twin=True emulates the documented differences."""
+
+    def __init__(self, env: Env, root: Path, twin: bool):
+        self.env, self.root, self.twin, self.names = env, root, twin, env.names
+        self.on_the_way: dict[str, list[bytes]] = {}  # (twin) file -> states an op passed through
+
+    def p(self, rel):
+        return self.root / rel
+
+    def _twin_prepare(self, rel: str, creating: bool) -> str | None:
+        """Twin emulation before an op that creates `rel`: chunk dirs exist; outside names are ENOENT."""
+        if not self.twin:
+            return None
+        k = self.names.kind(rel)
+        if k in ("outside", "outdir") or any(rel.startswith(d + "/") for d in self.names.out_dirs):
+            return "ENOENT" if creating else None
+        if k in ("chunk", "chunktmp") or (self.names.in_chunk_tree(rel) and k != "chunkdir"):
+            parent = self.p(rel).parent
+            parent.mkdir(parents=True, exist_ok=True)
+        if k == "chunkdir":
+            self.p(rel).parent.mkdir(parents=True, exist_ok=True)
+        return None
+
+    def apply(self, op: dict):
+        kind = op["op"]
+        try:
+            return getattr(self, "op_" + kind)(op)
+        except OSError as e:
+            return errname(e)
+
+    def _on_fd(self, rel: str, flags: int, use=None) -> str:
+        """Open ``rel``, pass the descriptor to ``use``, close it."""
+        fd = _open(self.p(rel), flags)
+        try:
+            if use is not None:
+                use(fd)
+        finally:
+            os.close(fd)
+        return "ok"
+
+    def op_write(self, op):
+        data, cut = self.env.data.get(op["data"]), op.get("pieces", 1)
+        step = max(1, len(data) // cut)
+
+        def pieces(fd):
+            for i in range(0, len(data), step):
+                os.write(fd, data[i:i + step])
+        return (self._twin_prepare(op["path"], True)
+                or self._on_fd(op["path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, pieces))
+
+    def op_pwrite(self, op):
+        data = self.env.data.get(op["data"])
+        return (self._twin_prepare(op["path"], True)
+                or self._on_fd(op["path"], os.O_WRONLY | os.O_CREAT, lambda fd: os.pwrite(fd, data, op["off"])))
+
+    def op_append(self, op):
+        data = self.env.data.get(op["data"])
+        return (self._twin_prepare(op["path"], True)
+                or self._on_fd(op["path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, lambda fd: os.write(fd, data)))
+
+    def op_otrunc(self, op):
+        return self._on_fd(op["path"], os.O_WRONLY | os.O_TRUNC)
+
+    def op_truncate(self, op):
+        os.truncate(self.p(op["path"]), op["size"])
+        return "ok"
+
+    def op_ftruncate(self, op):
+        return self._on_fd(op["path"], os.O_RDWR, lambda fd: os.ftruncate(fd, op["size"]))
+
+    def op_unlink(self, op):
+        os.unlink(self.p(op["path"]))
+        return "ok"
+
+    def op_rename(self, op):
+        if self.twin:
+            if not self.p(op["src"]).exists():
+                return "ENOENT"
+            if (r := self._twin_prepare(op["dst"], True)):
+                return r
+            if self.p(op["src"]).is_dir():
+                return "EXDEV" if not self.p(op["dst"]).is_file() else "ENOTDIR"
+        os.rename(self.p(op["src"]), self.p(op["dst"]))
+        return "ok"
+
+    def op_link(self, op):
+        if self.twin:
+            s, d = self.p(op["src"]), self.p(op["dst"])
+            if not s.exists():
+                return "ENOENT"
+            if s.is_dir():
+                return "EPERM"
+            if (r := self._twin_prepare(op["dst"], True)):
+                return r
+            if d.exists() or d.is_symlink():
+                return "EEXIST"
+            if not d.parent.is_dir():
+                return "ENOENT"
+            shutil.copyfile(s, d)
+            return "ok"
+        os.link(self.p(op["src"]), self.p(op["dst"]))
+        return "ok"
+
+    def op_mkdir(self, op):
+        rel = op["path"]
+        if self.twin:
+            k = self.names.kind(rel)
+            if k == "chunkdir":
+                self.p(rel).mkdir(parents=True, exist_ok=True)
+                return "EEXIST"  # lenient lookup: an in-grid chunk directory always exists
+            if k == "outdir":
+                return "ENOENT"
+        os.mkdir(self.p(rel))
+        return "ok"
+
+    def op_rmdir(self, op):
+        rel = op["path"]
+        if self.twin and self.names.kind(rel) == "chunkdir":
+            p = self.p(rel)
+            if p.exists() and any(q.is_file() for q in p.rglob("*")):
+                return "ENOTEMPTY"
+            shutil.rmtree(p, ignore_errors=True)
+            return "ok"
+        os.rmdir(self.p(rel))
+        return "ok"
+
+    def op_hold(self, op):
+        """Open `path` for writing, write a piece, read it and `other` meanwhile, write more, close."""
+        if (r := self._twin_prepare(op["path"], True)):
+            return r
+        out = []
+        fd = _open(self.p(op["path"]), os.O_RDWR | os.O_CREAT | (os.O_TRUNC if op.get("trunc") else 0))
+        try:
+            os.pwrite(fd, self.env.data.get(op["d1"]), op["o1"])
+            out.append(h(os.pread(fd, 1 << 22, 0)))
+            out.append(self._read(op["path"]))
+            out.append(self._read(op["other"]))
+            out.append(os.fstat(fd).st_size)
+            out.append(os.stat(self.p(op["path"])).st_size)
+            if op.get("mid") == "rename":
+                try:
+                    self._rename_mid(op["path"], op["dst"])
+                    out.append("renamed")
+                except OSError as e:
+                    out.append(errname(e))
+            elif op.get("mid") == "unlink":
+                try:
+                    os.unlink(self.p(op["path"]))
+                    out.append("unlinked")
+                except OSError as e:
+                    out.append(errname(e))
+            os.pwrite(fd, self.env.data.get(op["d2"]), op["o2"])
+            out.append(h(os.pread(fd, 1 << 22, 0)))
+        finally:
+            os.close(fd)
+        out.append(self._read(op["path"]))
+        if op.get("dst"):
+            out.append(self._read(op["dst"]))
+        return out
+
+    def _rename_mid(self, a, b):
+        if self.twin and (r := self._twin_prepare(b, True)):
+            raise OSError(errno.ENOENT, r)
+        os.rename(self.p(a), self.p(b))
+
+    def op_readopen(self, op):
+        """Open `path` read-only, then unlink/overwrite it by name, and read through the old descriptor."""
+        out = []
+        fd = os.open(self.p(op["path"]), os.O_RDONLY)
+        try:
+            if op["then"] == "unlink":
+                os.unlink(self.p(op["path"]))
+            else:
+                self.op_write({"path": op["path"], "data": op["data"]})
+            out.append(h(os.pread(fd, 1 << 22, 0)))
+        finally:
+            os.close(fd)
+        out.append(self._read(op["path"]))
+        return out
+
+    def op_tmprename(self, op):
+        """The write-temporary-then-rename pattern (zarr-python's)."""
+        tmp, dst = op["tmp"], op["path"]
+        if (r := self._twin_prepare(tmp, True)):
+            return r
+        data = self.env.data.get(op["data"])
+
+        def write(fd):
+            os.write(fd, data)
+            if op.get("fsync"):
+                os.fsync(fd)
+        self._on_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, write)
+        try:
+            if self.twin and (r := self._twin_prepare(dst, True)):
+                raise OSError(errno.ENOENT, r)
+            os.rename(self.p(tmp), self.p(dst))
+        except OSError as e:
+            os.unlink(self.p(tmp))
+            return "rename:" + errname(e)
+        if op.get("dirfsync"):
+            self._on_fd(str(Path(dst).parent), os.O_RDONLY | os.O_DIRECTORY, os.fsync)
+        return "ok"
+
+    def op_fsync(self, op):
+        return self._on_fd(op["path"], os.O_RDONLY, os.fsync)
+
+    def op_dirfsync(self, op):
+        p = self.p(op["path"])
+        if self.twin and not p.exists() and self.names.kind(op["path"]) == "chunkdir":
+            return "ok"
+        return self._on_fd(op["path"], os.O_RDONLY | os.O_DIRECTORY, os.fsync)
+
+    def op_read(self, op):
+        return self._read(op["path"])
+
+    def op_conc(self, op):
+        """Two processes pwrite at once (disjoint ranges/files): the result is order-independent.
+        Each pwrite closes its file, so every state on the way may be stored (a shard whose
+        chunks are all written is stored at once): the twin lists them in ``self.on_the_way``."""
+        for job in op["jobs"]:
+            for path, _, _ in job:
+                if (r := self._twin_prepare(path, True)):
+                    return r
+        if self.twin:
+            self.on_the_way = {}
+            for path in {path for job in op["jobs"] for path, _, _ in job}:
+                start = self.p(path).read_bytes() if self.p(path).is_file() else None
+                mine = [[(off, self.env.data.get(spec)) for q, off, spec in job if q == path] for job in op["jobs"]]
+                states = self.on_the_way[path] = []
+                for k0 in range(len(mine[0]) + 1):
+                    for k1 in range(len(mine[1]) + 1):
+                        if k0 or k1:
+                            states.append(_pwritten(start, mine[0][:k0] + mine[1][:k1]))
+            for job in op["jobs"]:
+                for path, off, spec in job:
+                    fd = _open(self.p(path), os.O_WRONLY | os.O_CREAT)
+                    os.pwrite(fd, self.env.data.get(spec), off)
+                    os.close(fd)
+            return "ok"
+        procs = []
+        for job in op["jobs"]:
+            items = [(str(self.p(path)), off, self.env.data.get(spec).hex()) for path, off, spec in job]
+            code = ("import os,sys,json\n"
+                    "for p,o,d in json.loads(sys.argv[1]):\n"
+                    "    fd=os.open(p,os.O_WRONLY|os.O_CREAT,0o644); os.pwrite(fd,bytes.fromhex(d),o); os.close(fd)\n")
+            procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(items)], stderr=subprocess.PIPE))
+        errs = []
+        for pr in procs:
+            _, err = pr.communicate(timeout=120)
+            if pr.returncode:
+                errs.append(err.decode()[-300:])
+        return "ok" if not errs else "fail:" + ";".join(errs)
+
+    def op_sync(self, op):
+        if self.twin:
+            return "ok"
+        r = subprocess.run([*ZS, "sync", str(self.root)], capture_output=True, text=True, timeout=180)
+        return "ok" if r.returncode == 0 else f"sync rc={r.returncode} {r.stderr.strip()}"
+
+    def _read(self, rel):
+        try:
+            with open(self.p(rel), "rb") as f:
+                return h(f.read())
+        except OSError as e:
+            return errname(e)
+
+
+# ------------------------------------------------------------------ comparison
+
+
+def snapshot(root: Path, names: Names, strict_dirs: bool = True) -> tuple[dict, dict, list]:
+    """(files: rel -> bytes, listings of dirs outside chunk trees, problems)."""
+    files, dirs, problems = {}, {}, []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_d = os.path.relpath(dirpath, root)
+        rel_d = "" if rel_d == "." else rel_d
+        dirnames.sort()
+        for fn in filenames:
+            rel = f"{rel_d}/{fn}" if rel_d else fn
+            p = Path(dirpath) / fn
+            try:
+                with open(p, "rb") as f:
+                    b = f.read()
+                st = os.stat(p)
+                if st.st_size != len(b):
+                    problems.append(f"{rel}: st_size {st.st_size} != {len(b)} bytes read")
+                files[rel] = b
+            except OSError as e:
+                problems.append(f"{rel}: read {errname(e)}")
+        if not names.in_chunk_tree(rel_d):
+            dirs[rel_d] = sorted(d for d in dirnames if not names.in_chunk_tree(f"{rel_d}/{d}" if rel_d else d)) + \
+                sorted(filenames)
+    return files, dirs, problems
+
+
+def compare(env: Env, where: str) -> list[str]:
+    fm, dm, pm = snapshot(env.mnt, env.names)
+    ft, dt, _ = snapshot(env.twin, env.names)
+    out = [f"mount: {p}" for p in pm]
+    for rel in sorted(set(fm) | set(ft)):
+        a, b = fm.get(rel), ft.get(rel)
+        if rel in env.names.meta:
+            if a is not None and b is not None:
+                try:
+                    if json.loads(a) != json.loads(b):
+                        out.append(f"{rel}: metadata differs: {pz.json_diff(json.loads(a), json.loads(b))[:3]}")
+                except ValueError:
+                    out.append(f"{rel}: not JSON")
+                continue
+        if a != b:
+            out.append(f"{rel}: mount {h(a)} twin {h(b)}")
+    for d in sorted(set(dm) | set(dt)):
+        if dm.get(d) != dt.get(d):
+            out.append(f"listing of '{d}': mount {dm.get(d)} twin {dt.get(d)}")
+    return [f"[{where}] {x}" for x in out]
+
+
+# ------------------------------------------------------------------ generator
+
+
+#: how often each kind of op is drawn (relative weights)
+WEIGHTS = {"write": 18, "pwrite": 10, "append": 5, "otrunc": 3, "truncate": 6, "ftruncate": 2, "unlink": 8,
+           "rename": 9, "link": 3, "mkdir": 3, "rmdir": 3, "hold": 6, "readopen": 3, "tmprename": 7, "fsync": 3,
+           "dirfsync": 2, "sync": 3, "remount": 2, "read": 2, "kill9": 1.5, "conc": 3}
+
+
+class Gen:
+    """Draws ops at random, from the names that exist in the twin at the time."""
+
+    def __init__(self, env: Env, rng: random.Random, weights: dict[str, float] | None = None):
+        self.env, self.rng, self.n = env, rng, env.names
+        self.weights = {**WEIGHTS, **(weights or {})}
+        self.tmpn = 0
+
+    def existing(self) -> list[str]:
+        out = []
+        for p in self.env.twin.rglob("*"):
+            if p.is_file():
+                rel = str(p.relative_to(self.env.twin))
+                if rel not in self.n.meta and not rel.endswith(".keep"):
+                    out.append(rel)
+        return sorted(out)
+
+    def data(self):
+        r = self.rng
+        if r.random() < 0.45:
+            return ["pool", r.randrange(1 << 30)]
+        return ["rnd", r.randrange(1 << 30), r.choice([0, 1, 5, 17, 64, 100, 200, 333, 1000, 4096])]
+
+    def any_file(self, existing_bias=0.6) -> str:
+        r = self.rng
+        ex = self.existing()
+        if ex and r.random() < existing_bias:
+            return r.choice(ex)
+        x = r.random()
+        if x < 0.65:
+            return r.choice(sorted(self.n.chunks))
+        if x < 0.72:
+            return r.choice(sorted(self.n.outside))
+        if x < 0.85:
+            return r.choice(PLAIN_FILES)
+        if x < 0.93:
+            return r.choice(self.n.arr_plain)
+        if self.n.leaf_dirs:
+            return r.choice(self.n.leaf_dirs) + "/.tmp-" + str(r.randrange(3))
+        return r.choice(PLAIN_FILES)
+
+    def op(self) -> dict:
+        r = self.rng
+        kinds = [k for k, w in self.weights.items() if w > 0]
+        kind = r.choices(kinds, [self.weights[k] for k in kinds])[0]
+        if kind == "write":
+            return {"op": "write", "path": self.any_file(0.4), "data": self.data(), "pieces": r.choice([1, 1, 3])}
+        if kind in ("pwrite", "append"):
+            o = {"op": kind, "path": self.any_file(0.7), "data": self.data()}
+            if kind == "pwrite":
+                o["off"] = r.choice([0, 1, 7, 50, 100, 500, 2000, r.randrange(5000)])
+            return o
+        if kind == "otrunc":
+            return {"op": "otrunc", "path": self.any_file(0.9)}
+        if kind in ("truncate", "ftruncate"):
+            return {"op": kind, "path": self.any_file(0.9), "size": r.choice([0, 1, 10, 96, 200, 1000, 5000])}
+        if kind == "unlink":
+            return {"op": "unlink", "path": self.any_file(0.9)}
+        if kind in ("rename", "link"):
+            return {"op": kind, "src": self.any_file(0.9), "dst": self.any_file(0.3)}
+        if kind in ("mkdir", "rmdir"):
+            pool = (PLAIN_DIRS if self.env.backend == "local" else []) + self.n.inner_dirs[:6] + self.n.out_dirs[:2]
+            return {"op": kind, "path": r.choice(pool)} if pool else {"op": "read", "path": self.any_file(0.8)}
+        if kind == "hold":
+            o = {"op": "hold", "path": self.any_file(0.6), "d1": self.data(), "o1": r.choice([0, 3, 64, 300]),
+                 "d2": self.data(), "o2": r.choice([0, 10, 128, 700]), "other": self.any_file(0.9),
+                 "trunc": r.random() < 0.3}
+            m = r.random()
+            if m < 0.25:
+                o["mid"], o["dst"] = "rename", self.any_file(0.3)
+            elif m < 0.4:
+                o["mid"] = "unlink"
+            return o
+        if kind == "readopen":
+            return {"op": "readopen", "path": self.any_file(0.95), "then": r.choice(["unlink", "write"]),
+                    "data": self.data()}
+        if kind == "tmprename":
+            dst = r.choice(sorted(self.n.chunks)) if r.random() < 0.85 else self.any_file(0.3)
+            parent = dst.rsplit("/", 1)[0] if "/" in dst else ""
+            self.tmpn += 1
+            tmp = f"{parent}/.zarr-tmp.{self.tmpn}" if parent else f".zarr-tmp.{self.tmpn}"
+            return {"op": "tmprename", "tmp": tmp, "path": dst, "data": self.data(),
+                    "fsync": r.random() < 0.3, "dirfsync": r.random() < 0.3}
+        if kind == "fsync":
+            return {"op": "fsync", "path": self.any_file(0.95)}
+        if kind == "dirfsync":
+            return {"op": "dirfsync", "path": r.choice(self.n.leaf_dirs + [self.n.arr, "plain"])}
+        if kind == "read":
+            return {"op": "read", "path": self.any_file(0.8)}
+        if kind == "conc":
+            files = r.sample(sorted(self.n.chunks), min(6, len(self.n.chunks)))
+            jobs = [[], []]
+            if r.random() < 0.5:  # disjoint files
+                for i, f in enumerate(files):
+                    jobs[i % 2].append([f, 0, self.data()])
+            else:  # one file, disjoint ranges
+                f = files[0]
+                for i in range(6):
+                    jobs[i % 2].append([f, i * 100, ["rnd", r.randrange(1 << 30), 100]])
+            return {"op": "conc", "jobs": jobs}
+        if kind == "kill9" and r.random() < 0.6:
+            return {"op": "kill9", "delay": r.choice([0, 0.001, 0.005, 0.01, 0.02, 0.05])}
+        return {"op": kind}
+
+
+# ------------------------------------------------------------------ the run
+
+
+class Runner:
+    def __init__(self, env: Env, verbose=False):
+        self.env, self.verbose = env, verbose
+        self.mnt_ap = Applier(env, env.mnt, twin=False)
+        self.twin_ap = Applier(env, env.twin, twin=True)
+        self.durable: dict[str, bytes] = {}   # file -> bytes at the last durable point
+        self.versions: dict[str, list] = {}   # file -> versions since then
+        self.stats = {"ops": 0, "remounts": 0, "kills": 0}
+
+    def twin_files(self) -> dict[str, bytes]:
+        return {str(p.relative_to(self.env.twin)): p.read_bytes() for p in self.env.twin.rglob("*") if p.is_file()}
+
+    def mark_durable(self, files=None):
+        self.durable = files if files is not None else self.twin_files()
+        self.versions = {}
+
+    def note_versions(self, before: dict, after: dict):
+        for rel in set(before) | set(after):
+            if before.get(rel) != after.get(rel):
+                self.versions.setdefault(rel, []).append(after.get(rel))
+
+    def drop_chunk_temporaries(self):
+        """Documented: non-chunk files inside chunk dirs live in memory only (gone at unmount)."""
+        for p in list(self.env.twin.rglob("*")):
+            rel = str(p.relative_to(self.env.twin))
+            if p.is_file() and self.env.names.kind(rel) == "chunktmp":
+                p.unlink()
+
+    def step(self, i: int, op: dict) -> list[str]:
+        env = self.env
+        kind = op["op"]
+        self.stats["ops"] += 1
+        before = self.twin_files()
+        if kind == "remount":
+            r = env.umount()
+            if r != "ok":
+                return [f"[step {i}] umount: {r}"]
+            self.drop_chunk_temporaries()
+            env.mount()
+            self.stats["remounts"] += 1
+            self.mark_durable()
+            return compare(env, f"step {i} after remount")
+        if kind == "kill9":
+            return self.kill9(i, op)
+        rm = self.mnt_ap.apply(op)
+        self.twin_ap.on_the_way = {}
+        rt = self.twin_ap.apply(op)
+        after = self.twin_files()
+        for rel, states in self.twin_ap.on_the_way.items():
+            self.versions.setdefault(rel, []).extend(states)
+        self.note_versions(before, after)
+        out = []
+        if rm != rt:
+            out.append(f"[step {i}] result differs: mount {rm} twin {rt}")
+        if kind == "sync" and rm == "ok":
+            # a sync stores everything: the durable point (chunk temporaries are memory-only)
+            self.mark_durable({k: v for k, v in after.items() if env.names.kind(k) != "chunktmp"})
+        if kind == "fsync" and rm == "ok" and op["path"] in after:
+            self.durable[op["path"]] = after[op["path"]]
+            self.versions.pop(op["path"], None)
+        if self.verbose:
+            print(f"  {i}: {json.dumps(op)} -> {rm}", flush=True)
+        return out + compare(env, f"step {i}")
+
+    def kill9(self, i: int, op: dict | None = None) -> list[str]:
+        env = self.env
+        syncer = None
+        if op and op.get("delay") is not None:  # killed while a sync stores shards
+            syncer = subprocess.Popen([*ZS, "sync", str(env.mnt)], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
+            time.sleep(op["delay"])
+        env.kill9()
+        if syncer is not None:
+            syncer.wait(60)
+        self.stats["kills"] += 1
+        env.mount()
+        fm, _, pm = snapshot(env.mnt, env.names)
+        out = [f"[step {i} after kill -9] mount: {p}" for p in pm]
+        cur = self.twin_files()
+        for rel in sorted(set(fm) | set(cur) | set(self.durable) | set(self.versions)):
+            got = fm.get(rel)
+            allowed = [self.durable.get(rel)] + self.versions.get(rel, [])
+            if env.names.kind(rel) == "chunktmp":
+                allowed = [None]
+            elif env.names.kind(rel) == "plain" and rel not in env.names.meta:
+                allowed = [cur.get(rel)]  # stored at close
+            if rel in env.names.meta:
+                continue
+            if not any(got == a for a in allowed):
+                out.append(f"[step {i} after kill -9] {rel}: mount {h(got)} not among "
+                           f"{[h(a) for a in allowed]} (twin now {h(cur.get(rel))})")
+        # adopt the surviving state into the twin
+        for rel in set(cur) | set(fm):
+            if rel in env.names.meta:
+                continue
+            p = env.twin / rel
+            if rel in fm:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_bytes(fm[rel])
+            elif p.exists():
+                p.unlink()
+        self.mark_durable()
+        return out + compare(env, f"step {i} after kill -9 (adopted)")
+
+    def checked_step(self, i: int, op: dict) -> list[str]:
+        try:
+            return self.step(i, op)
+        except Exception:
+            return [f"[step {i}] exception: {traceback.format_exc()[-1500:]}"]
+
+    def final_check(self) -> list[str]:
+        """Make every chunk a valid encoding, unmount, read the sharded source with zarr-python
+        (and tensorstore) and compare with the twin read by zarr-python."""
+        env = self.env
+        out = []
+        valid = set(env.pool)
+        for rel in sorted(env.names.chunks):
+            p = env.twin / rel
+            if p.is_file() and p.read_bytes() not in valid:
+                op = {"op": "write", "path": rel, "data": ["pool", zlib.crc32(rel.encode()) & 0xFFFF]}
+                a, b = self.mnt_ap.apply(op), self.twin_ap.apply(op)
+                if a != b:
+                    out.append(f"[final] normalising {rel}: mount {a} twin {b}")
+        out += compare(env, "final before unmount")
+        r = env.umount()
+        if r != "ok":
+            return out + [f"[final] umount: {r}"]
+        self.drop_chunk_temporaries()
+        src = env.source_copy()
+        if env.draft:
+            out += zarr2_compare(env, src)
+        else:
+            import zarr
+            a = zarr.open_array(zarr.storage.LocalStore(src), path=env.case.path, mode="r")[...]
+            b = zarr.open_array(zarr.storage.LocalStore(env.twin), path=env.case.path, mode="r")[...]
+            if not np.array_equal(a, b, equal_nan=a.dtype.kind == "f"):
+                out.append(f"[final] zarr-python values differ at {np.argwhere(a != b)[:5].tolist()}")
+            try:
+                import tensorstore as ts
+                t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(src / env.case.path)}},
+                            read=True).result().read().result()
+                if not np.array_equal(np.asarray(t), b, equal_nan=a.dtype.kind == "f"):
+                    out.append("[final] tensorstore values differ from the twin")
+            except Exception as e:
+                out.append(f"[final] tensorstore failed: {e!r}"[:500])
+        env.mount()
+        out += compare(env, "final after remount")
+        return out
+
+
+def zarr2_compare(env: Env, src: Path) -> list[str]:
+    """zarr 2.18 reads the array from the source and from the twin: equal values?  (On copies:
+    opening a store, zarr 2.18 writes its entry point ``zarr.json`` back when it is missing.)"""
+    code = ("import sys, zarr, numpy as np\n"
+            "from zarr._storage.v3 import DirectoryStoreV3\n"
+            "a = zarr.open_array(DirectoryStoreV3(sys.argv[1]), path=sys.argv[3], mode='r', zarr_version=3)[...]\n"
+            "b = zarr.open_array(DirectoryStoreV3(sys.argv[2]), path=sys.argv[3], mode='r', zarr_version=3)[...]\n"
+            "print('EQUAL' if np.array_equal(a, b) else 'DIFF')\n")
+    envv = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
+    with tempfile.TemporaryDirectory(dir=env.work) as tmp:
+        a, b = Path(tmp) / "source", Path(tmp) / "twin"
+        shutil.copytree(src, a)
+        shutil.copytree(env.twin, b)
+        r = subprocess.run([str(pz.ZARR2_PYTHON), "-c", code, str(a), str(b), env.case.path],
+                           capture_output=True, text=True, env=envv, timeout=120)
+    if "EQUAL" not in r.stdout:
+        return [f"[final] zarr 2.18 read: {r.stdout.strip()} {r.stderr.strip()[-800:]}"]
+    return []
+
+
+# ------------------------------------------------------------------ driver
+
+DEFAULT_OPTS = ["flush_delay=2"]
+
+
+@dataclass
+class Outcome:
+    """One run: the ops applied (up to the first divergence) and what diverged."""
+
+    layout: str
+    backend: str
+    opts: list[str]
+    seed: int | None
+    ops: list[dict]
+    work: Path
+    failure: tuple[int, list[str]] | None = None  # (step, lines); step == len(ops): the final check
+    stats: dict = field(default_factory=dict)
+    replayed: bool = False  # ops given, not drawn with ``seed``
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def repro(self) -> dict:
+        """What ``scripts/difftest.py --replay FILE`` reads."""
+        return {"seed": self.seed, "layout": self.layout, "backend": self.backend, "opts": self.opts,
+                "ops": self.ops}
+
+    def summary(self) -> str:
+        return json.dumps({"seed": self.seed, "layout": self.layout, "backend": self.backend, "opts": self.opts,
+                           **self.stats})
+
+    def report(self, repro_file: Path | None = None, max_lines: int = 20) -> str:
+        """The divergence, the op list (one JSON op per line) and how to replay it."""
+        lines = ["DIVERGENCE " + self.summary(), f"work: {self.work}"]
+        lines += ["   " + x for x in self.failure[1][:max_lines]]
+        lines.append(f"ops ({len(self.ops)}; the divergence at step {self.failure[0]}):")
+        lines += ["   " + json.dumps(op) for op in self.ops]
+        if repro_file is not None:
+            lines.append(f"replay: .venv/bin/python scripts/difftest.py --replay {repro_file} [--minimize]")
+        if not self.replayed:
+            lines.append(f"(or draw it again: scripts/difftest.py --seed {self.seed} --layout {self.layout} "
+                         f"--backend {self.backend} --steps {self.stats.get('ops', len(self.ops))} "
+                         f"-o {','.join(self.opts)})")
+        return "\n".join(lines)
+
+
+def run(layout: str, backend: str = "local", *, base: Path, seed: int = 0, steps: int = 100,
+        ops: list[dict] | None = None, opts: list[str] | None = None, server=None,
+        weights: dict[str, float] | None = None, final: bool = True, verbose: bool = False) -> Outcome:
+    """Run ``steps`` random ops drawn with ``seed`` (or replay ``ops``) on a fresh store in a
+    new directory below ``base``; S3 needs ``server``, a running :class:`tests.s3server.MotoServer`
+    (a bucket is made and deleted). Stops at the first divergence; without one, ``final`` adds
+    the final check (valid chunks, unmount, peers read the source)."""
+    opts = list(DEFAULT_OPTS if opts is None else opts)
+    work = Path(tempfile.mkdtemp(prefix=f"dt-{layout}-{backend}-", dir=base))
+    env = Env(layout, backend, opts, work)
+    runner = Runner(env, verbose)
+    gen = Gen(env, random.Random(seed), weights) if ops is None else None
+    n = steps if ops is None else len(ops)
+    done: list[dict] = []
+    failure = None
+    try:
+        env.setup(server)
+        runner.mark_durable()
+        for i in range(n):
+            op = gen.op() if gen is not None else ops[i]
+            done.append(op)
+            if (d := runner.checked_step(i, op)):
+                failure = (i, d)
+                break
+        if failure is None and final:
+            try:
+                f = runner.final_check()
+            except Exception:
+                f = [f"[final] exception: {traceback.format_exc()[-1500:]}"]
+            if f:
+                failure = (len(done), f)
+        log = env.daemon_log()
+        if failure is None and "Traceback" in log:
+            failure = (len(done), ["daemon log has a traceback:\n" + log[log.index("Traceback"):][:3000]])
+    finally:
+        env.teardown()
+    return Outcome(layout, backend, opts, seed, done, work, failure, runner.stats, replayed=ops is not None)
+
+
+def minimize(outcome: Outcome, *, base: Path, server=None) -> Outcome:
+    """Greedy delta debugging: drop runs of ops while some divergence remains (the final check
+    too when that is where ``outcome`` diverged); the smallest failing run."""
+    final = outcome.failure[0] >= len(outcome.ops)
+
+    def attempt(seq):
+        res = run(outcome.layout, outcome.backend, base=base, seed=outcome.seed, ops=seq, opts=outcome.opts,
+                  server=server, final=final)
+        if res.ok:
+            shutil.rmtree(res.work, ignore_errors=True)
+        return res
+
+    best, ops, n = outcome, list(outcome.ops), 2
+    while len(ops) >= 2:
+        size = max(1, len(ops) // n)
+        reduced = False
+        for start in range(0, len(ops), size):
+            cand = ops[:start] + ops[start + size:]
+            if cand and not (res := attempt(cand)).ok:
+                best, ops, n, reduced = res, res.ops, max(n - 1, 2), True
+                break
+        if not reduced:
+            if size == 1:
+                break
+            n = min(len(ops), n * 2)
+    return best
