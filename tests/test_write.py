@@ -1387,6 +1387,37 @@ def test_a_new_array_where_a_removed_one_left_nothing_is_new(store, mount, tmp_p
     np.testing.assert_array_equal(zarr.open_array(str(store.local_copy(tmp_path / "copy") / "arr"))[:], 4)
 
 
+def test_a_file_a_chunk_was_renamed_over_is_gone_once_unlinked(store, mount, tmp_path):
+    """A chunk renamed over a stored plain file in the array's own directory
+    replaces it (held in memory a while there: it may be a tool's temporary);
+    unlinking that name then removes the file from storage too, at once or
+    while a handle still writes to it. Before, the renamed chunk was taken
+    for a new file not stored yet, so its unlink left the stored file, whose
+    old bytes came back (found by tests/difftest.py)."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    store.put("arr/old.txt", b"stored before")
+    store.put("arr/held.txt", b"stored before too")
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    a = m / "arr"
+    os.rename(a / "c" / "0" / "0", a / "old.txt")
+    assert (a / "old.txt").read_bytes() == data[0:2, 0:2].tobytes()
+    os.unlink(a / "old.txt")
+    assert not (a / "old.txt").exists()
+    os.rename(a / "c" / "1" / "1", a / "held.txt")
+    fd = os.open(a / "held.txt", os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, b"abc")
+        os.unlink(a / "held.txt")
+        os.write(fd, b"def")
+    finally:
+        os.close(fd)
+    assert not (a / "held.txt").exists()
+    assert sorted(os.listdir(a)) == ["c", "zarr.json"]
+    m.umount()
+    assert store.get("arr/old.txt") is None and store.get("arr/held.txt") is None
+
+
 def test_made_directories_are_remembered_only_while_empty(store, mount):
     """mkdir of plain directories: on S3 (no directories there) an empty one
     exists in the mount's memory; once a file is stored below it, the

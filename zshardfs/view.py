@@ -1508,7 +1508,12 @@ class View:
             self._detach_writers(existing.path)
             if existing.is_chunk:
                 await self._keep_for_readers(existing)
+        replaced = self.buffers.get(existing.path) if existing is not None else None
         handle = await self.create(new_parent, new_name)
+        if existing is not None and not existing.is_chunk and handle.buffer is not None:
+            # the name holds a file already, perhaps stored: the new one is no
+            # new file, and its unlink must remove what storage holds there
+            handle.buffer.in_store = replaced is None or replaced.in_store or replaced.maybe_stored
         try:
             # (not held while its new name is itself being renamed: the
             # renames of a->b and b->a at once would wait for each other)
