@@ -1900,6 +1900,27 @@ def test_a_plain_file_replaced_while_open_reads_one_version(tmp_path, mount):
         os.close(fd)
 
 
+@pytest.mark.parametrize("before", [b"", b"0123456789"])
+def test_a_plain_file_rewritten_in_place_is_read_by_a_descriptor_open_on_it(tmp_path, mount, before):
+    """A descriptor open for reading on a plain file that this mount then
+    rewrites in place (``open(O_TRUNC)``, write, close: the same file, as on
+    POSIX) reads the new bytes, its size and bytes agreeing, also when the
+    file was empty when the descriptor was opened. Before, that descriptor
+    read nothing at all: the size at its open (0) ended its reads (found by
+    tests/difftest.py)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(before)
+    m = mount(src)
+    fd = os.open(m / "a.bin", os.O_RDONLY)
+    try:
+        for new in (b"x" * 20, b"y" * 30, b"z" * 5):
+            (m / "a.bin").write_bytes(new)
+            assert (os.fstat(fd).st_size, os.pread(fd, 1000, 0)) == (len(new), new)
+    finally:
+        os.close(fd)
+
+
 def test_a_listing_begun_before_a_file_was_written_gives_its_size(tmp_path, mount):
     """A directory opened before a file in it is created and written, then
     read (``ls -l`` of a directory held open): the entry carries the

@@ -755,13 +755,16 @@ class View:
             return node.document[offset: offset + size]
         if node.key is None:  # (a scratch file gone: only memory held it)
             raise NotFound(f"{node.path}: no longer exists", node.path)
-        if size <= 0 or offset >= node.size:
-            return b""
         own = self.own_versions.get(node.key)
-        if own is not None and own[0] != node.version and node.created < own[1]:
+        renewed = own is not None and own[0] != node.version and node.created < own[1]
+        if renewed:
             # rewritten through this mount since the reader learned of it:
             # visible at once (2.5); a node learned later is of a later version
+            # (and its size is the new one's, which the kernel was told: the
+            # size the reader opened, even 0, is no end to its reads)
             node.version = own[0]
+        if size <= 0 or (offset >= node.size and not renewed):
+            return b""
         try:  # pinned: the version whose size the reader was given, never a mix
             blob = await self.store.get(node.key, offset, size, if_match=node.version)
         except PreconditionFailed:
