@@ -1018,7 +1018,9 @@ def test_chunks_written_where_storage_has_no_directory_are_listed_at_once(store,
     level above it, also where storage holds no directory for its shard: an
     array stored empty, or a row whose shards were all deleted.  (Only its own
     chunk directory listed it: ``ls arr`` showed no ``c``, ``find`` and
-    ``cp -r`` out of the view missed the chunk until its shard was stored.)"""
+    ``cp -r`` out of the view missed the chunk until its shard was stored.)
+    So is a temporary file being written in a row that holds no chunk
+    (before, found by tests/difftest.py: its row was not listed)."""
     seed_array(store, tmp_path, "empty", (8, 8), (2, 2), (4, 4), "<i4")
     seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=np.arange(64, dtype="<i4").reshape(8, 8))
     m = mount(store.source, "flush_delay=60", extra=store.extra)
@@ -1030,6 +1032,15 @@ def test_chunks_written_where_storage_has_no_directory_are_listed_at_once(store,
     assert sorted(os.listdir(m / "empty")) == ["c", "zarr.json"]
     assert os.listdir(m / "empty/c") == ["1"]
     assert walked("empty") == ["c/1/3", "zarr.json"]
+    # so is a temporary (held in memory) in a row that holds no chunk
+    fd = os.open(m / "empty/c/2/.3.partial", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(fd, b"part")
+        assert sorted(os.listdir(m / "empty/c")) == ["1", "2"]
+        assert walked("empty") == ["c/1/3", "c/2/.3.partial", "zarr.json"]
+    finally:
+        os.close(fd)
+    os.unlink(m / "empty/c/2/.3.partial")
     # the first row of shards removed chunk by chunk and stored: storage's c/0 is gone
     for i in range(2):
         for j in range(4):

@@ -688,9 +688,9 @@ class View:
             names.update(p[len(_prefix(path)):] for p in list(self.emptied)
                          if _parent(p) == path and self._still_emptied(p))
         prefix = path + "/" if path else ""
-        for p in self.buffers:
-            if p.startswith(prefix) and "/" not in p[len(prefix):]:
-                names.add(p[len(prefix):])
+        for p in self.buffers:  # (and the directory leading to one further down, which
+            if p.startswith(prefix):  # storage may not hold: a temporary in an empty chunk row)
+                names.add(p[len(prefix):].split("/", 1)[0])
         return sorted(names)
 
     # -- reading ------------------------------------------------------------
