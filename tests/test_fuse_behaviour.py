@@ -875,6 +875,38 @@ def test_index_cache_is_bounded_by_bytes(big_store, mount):
             assert 0 < cache["bytes"] <= 1 << 20, cache
 
 
+def test_a_daemon_at_its_open_file_limit_keeps_serving(tmp_path, mount):
+    """The descriptors a local mount keeps open for fast reads (one per shard
+    read lately) never take what requests need: with ``ulimit -n`` of 48
+    (set on the running daemon, as ``prlimit`` does), reading a chunk of each
+    of 200 shards, writing one and syncing all succeed, and the daemon stays
+    within its limit.  (They were kept up to 64 whatever the limit: once
+    they filled it, every open failed with EMFILE, for good.)"""
+    arr = tmp_path / "arr"
+    n = 200
+    write_array_doc(arr, array_doc([2 * n], [2], [1]))
+    for s in range(n):
+        write_shard(arr, (s,), (2,), {0: b"%d" % s, 1: b"x"})
+    m = mount(tmp_path, "rw")
+    pid = m.stats()["pid"]
+    import resource
+
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (48, 48))
+    failed = {}
+    for s in range(n):
+        try:
+            assert (m / f"arr/c/{2 * s}").read_bytes() == b"%d" % s
+        except OSError as exc:
+            failed[s] = exc.strerror
+    assert not failed, f"{len(failed)} reads failed, e.g. {next(iter(failed.items()))}"
+    assert len(os.listdir(f"/proc/{pid}/fd")) <= 48
+    (m / "arr/c/1").write_bytes(b"new")
+    sync = subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True, text=True, timeout=60)
+    assert sync.returncode == 0, sync.stderr
+    assert (m / "arr/c/1").read_bytes() == b"new"
+    assert (m / "arr/c/398").read_bytes() == b"199"
+
+
 def test_symlinks_leading_out_of_a_local_source_are_not_followed(tmp_path, mount):
     """A symbolic link in a local source that would lead the client out of
     the mount (absolute, climbing above the root, ``..`` after a name, a

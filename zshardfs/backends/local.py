@@ -42,6 +42,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import secrets
 import stat
 import struct
@@ -371,8 +372,40 @@ class LocalBackend:
         if root is None:
             raise FileNotFoundError(errno.ENOENT, "the store's directory is gone", self.root)
         if self.confine:
-            return openat2_beneath(root, key or ".", flags, mode)
-        return os.open(key or ".", flags | os.O_CLOEXEC, mode, dir_fd=root)
+            return self._fd_or_room(openat2_beneath, root, key or ".", flags, mode)
+        return self._fd_or_room(os.open, key or ".", flags | os.O_CLOEXEC, mode, dir_fd=root)
+
+    def _fd_or_room(self, opener, *args, **kwargs) -> int:
+        """``opener(*args)``; when the process is out of descriptors
+        (EMFILE, ENFILE), once more after letting go of those kept for
+        nowait reads (a speed-up only): else a daemon whose kept descriptors
+        fill its ``ulimit -n`` fails every open for good."""
+        try:
+            return opener(*args, **kwargs)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE) or not self._let_go_of_kept_fds(exc):
+                raise
+        return opener(*args, **kwargs)
+
+    def _let_go_of_kept_fds(self, exc: OSError) -> bool:
+        """Close every descriptor kept for nowait reads; True if there were any."""
+        with self._fd_lock:
+            gone = [fd for fd, _ in self._fds.values()]
+            self._fds.clear()
+        for fd in gone:
+            os.close(fd)
+        if gone:
+            log_once(log, logging.WARNING,
+                     f"{self.root}: out of file descriptors ({exc.strerror}; limit "
+                     f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}): closed the {len(gone)} kept open "
+                     "for reads; raise the daemon's limit (LimitNOFILE=) if this recurs", tag="local fd limit")
+        return bool(gone)
+
+    def _fd_cache_size(self) -> int:
+        """Descriptors kept for nowait reads: FD_CACHE, but at most a quarter
+        of the open-file limit (read now: ``prlimit`` may change it), so
+        that they never take what requests need."""
+        return min(self.FD_CACHE, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
 
     def _stat(self, key: str) -> os.stat_result:
         """``os.stat`` of ``key`` (symlinks followed as ``_open`` does)."""
@@ -623,12 +656,14 @@ class LocalBackend:
                 kept[1] = time.monotonic()  # the path still shows this version
                 return False
             gone = [self._fds.pop(k)[0] for k in [k for k in self._fds if k[0] == key]]
-            self._fds[(key, etag)] = [fd, time.monotonic()]
-            while len(self._fds) > self.FD_CACHE:
+            cap = self._fd_cache_size()
+            if cap > 0:
+                self._fds[(key, etag)] = [fd, time.monotonic()]
+            while len(self._fds) > cap:
                 gone.append(self._fds.popitem(last=False)[1][0])
         for old in gone:  # (closing the last link of a big file frees its blocks: not under the lock)
             os.close(old)
-        return True
+        return cap > 0
 
     def _forget_fds(self, key: str) -> None:
         """``key`` was replaced or removed: let go of its kept descriptors."""
@@ -693,7 +728,8 @@ class LocalBackend:
                 if self._root_fd is None:
                     raise OSError(errno.ELOOP, "")
                 self._path(prefix)
-                dfd = openat2_beneath(self._root_fd, prefix or ".", os.O_RDONLY | os.O_DIRECTORY, no_symlinks=True)
+                dfd = self._fd_or_room(openat2_beneath, self._root_fd, prefix or ".", os.O_RDONLY | os.O_DIRECTORY,
+                                       no_symlinks=True)
             except OSError as exc:
                 if exc.errno not in (errno.ELOOP, errno.ENOSYS):  # (ENOSYS: -o follow_symlinks before Linux 5.6)
                     raise
@@ -885,7 +921,7 @@ class LocalBackend:
                     with _writing_lock:
                         _writing.add(shown)
                     try:
-                        fd = os.open(tmp, flags, 0o666, dir_fd=dfd)
+                        fd = self._fd_or_room(os.open, tmp, flags, 0o666, dir_fd=dfd)
                         break
                     except (FileExistsError, FileNotFoundError) as exc:
                         with _writing_lock:
