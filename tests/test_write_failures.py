@@ -312,6 +312,45 @@ def test_writers_get_the_flush_error_instead_of_waiting_forever(kind, small_fs, 
             assert stored_chunk(small_fs, i, j) == chunk_bytes(16 * i + j + 1), (i, j)
 
 
+def test_files_storage_refuses_are_held_up_to_max_dirty(small_fs, mount):
+    """Plain files whose close fails (ENOSPC here) wait in memory for a later
+    sync, counted against ``max_dirty``: past it, no other file is made or
+    opened for writing (the refusal's own error, at once, one log line),
+    and once storage has room a sync stores them all and writes go on.
+    Before, they were counted nowhere: a writer going on while storage
+    refused grew the daemon without bound (300 MiB for 300 files of 1 MiB)."""
+    filler = fill(small_fs, 64 << 10)
+    m = mount(small_fs, "max_dirty=1M")
+    blob = b"p" * (256 << 10)
+    written = refused_at_create = 0
+    for i in range(12):
+        try:
+            fd = os.open(m / f"f{i}", os.O_WRONLY | os.O_CREAT)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+            refused_at_create += 1
+            continue
+        try:
+            os.write(fd, blob)
+        finally:
+            with pytest.raises(OSError) as closing:
+                os.close(fd)
+            assert closing.value.errno == errno.ENOSPC
+        written += 1
+    assert 4 <= written <= 6 and refused_at_create == 12 - written, (written, refused_at_create)
+    with pytest.raises(OSError) as opening:
+        open(m / "plain-existing", "wb")
+    assert opening.value.errno == errno.ENOSPC
+    assert all((m / f"f{i}").stat().st_size == len(blob) for i in range(written))  # held, readable
+    filler.unlink()
+    zs("sync", m.path)
+    assert all((small_fs / f"f{i}").read_bytes() == blob for i in range(written))
+    (m / "after").write_bytes(b"room again")
+    m.umount()
+    assert m.log_text().count("files storage refused wait in memory, over max_dirty") == 1
+    assert (small_fs / "after").read_bytes() == b"room again"
+
+
 def test_writers_waiting_on_a_hung_store_get_eio_within_the_timeout(moto_server, s3_bucket, tmp_path, mount):
     """A hung endpoint fails one flush per ``timeout`` (the flusher writes one
     shard at a time): waiting until the failing shards alone hold more than

@@ -30,6 +30,7 @@ translates.  Nothing here knows a shard format: layouts do.
 
 from __future__ import annotations
 
+import copy
 import errno
 import functools
 import json
@@ -113,6 +114,9 @@ class FileBuffer:
     # a store of it was given up at the deadline: its PUT may still land
     # (an unlink must then delete the key, see AsyncStore._run)
     maybe_stored: bool = False
+    # why its last store failed (None: it did not): such files wait in
+    # memory for a later close, fsync or sync, and count against max_dirty
+    error: StoreError | None = None
 
     def changed(self) -> None:
         self.dirty = True
@@ -839,6 +843,7 @@ class View:
             return self._writer(Handle(node, True, chunk=chunk))
         buf = self.buffers.get(node.path)
         if buf is None:
+            self._room_for_files(node.path)
             # what the view shows (a rewritten document, mapped back if it
             # is changed), so readers see the same bytes while it is open
             data = b"" if truncate else node.document if node.document is not None else await self._stored_bytes(node)
@@ -945,6 +950,7 @@ class View:
         else:
             key = join_key(parent.key, name)
         self._drop_abandoned_scratch()
+        self._room_for_files(path)
         buf = self.buffers[path] = FileBuffer(path, key, bytearray(), dirty=True, in_store=False)
         self._made_in(_parent(path))
         buf.handles += 1
@@ -1048,9 +1054,32 @@ class View:
             if buf.dirty and buf.key is not None:
                 try:
                     await self._store_buffer_now(buf)
-                except Unavailable:
-                    buf.maybe_stored = True
+                except ViewError:
+                    raise  # (refused for good: not held)
+                except StoreError as exc:
+                    buf.error = exc
+                    if isinstance(exc, Unavailable):
+                        buf.maybe_stored = True
                     raise
+                buf.error = None
+
+    def _room_for_files(self, path: str) -> None:
+        """Back-pressure on files held whole in memory: while storage refuses
+        them (ENOSPC, an S3 outage) and those refused, with the dirty chunks,
+        hold more than ``max_dirty``, no other file is made or opened for
+        writing: the error of the last refusal, at once (nothing stores them
+        before a close, fsync or sync, so waiting would not make room)."""
+        held, error = 0, None
+        for buf in self.buffers.values():
+            if buf.error is not None and buf.dirty:
+                held += len(buf.data)
+                error = buf.error
+        if error is None or held + self.writeback.dirty_bytes <= self.writeback.max_dirty_bytes:
+            return
+        log_once(log, logging.WARNING, f"{path}: refused: {held >> 20} MiB of files storage refused wait in "
+                                       f"memory, over max_dirty (the last refusal: {error})",
+                 tag="files held for want of storage", interval=60)
+        raise copy.copy(error)
 
     async def _store_buffer_now(self, buf: FileBuffer) -> None:
         version, written = buf.version, bytes(buf.data)
