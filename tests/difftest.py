@@ -449,6 +449,8 @@ class Applier:
                 try:
                     self._rename_mid(op["path"], op["dst"])
                     out.append("renamed")
+                    if self.twin:  # (what the rename stored under the new name: a state on the way)
+                        self.on_the_way.setdefault(op["dst"], []).append(self.p(op["dst"]).read_bytes())
                 except OSError as e:
                     out.append(errname(e))
             elif op.get("mid") == "unlink":

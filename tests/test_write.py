@@ -1429,6 +1429,25 @@ def test_a_file_a_chunk_was_renamed_over_is_gone_once_unlinked(store, mount, tmp
     assert store.get("arr/old.txt") is None and store.get("arr/held.txt") is None
 
 
+def test_fsync_of_a_read_only_descriptor_stores_the_file(store, mount, tmp_path):
+    """fsync(2) stores what was written to a file whichever descriptor asks,
+    as on POSIX, also one open read-only: here a file in the array's own
+    directory (held in memory until fsync or sync: it may be a tool's
+    temporary), written and closed by one descriptor, fsynced through
+    another. Before, a read-only descriptor's fsync stored nothing, and a
+    kill -9 after it lost the file (found by tests/difftest.py)."""
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=np.ones((8, 8), "<i4"))
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    (m / "arr" / "notes.txt").write_bytes(b"kept by fsync")
+    assert store.get("arr/notes.txt") is None  # (held)
+    fd = os.open(m / "arr" / "notes.txt", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert store.get("arr/notes.txt") == b"kept by fsync"
+
+
 def test_made_directories_are_remembered_only_while_empty(store, mount):
     """mkdir of plain directories: on S3 (no directories there) an empty one
     exists in the mount's memory; once a file is stored below it, the

@@ -1259,9 +1259,12 @@ class View:
     async def fsync(self, handle: Handle) -> None:
         if handle.writable:
             await self._while_renamed(handle)
-        if handle.buffer is not None:
-            if handle.buffer.dirty and handle.buffer.key is not None:
-                await self._store_buffer(handle.buffer)
+        # (a read-only descriptor's fsync stores the file too, as on POSIX:
+        # what other handles wrote there is held under its name)
+        buf = handle.buffer or self.buffers.get(handle.node.path)
+        if buf is not None:
+            if buf.dirty and buf.key is not None:
+                await self._store_buffer(buf)
             return
         if handle.node.is_chunk:
             await self.writeback.flush(handle.node.target.shard_key)
