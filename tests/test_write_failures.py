@@ -781,3 +781,31 @@ def test_names_of_temporary_files_are_refused(tmp_path, mount):
     assert (m / "notes.txt").read_bytes() == b"mine"
     assert sorted(os.listdir(source)) == ["arr", "notes.txt"]
     assert "a name zshardfs keeps for its own temporary files" in m.log_text()
+
+
+def test_a_file_refused_once_refuses_no_file_once_storage_works_again(small_fs, mount):
+    """A plain file whose close failed (ENOSPC) is held in memory, counted
+    against ``max_dirty`` with the dirty chunks; once storage works again a
+    create that finds them over it first stores them (at most one try a
+    second), and only if that fails too is refused, with that failure's
+    error.  Before, it was refused at once with the old refusal's error for
+    as long as nothing synced: a file held from a past outage, plus chunks
+    written as usual (dirty below ``max_dirty``, as the flusher keeps them),
+    failed every plain create, temporaries of chunk writers included."""
+    zarr.create_array(str(small_fs / "arr"), shape=(64, 8192), chunks=(1, 4096), shards=(8, 8192), dtype="u1",
+                      fill_value=0, compressors=None)
+    filler = fill(small_fs, 64 << 10)
+    m = mount(small_fs, "max_dirty=1M,flush_delay=600")
+    with pytest.raises(OSError) as closing:
+        with open(m / "held", "wb") as f:
+            f.write(b"h" * (800 << 10))
+    assert closing.value.errno == errno.ENOSPC
+    filler.unlink()  # storage works again
+    for i in range(64):  # 256 KiB of dirty chunks (no shard full): below max_dirty, over it with the held file
+        (m / f"arr/c/{i}/0").write_bytes(bytes([i]) * 4096)
+    (m / "arr" / "c" / "5" / ".tmp-chunk").write_bytes(b"a chunk writer's temporary")
+    os.rename(m / "arr" / "c" / "5" / ".tmp-chunk", m / "arr" / "c" / "5" / "0")
+    (m / "after").write_bytes(b"room again")
+    assert (small_fs / "held").read_bytes() == b"h" * (800 << 10)  # stored by the first create
+    m.umount()
+    assert (small_fs / "after").read_bytes() == b"room again"

@@ -293,6 +293,7 @@ class View:
         # wait until the handles have moved to the new name (see rename)
         self._renaming: dict[str, trio.Event] = {}
         self._linking = trio.Lock()  # (see link)
+        self._held_tried_at = float("-inf")  # (see _room_for_files)
         self.readers: dict[str, set[Handle]] = {}  # path -> read-only handles of chunk files
         self.document_writes = 0  # metadata documents this mount stored or removed
         # (shard key, chunk id) -> writes and unlinks of that chunk through
@@ -843,7 +844,7 @@ class View:
             return self._writer(Handle(node, True, chunk=chunk))
         buf = self.buffers.get(node.path)
         if buf is None:
-            self._room_for_files(node.path)
+            await self._room_for_files(node.path)
             # what the view shows (a rewritten document, mapped back if it
             # is changed), so readers see the same bytes while it is open
             data = b"" if truncate else node.document if node.document is not None else await self._stored_bytes(node)
@@ -950,7 +951,7 @@ class View:
         else:
             key = join_key(parent.key, name)
         self._drop_abandoned_scratch()
-        self._room_for_files(path)
+        await self._room_for_files(path)
         buf = self.buffers[path] = FileBuffer(path, key, bytearray(), dirty=True, in_store=False)
         self._made_in(_parent(path))
         buf.handles += 1
@@ -1023,15 +1024,19 @@ class View:
         buf = handle.buffer
         if buf is None or not buf.dirty or buf.key is None:
             return
-        if await self._is_scratch_in_dataset_root(buf):
-            return  # stored at fsync/sync, or moved by a rename before that
-        if self._is_dataset_document(buf.key) and not buf.data.strip() and await self._describes_datasets(buf):
-            # an emptied metadata document (``> zarr.json``, ``truncate -s 0``):
-            # its text is about to follow, and the dataset, which the stored
-            # document still describes, keeps its chunk files meanwhile;
-            # stored empty only at fsync, sync or unmount
+        if await self._not_at_close(buf):
             return
         await self._store_buffer(buf)
+
+    async def _not_at_close(self, buf: FileBuffer) -> bool:
+        """Is ``buf`` (dirty, with a key) one a close leaves in memory?"""
+        if await self._is_scratch_in_dataset_root(buf):
+            return True  # stored at fsync/sync, or moved by a rename before that
+        # an emptied metadata document (``> zarr.json``, ``truncate -s 0``):
+        # its text is about to follow, and the dataset, which the stored
+        # document still describes, keeps its chunk files meanwhile;
+        # stored empty only at fsync, sync or unmount
+        return self._is_dataset_document(buf.key) and not buf.data.strip() and await self._describes_datasets(buf)
 
     async def _describes_datasets(self, buf: FileBuffer) -> bool:
         """Does the document ``buf`` replaces describe datasets (stored, or
@@ -1063,19 +1068,50 @@ class View:
                     raise
                 buf.error = None
 
-    def _room_for_files(self, path: str) -> None:
-        """Back-pressure on files held whole in memory: while storage refuses
-        them (ENOSPC, an S3 outage) and those refused, with the dirty chunks,
-        hold more than ``max_dirty``, no other file is made or opened for
-        writing: the error of the last refusal, at once (nothing stores them
-        before a close, fsync or sync, so waiting would not make room)."""
+    #: seconds between the tries of creates and opens that find the files
+    #: storage refused over ``max_dirty`` to store them (see _room_for_files)
+    HELD_RETRY = 1.0
+
+    def _held_over(self) -> tuple[int, StoreError] | None:
+        """The bytes of the files storage refused and the last refusal, if
+        those, with the dirty chunks, hold more than ``max_dirty``."""
         held, error = 0, None
         for buf in self.buffers.values():
             if buf.error is not None and buf.dirty:
                 held += len(buf.data)
                 error = buf.error
         if error is None or held + self.writeback.dirty_bytes <= self.writeback.max_dirty_bytes:
+            return None
+        return held, error
+
+    async def _room_for_files(self, path: str) -> None:
+        """Back-pressure on files held whole in memory: while storage refuses
+        them (ENOSPC, an S3 outage) and those refused, with the dirty chunks,
+        hold more than ``max_dirty``, no other file is made or opened for
+        writing.  Such a create or open first tries to store them, as a close
+        would (at most one try every HELD_RETRY, stopping at the first
+        failure: storage may work again, and nothing else would store them
+        before a close, fsync or sync); refused, it gets that failure's
+        error, or the last refusal's at once between tries."""
+        if self._held_over() is None:
             return
+        now = time.monotonic()
+        if now - self._held_tried_at >= self.HELD_RETRY:
+            self._held_tried_at = now
+            for buf in [b for b in self.buffers.values() if b.error is not None and b.dirty]:
+                if self.buffers.get(buf.path) is not buf or buf.key is None or not buf.dirty \
+                        or await self._not_at_close(buf):
+                    continue
+                try:
+                    await self._store_buffer(buf)
+                except ViewError:
+                    continue  # (a document refused for good: dropped, not held)
+                except StoreError:
+                    break  # (storage still refuses: refused below with this error)
+        over = self._held_over()
+        if over is None:
+            return
+        held, error = over
         log_once(log, logging.WARNING, f"{path}: refused: {held >> 20} MiB of files storage refused wait in "
                                        f"memory, over max_dirty (the last refusal: {error})",
                  tag="files held for want of storage", interval=60)
