@@ -2281,6 +2281,39 @@ def test_a_handle_writing_on_after_its_file_was_unlinked_reads_what_it_wrote(sto
     assert (0, 0) not in got and (3, 3) not in got and store.get("plain.bin") is None
 
 
+def test_two_handles_writing_on_after_their_file_was_unlinked_share_it(store, mount, tmp_path):
+    """POSIX: the old file is one file for all its descriptors.  Two handles
+    open for writing on a file (plain, chunk) that is then unlinked or
+    replaced by a rename write to that one old file: each reads what the
+    other wrote.  Before, each handle got a copy of its own at the unlink,
+    so the second one's write was lost to the first (and, through the page
+    cache the two share, to itself)."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    (m / "plain.bin").write_bytes(b"p" * 10)
+    (m / "other.bin").write_bytes(b"o" * 10)
+    for name, gone in [("plain.bin", "unlink"), ("arr/c/0/0", "unlink"), ("other.bin", "rename")]:
+        a, b = os.open(m / name, os.O_RDWR), os.open(m / name, os.O_RDWR)
+        try:
+            if gone == "unlink":
+                os.unlink(m / name)
+            else:
+                (m / "new.bin").write_bytes(b"new")
+                os.rename(m / "new.bin", m / name)
+            os.pwrite(a, b"A" * 100, 0)
+            os.pwrite(b, b"BBB", 0)
+            for fd in (a, b):
+                assert os.fstat(fd).st_size == 100, name
+                assert os.pread(fd, 1000, 0) == b"BBB" + b"A" * 97, name
+        finally:
+            os.close(a)
+            os.close(b)
+    assert not (m / "plain.bin").exists() and (m / "other.bin").read_bytes() == b"new"
+    m.umount()
+    assert (0, 0) not in stored_chunks(store, "arr", (2, 2)) and store.get("other.bin") == b"new"
+
+
 # ---------------------------------------------------------------------------
 # directory fsync
 

@@ -1697,15 +1697,19 @@ class View:
         replaced by a rename write to that old file from now on, as on POSIX:
         what they write afterwards is lost with it, and never overwrites or
         brings back the name."""
+        # handles that shared one file go on sharing one (the old file)
+        old_files: dict[int, tuple[object, FileBuffer | DirtyChunk]] = {}  # id of the shared -> it, its copy
         for h in self.writers.pop(path, ()):
             if h.buffer is not None:
                 shared = h.buffer
                 shared.handles -= 1
-                h.buffer = FileBuffer(shared.path, None, bytearray(shared.data), handles=1)
+                h.buffer = old_files.setdefault(id(shared), (shared, FileBuffer(
+                    shared.path, None, bytearray(shared.data), handles=0)))[1]
+                h.buffer.handles += 1
             elif h.chunk is not None:
-                t = h.node.target
-                self.writeback.close_chunk(t.shard_key, t.chunk_id, h.chunk)
-                h.chunk = DirtyChunk(bytearray(h.chunk.data or b""), 0)
+                t, shared = h.node.target, h.chunk
+                self.writeback.close_chunk(t.shard_key, t.chunk_id, shared)
+                h.chunk = old_files.setdefault(id(shared), (shared, DirtyChunk(bytearray(shared.data or b""), 0)))[1]
 
     async def _move_writers(self, path: str, new_parent: Node, new_name: str) -> None:
         """Handles still open for writing on a renamed file write to its new
