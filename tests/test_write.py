@@ -1951,6 +1951,31 @@ def test_a_plain_file_rewritten_in_place_is_read_by_a_descriptor_open_on_it(tmp_
         os.close(fd)
 
 
+@pytest.mark.parametrize("before", [b"", b"0123456789"])
+def test_a_plain_file_rewritten_in_place_is_read_whole_in_pieces(tmp_path, mount, before):
+    """The descriptor of the test above reads all of the new version when
+    it reads in pieces (``pread`` of 4 KiB, ``read`` of 64 KiB, the kernel
+    asking up to 128 KiB at a time).  Before, only the first piece came:
+    the version was renewed by the first read, and the size at the open
+    (0, 10) ended the next ones (16 KiB of 300000 bytes, 128 KiB of 2 MiB)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(before)
+    m = mount(src)
+    for new, piece in [(b"x" * 300000, 4096), (bytes(range(256)) * 8192, 65536)]:
+        fd = os.open(m / "a.bin", os.O_RDONLY)
+        try:
+            with open(m / "a.bin", "r+b") as w:  # (no truncate: a setattr made the handle look again)
+                w.write(new)
+            got = b""
+            while chunk := os.pread(fd, piece, len(got)):
+                got += chunk
+            assert (os.fstat(fd).st_size, len(got), got == new) == (len(new), len(new), True)
+        finally:
+            os.close(fd)
+        (m / "a.bin").write_bytes(before)
+
+
 def test_a_listing_begun_before_a_file_was_written_gives_its_size(tmp_path, mount):
     """A directory opened before a file in it is created and written, then
     read (``ls -l`` of a directory held open): the entry carries the

@@ -288,7 +288,8 @@ class View:
         # key -> etag of the version this mount stored last: a reader pinned
         # to an older version reads on in this one (the mount's own writes
         # are visible at once, 2.5), not EIO as for another client's
-        self.own_versions: OrderedDict[str, tuple[str, float]] = OrderedDict()  # key -> (etag, when stored)
+        # key -> (etag, when stored, size)
+        self.own_versions: OrderedDict[str, tuple[str, float, int]] = OrderedDict()
         # files being renamed, by path: writes through their open handles
         # wait until the handles have moved to the new name (see rename)
         self._renaming: dict[str, trio.Event] = {}
@@ -761,14 +762,14 @@ class View:
         if node.key is None:  # (a scratch file gone: only memory held it)
             raise NotFound(f"{node.path}: no longer exists", node.path)
         own = self.own_versions.get(node.key)
-        renewed = own is not None and own[0] != node.version and node.created < own[1]
-        if renewed:
+        if own is not None and own[0] != node.version and node.created < own[1]:
             # rewritten through this mount since the reader learned of it:
             # visible at once (2.5); a node learned later is of a later version
             # (and its size is the new one's, which the kernel was told: the
-            # size the reader opened, even 0, is no end to its reads)
-            node.version = own[0]
-        if size <= 0 or (offset >= node.size and not renewed):
+            # size the reader opened, even 0, is no end to its reads, this
+            # one's or the next's)
+            node.version, node.size = own[0], own[2]
+        if size <= 0 or offset >= node.size:
             return b""
         try:  # pinned: the version whose size the reader was given, never a mix
             blob = await self.store.get(node.key, offset, size, if_match=node.version)
@@ -1182,7 +1183,7 @@ class View:
                 await self._prune_outside(dir_key, before)
             if a_document:  # (not an empty or broken file: the text may be still to come)
                 self._forget_removed(buf.key)
-        self.own_versions[buf.key] = (info.etag, time.monotonic())
+        self.own_versions[buf.key] = (info.etag, time.monotonic(), len(data))
         self.own_versions.move_to_end(buf.key)
         if len(self.own_versions) > 4096:
             self.own_versions.popitem(last=False)
