@@ -567,6 +567,30 @@ def test_a_rename_refused_for_want_of_room_changes_nothing(small_fs, mount):
     assert stored_chunk(small_fs, 0, 0) == one and stored_chunk(small_fs, 0, 1) == two
 
 
+def test_a_rename_storage_refuses_changes_nothing(small_fs, mount):
+    """A plain file renamed over another, or to a new name, while the disk
+    is full: the rename fails (ENOSPC) and changes nothing, in the view and
+    in storage once there is room again (the target keeps its bytes, a new
+    name does not appear).  Before, the failed rename left the source's
+    bytes held in memory at the target, shown there and stored later: the
+    target's own bytes were lost."""
+    (small_fs / "a").write_bytes(b"AAAA")
+    (small_fs / "b").write_bytes(b"OLD")
+    m = mount(small_fs)
+    filler = fill(small_fs, 0)
+    for target in ("b", "c"):
+        with pytest.raises(OSError) as exc:
+            os.rename(m / "a", m / target)
+        assert exc.value.errno == errno.ENOSPC
+        assert (m / "a").read_bytes() == b"AAAA" and (m / "b").read_bytes() == b"OLD"
+        assert not (m / "c").exists() and sorted(os.listdir(m.path)) == ["a", "b", "filler"]
+    filler.unlink()
+    zs("sync", m.path)
+    m.umount()
+    assert (small_fs / "b").read_bytes() == b"OLD" and not (small_fs / "c").exists()
+    assert (small_fs / "a").read_bytes() == b"AAAA"
+
+
 # ---------------------------------------------------------------------------
 # E. the source itself gone
 

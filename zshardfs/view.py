@@ -1598,6 +1598,16 @@ class View:
                 await self._store_buffer(handle.buffer)
             else:
                 await self.flush(handle, held_by_renames=False)
+        except BaseException:
+            # a rename that fails changes nothing: the new name holds what it
+            # held (unless the new bytes may have been stored there after all)
+            made = handle.buffer
+            if made is not None and not made.maybe_stored and self.buffers.get(made.path) in (made, None):
+                if replaced is not None:
+                    self.buffers[made.path] = replaced
+                else:
+                    self.buffers.pop(made.path, None)
+            raise
         finally:
             await self.release(handle)
         if buf is not None and buf.key is None:
