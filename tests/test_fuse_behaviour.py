@@ -983,6 +983,15 @@ def _array(path: Path, value: int = 7):
 DT_LNK = 10
 
 
+def _entry_types(path) -> dict[str, int]:
+    """Name -> d_type of every entry of the directory ``path`` (getdents64)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return {name: d_type for name, _, _, d_type in read_all_dents(fd, 4096)}
+    finally:
+        os.close(fd)
+
+
 def test_links_of_a_local_source_are_shown_as_links(tmp_path, mount):
     """Every symbolic link at a name the view passes through (plain and
     group directories, an array directory's own files) is shown as a link:
@@ -1003,11 +1012,7 @@ def test_links_of_a_local_source_are_shown_as_links(tmp_path, mount):
     for name, target in links.items():
         (src / name).symlink_to(target)
     m = mount(src, "ro")
-    fd = os.open(m.path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        types = {name: d_type for name, _, _, d_type in read_all_dents(fd, 4096)}
-    finally:
-        os.close(fd)
+    types = _entry_types(m.path)
     assert {n for n, t in types.items() if t == DT_LNK} == set(links), types
     for name, target in links.items():
         st = os.lstat(m / name)
@@ -1232,11 +1237,7 @@ def test_follow_symlinks_shows_what_links_name(tmp_path, mount):
     src, outside = store_with_links_out(tmp_path)
     (src / "latest").symlink_to("sub")
     m = mount(src, "follow_symlinks")
-    fd = os.open(m.path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        types = {name: d_type for name, _, _, d_type in read_all_dents(fd, 4096)}
-    finally:
-        os.close(fd)
+    types = _entry_types(m.path)
     assert DT_LNK not in types.values() and {"latest", "leak", "inside", "etc"} <= set(types), types
     assert stat.S_ISDIR(os.lstat(m / "latest").st_mode) and (m / "latest" / "file").read_bytes() == b"inside"
     assert stat.S_ISREG(os.lstat(m / "leak").st_mode) and (m / "leak").read_bytes() == b"secret"
