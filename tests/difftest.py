@@ -232,6 +232,19 @@ class Env:
             items = {f"pfx/{p.relative_to(self.src)}": p.read_bytes() for p in self.src.rglob("*") if p.is_file()}
             server.put_many(self.bucket, items)
         self.mount()
+        self._same_gzip_headers()
+
+    def _same_gzip_headers(self):
+        """The store and the twin are two writes, and numcodecs' gzip stamps
+        the time in each chunk's header: where they straddle a second, the
+        twin takes the store's header (the chunk as the view shows it)."""
+        for rel in sorted(self.names.chunks):
+            twin = self.twin / rel
+            if not twin.is_file():
+                continue
+            shown, own = (self.mnt / rel).read_bytes(), twin.read_bytes()
+            if shown != own and pz.normalize_gzip(shown) == pz.normalize_gzip(own):
+                twin.write_bytes(shown)
 
     @property
     def source(self) -> str:
