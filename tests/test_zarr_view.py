@@ -996,3 +996,35 @@ def test_a_large_document_is_parsed_beside_the_loop_when_probed(tmp_path, monkey
     view.datasets.pop("g")
     assert trio.run(view.dataset_at, "g") is None
     assert len(parsed) > first  # a new version is parsed
+
+
+def test_a_large_rewritten_document_is_shown_compact(tmp_path, mount):
+    """A rewritten document longer than 1 MiB (a consolidated zarr.json of
+    many arrays) is shown compact, and equal as JSON to what indenting would
+    give (Python's indenting encoder is pure Python: seconds for tens of MiB,
+    holding the interpreter); small documents stay indented for people."""
+    sharded = {"zarr_format": 3, "node_type": "array", "shape": [100], "data_type": "uint8",
+               "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [50]}},
+               "chunk_key_encoding": {"name": "default"}, "fill_value": 0,
+               "codecs": [{"name": "sharding_indexed", "configuration": {
+                   "chunk_shape": [10], "codecs": [{"name": "bytes"}],
+                   "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                   "index_location": "end"}}],
+               "attributes": {}}
+    (tmp_path / "g" / "a0").mkdir(parents=True)
+    (tmp_path / "g" / "a0" / "zarr.json").write_text(json.dumps(sharded))
+    (tmp_path / "g" / "zarr.json").write_text(json.dumps({
+        "zarr_format": 3, "node_type": "group", "attributes": {},
+        "consolidated_metadata": {"kind": "inline", "must_understand": False,
+                                  "metadata": {f"a{i}": sharded for i in range(8000)}}}))
+    m = mount(tmp_path, "ro")
+    small = (m / "g" / "a0" / "zarr.json").read_bytes()
+    assert small.startswith(b'{\n  "'), small[:40]
+    member = json.loads(small)
+    assert member["chunk_grid"]["configuration"]["chunk_shape"] == [10]
+    big = (m / "g" / "zarr.json").read_bytes()
+    assert len(big) > 1 << 20 and b"\n" not in big, big[:80]
+    assert os.stat(m / "g" / "zarr.json").st_size == len(big)
+    doc = json.loads(big)
+    members = doc["consolidated_metadata"]["metadata"]
+    assert len(members) == 8000 and all(v == member for v in members.values())

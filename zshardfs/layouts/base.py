@@ -227,8 +227,19 @@ async def load_json_async(data: bytes, what: str) -> dict | None:
     return await off_loop(functools.partial(load_json, data, what), len(data))
 
 
+#: rewritten documents longer than this (compact) are shown compact, not indented
+COMPACT_ABOVE = 1 << 20
+
+
 def dump_json(doc: dict) -> bytes:
-    """How rewritten documents are serialised (zarr-python's own style)."""
+    """How rewritten documents are serialised: indented by 2 (zarr-python's own
+    style) for people reading them, compact above :data:`COMPACT_ABOVE` (a large
+    consolidated ``zarr.json``), where indenting is Python's pure-Python encoder,
+    which holds the loop about 7x longer (47 MiB: 2.7 s against 0.4 s) and makes
+    the document 2-3x larger for a reader that is a program."""
+    compact = json.dumps(doc)
+    if len(compact) > COMPACT_ABOVE:
+        return compact.encode()
     return json.dumps(doc, indent=2).encode()
 
 
