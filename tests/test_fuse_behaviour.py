@@ -875,6 +875,27 @@ def test_index_cache_is_bounded_by_bytes(big_store, mount):
             assert 0 < cache["bytes"] <= 1 << 20, cache
 
 
+def test_an_index_larger_than_the_index_cache_is_read_once(big_store, mount):
+    """With ``index_cache=256K``, smaller than one 512 KiB index, the chunks
+    of one shard still share one index read: the last index larger than the
+    whole budget is kept beside it (it was loaded again for every chunk);
+    another shard's index replaces it."""
+    m = mount(big_store, "ro", "index_cache=256K", "attr_timeout=0")
+    shard = (1, 2, 0)
+    for _ in range(3):
+        for pos, data in BIG_SHARDS[shard].items():
+            assert os.stat(m / big_chunk(shard, pos)).st_size == len(data)
+            assert (m / big_chunk(shard, pos)).read_bytes() == data
+    stats = m.stats()
+    assert stats["index_cache"]["misses"] == 1, stats["index_cache"]
+    assert stats["index_cache"]["bytes"] <= 256 << 10 and stats["index_cache"]["beside_bytes"] > 256 << 10
+    other = (5, 5, 1)
+    pos, data = next(iter(BIG_SHARDS[other].items()))
+    assert (m / big_chunk(other, pos)).read_bytes() == data
+    assert (m / big_chunk(shard, (0, 0, 0))).read_bytes() == BIG_SHARDS[shard][(0, 0, 0)]
+    assert m.stats()["index_cache"]["misses"] == 3  # one kept beside at a time
+
+
 def test_a_daemon_at_its_open_file_limit_keeps_serving(tmp_path, mount):
     """The descriptors a local mount keeps open for fast reads (one per shard
     read lately) never take what requests need: with ``ulimit -n`` of 48

@@ -587,7 +587,8 @@ def cmd_stats(args) -> int:
     for name in ("index_cache", "chunk_cache"):
         c = stats[name]
         print(f"{name:<11} hits={c['hits']} misses={c['misses']} entries={c['entries']} "
-              f"bytes={c['bytes']}/{c['max_bytes']}")
+              f"bytes={c['bytes']}/{c['max_bytes']}"
+              + (f" (+{c['beside_bytes']} kept beside: larger than the budget)" if c.get("beside_bytes") else ""))
     print(f"inodes      {stats['inodes']}")
     print(f"read-ahead  within shards={stats['prefetches']}  shards ahead={stats['read_aheads']}")
     k = stats["kernel"]

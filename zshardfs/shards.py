@@ -94,20 +94,35 @@ def _decoding(fmt: ShardFormat, nbytes: int) -> int:
 
 
 class ByteLRU:
-    """An LRU mapping bounded by the sum of its values' declared sizes."""
+    """An LRU mapping bounded by the sum of its values' declared sizes.
+
+    The last value larger than the whole budget is kept beside it (one,
+    outside the budget): callers ask for such a value again at once (the
+    kernel reads a large chunk in 128 KiB pieces; every chunk of a shard
+    whose index exceeds ``index_cache`` needs that index), and without it
+    each ask would load the whole value anew."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.bytes = 0
         self._d: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+        self._beside: tuple[Any, Any, int] | None = None  # (key, value, nbytes)
         self.hits = 0
         self.misses = 0
+
+    def _oversized(self, key):
+        beside = self._beside
+        return beside if beside is not None and beside[0] == key else None
 
     def get(self, key):
         item = self._d.get(key)
         if item is None:
-            self.misses += 1
-            return None
+            beside = self._oversized(key)
+            if beside is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            return beside[1]
         self._d.move_to_end(key)
         self.hits += 1
         return item[0]
@@ -115,6 +130,7 @@ class ByteLRU:
     def put(self, key, value, nbytes: int) -> None:
         self.pop(key)
         if nbytes > self.max_bytes:
+            self._beside = (key, value, nbytes)
             return
         self._d[key] = (value, nbytes)
         self.bytes += nbytes
@@ -123,12 +139,14 @@ class ByteLRU:
             self.bytes -= n
 
     def __contains__(self, key) -> bool:
-        return key in self._d
+        return key in self._d or self._oversized(key) is not None
 
     def touch(self, key) -> None:
         """Count a hit on ``key`` and mark it recently used."""
         if key in self._d:
             self._d.move_to_end(key)
+            self.hits += 1
+        elif self._oversized(key) is not None:
             self.hits += 1
 
     def demote(self, key) -> None:
@@ -146,12 +164,22 @@ class ByteLRU:
     def peek(self, key):
         """The value without touching the LRU order or the hit counters."""
         item = self._d.get(key)
-        return None if item is None else item[0]
+        if item is None:
+            beside = self._oversized(key)
+            return None if beside is None else beside[1]
+        return item[0]
 
     def pop(self, key) -> None:
         item = self._d.pop(key, None)
         if item is not None:
             self.bytes -= item[1]
+        if self._oversized(key) is not None:
+            self._beside = None
+
+    @property
+    def beside_bytes(self) -> int:
+        """Bytes of the value kept beside the budget (0: none)."""
+        return 0 if self._beside is None else self._beside[2]
 
     def __len__(self):
         return len(self._d)
@@ -220,10 +248,8 @@ class ShardCache:
         self.store = store
         self.indexes = ByteLRU(index_cache_bytes)
         self.chunks = ByteLRU(chunk_cache_bytes)
-        # the last chunk read that is larger than the whole chunk cache: the
-        # kernel reads it 128 KiB at a time, and each read would otherwise
-        # fetch (and decode) all of it again
-        self._oversized: tuple[tuple, bytes] | None = None
+        # (the last chunk or index larger than its whole cache is kept beside
+        # it: see ByteLRU)
         self.index_ttl = index_ttl
         # one loader per shard at a time: concurrent readers share one request
         self._loads = SingleFlight()
@@ -414,8 +440,6 @@ class ShardCache:
             offset, nbytes = where
             ckey = (key, index.info.etag, chunk_id)
             data = self.chunks.get(ckey)
-            if data is None and self._oversized is not None and self._oversized[0] == ckey:
-                data = self._oversized[1]
             if scan is None and self.prefetch:
                 scan = self._scanning(key, chunk_id, offset, nbytes, hit=data is not None)
             if data is not None:
@@ -454,8 +478,6 @@ class ShardCache:
                                       key)
                 data = await off_loop(functools.partial(fmt.decode_chunk, blob.data), _decoding(fmt, len(blob.data)))
                 self.chunks.put(ckey, data, len(data) + CHUNK_ENTRY_OVERHEAD)
-                if len(data) + CHUNK_ENTRY_OVERHEAD > self.chunks.max_bytes:
-                    self._oversized = (ckey, data)
                 return data
         raise CorruptData(f"{key}: shard keeps changing while being read", key)
 
