@@ -9,8 +9,11 @@ overlaps happen every time rather than once in a while.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import shutil
+import threading
 import time
 
 import pytest
@@ -795,3 +798,165 @@ def test_rm_r_leaves_no_directories_in_memory(tmp_path):
 
     trio.run(main)
     view.store.close()
+
+
+class _HeldPut:
+    """A store mix-in whose first PUT of ``held`` stays in flight until the
+    test lets it go (``go``), or until a later PUT of that key has landed,
+    which it then lands after: the order two PUTs of one key in flight at
+    once may take (S3, or a local store's two threads)."""
+
+    held: str | None = None
+
+    def hold(self, key: str) -> None:
+        self.held, self._holding = key, False
+        self.in_flight, self.go = threading.Event(), threading.Event()
+        self._lock = threading.Lock()
+
+    def put(self, key, data, **kwargs):
+        with self._lock if self.held is not None else contextlib.nullcontext():
+            mine = key == self.held and not self._holding
+            overtakes = key == self.held and self._holding
+            if mine:
+                self._holding = True
+        if mine:
+            self.in_flight.set()
+            self.go.wait(30)
+            try:
+                return super().put(key, data, **kwargs)
+            finally:
+                self.held = None
+        try:
+            return super().put(key, data, **kwargs)
+        finally:
+            if overtakes:
+                self.go.set()
+
+
+class _HeldLocal(_HeldPut, LocalBackend):
+    pass
+
+
+@pytest.fixture(params=["local", "s3"])
+def held_store(request, tmp_path):
+    """(backend, seed): a store of ``_HeldPut``, local or S3 (moto);
+    ``seed(local_dir)`` puts a local tree's files into it."""
+    root = tmp_path / "store"
+    root.mkdir()
+    if request.param == "local":
+        yield _HeldLocal(str(root)), lambda tree: shutil.copytree(tree, root, dirs_exist_ok=True)
+        return
+    from zshardfs.backends.s3 import S3Backend
+
+    class _HeldS3(_HeldPut, S3Backend):
+        pass
+
+    endpoint, bucket = request.getfixturevalue("s3_bucket")
+    backend = _HeldS3(bucket, "p", endpoint_url=endpoint, connect_timeout=1, read_timeout=10, max_attempts=2)
+
+    def seed(tree):
+        for path in sorted(tree.rglob("*")):
+            if path.is_file():
+                backend.put(path.relative_to(tree).as_posix(), path.read_bytes())
+
+    yield backend, seed
+    backend.close()
+
+
+async def _until(predicate, timeout: float = 10.0) -> None:
+    """Wait until ``predicate()`` holds (a state other tasks reach)."""
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.005)
+
+
+def test_a_rename_over_a_file_whose_close_stores_it_lands_last(held_store, tmp_path):
+    """``mv new existing`` while ``existing``'s close is storing it (its PUT
+    out): the rename's PUT waits for that one, so ``existing`` ends with
+    the renamed bytes, in storage and in the view.  Before, both PUTs were
+    out at once and the older could land last: the renamed file was lost
+    (``new`` removed, ``existing`` holding the bytes it was replaced over)."""
+    backend, seed = held_store
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "existing.txt").write_bytes(b"old")
+    (tree / "new.txt").write_bytes(b"renamed")
+    seed(tree)
+    view = build_view(MountConfig(source="held", mountpoint=str(tmp_path / "mnt"), read_only=False), backend)
+
+    async def main():
+        root = await view.resolve("")
+        h = await view.open(await view.resolve("existing.txt"), write=True, truncate=True)
+        await view.write(h, 0, b"written before the rename")
+        closing = view.buffers["existing.txt"]
+        backend.hold("existing.txt")
+        renamed = trio.Event()
+
+        async def close():
+            await view.flush(h)
+            await view.release(h)
+
+        async def rename():
+            await view.rename(root, "new.txt", root, "existing.txt")
+            renamed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close)
+            await trio.to_thread.run_sync(backend.in_flight.wait)
+            nursery.start_soon(rename)
+            # the rename waits for the close's PUT (or, not waiting, sends
+            # its own, which the held one then lands after)
+            await _until(lambda: renamed.is_set() or closing.storing.statistics().tasks_waiting)
+            backend.go.set()
+        assert not await view.sync()
+        check = build_view(MountConfig(source="held", mountpoint=str(tmp_path / "mnt2")), backend)
+        assert await check.lookup(await check.resolve(""), "new.txt") is None
+        node = await check.resolve("existing.txt")
+        assert await check.read(node, 0, 100) == b"renamed"
+        node = await view.resolve("existing.txt")
+        assert await view.read(node, 0, 100) == b"renamed"
+
+    trio.run(main)
+
+
+def test_a_rename_onto_a_chunk_whose_shard_is_being_flushed_lands_last(held_store, tmp_path):
+    """A chunk (or a temporary in its directory) renamed over a chunk whose
+    shard's flush is out (its PUT in flight), then stored: the renamed bytes
+    win.  Safe by design, with no wait in the rename: the rename lands in
+    the shard's dirty set with a newer version than the flush wrote, which
+    therefore keeps it dirty; the next flush of the shard waits for the
+    shard's lock, held by the one out; and shard PUTs are conditional on
+    the version they merged onto."""
+    backend, seed = held_store
+    tree = tmp_path / "tree"
+    _small_array(tree)
+    seed(tree)
+    view = build_view(MountConfig(source="held", mountpoint=str(tmp_path / "mnt"), read_only=False), backend)
+    key = "arr/c/0/0"
+
+    async def main(source):
+        d = await view.resolve("arr/c/0")
+        h = await view.open(await view.resolve(key), write=True, truncate=True)
+        await view.write(h, 0, b"BBBB")
+        await view.release(h)
+        if source == "tmp":
+            t = await view.create(d, "tmp")
+            await view.write(t, 0, b"\x09" * 4)
+            await view.flush(t)
+            await view.release(t)
+        backend.hold(key)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(view.writeback.flush, key)
+            await trio.to_thread.run_sync(backend.in_flight.wait)
+            await view.rename(d, "1" if source == "chunk" else "tmp", d, "0")
+            nursery.start_soon(view.writeback.flush, key)
+            await _until(lambda: backend.go.is_set() or view.writeback.dirty[key].lock.statistics().tasks_waiting)
+            backend.go.set()
+        assert not await view.sync()
+        check = build_view(MountConfig(source="held", mountpoint=str(tmp_path / "mnt2")), backend)
+        cd = await check.resolve("arr/c/0")
+        assert sorted([c.name async for c in check.listdir(cd)]) == ["0"]  # (1: renamed, in the first run)
+        assert await check.content(await check.resolve("arr/c/0/0")) == (b"\x02" if source == "chunk" else b"\x09") * 4
+
+    trio.run(main, "chunk")
+    trio.run(main, "tmp")

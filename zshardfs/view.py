@@ -1582,11 +1582,19 @@ class View:
                 await self._keep_for_readers(existing)
         replaced = self.buffers.get(existing.path) if existing is not None else None
         handle = await self.create(new_parent, new_name)
-        if existing is not None and not existing.is_chunk and handle.buffer is not None:
-            # the name holds a file already, perhaps stored: the new one is no
-            # new file, and its unlink must remove what storage holds there
-            handle.buffer.in_store = replaced is None or replaced.in_store or replaced.maybe_stored
         try:
+            if replaced is not None and replaced.storing.locked():
+                # a close is storing the file this one replaces: its PUT lands
+                # first, then this one (both out at once, the older could land
+                # last and bring back the bytes this rename replaced).  Waited
+                # for once the new buffer holds the name, so opens meanwhile
+                # share the new file, not the old one
+                async with replaced.storing:
+                    pass
+            if existing is not None and not existing.is_chunk and handle.buffer is not None:
+                # the name holds a file already, perhaps stored: the new one is no
+                # new file, and its unlink must remove what storage holds there
+                handle.buffer.in_store = replaced is None or replaced.in_store or replaced.maybe_stored
             # (not held while its new name is itself being renamed: the
             # renames of a->b and b->a at once would wait for each other)
             await self.write(handle, 0, data, held_by_renames=False)
