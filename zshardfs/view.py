@@ -260,6 +260,10 @@ class View:
         self.new_chunks: dict[str, dict[str, tuple[Dataset, tuple, ChunkTarget]]] = {}  # dir -> name -> chunk
         self._new_chunks_pruned_at = 0
         self._new_chunks_count = 0  # names in new_chunks (not summed per release: it runs per chunk written)
+        # the directories of new_chunks and those leading to them, by parent:
+        # a listing looks only at its own subdirectories (a scan of every
+        # directory of new_chunks per listing made ``find`` quadratic)
+        self._new_chunk_dirs: dict[str, set[str]] = {}
         self.new_dirs: dict[str, set[str]] = {}  # dir -> names of directories made here
         # (S3) directories whose last file or subdirectory this mount just
         # removed: path -> when.  Storage has nothing left to show them by;
@@ -682,14 +686,10 @@ class View:
         # the directories leading to chunks written but not stored yet: their
         # shards' storage directories may not exist (an array stored empty, a
         # row whose shards were all deleted), and storage lists only those
-        below = path + "/" if path else ""
-        for d, chunks in self.new_chunks.items():
-            if d.startswith(below) and d != path:
-                name = d[len(below):].split("/", 1)[0]
-                if name not in names and any(
-                        (c := self.writeback.pending(t.shard_key, t.chunk_id)) is not None and c.data is not None
-                        for _, _, t in chunks.values()):
-                    names.add(name)
+        for d in self._new_chunk_dirs.get(path, ()):
+            name = d.rsplit("/", 1)[-1]
+            if name not in names and self._pending_below(d):
+                names.add(name)
         if self.emptied:
             names.update(p[len(_prefix(path)):] for p in list(self.emptied)
                          if _parent(p) == path and self._still_emptied(p))
@@ -790,7 +790,33 @@ class View:
             log_once(log, logging.WARNING, message)
             raise ViewError(errno.EPERM, message)
 
+    def _index_new_chunk_dir(self, path: str) -> None:
+        """``path`` (a directory of ``new_chunks``) and the directories
+        leading to it are listed in ``_new_chunk_dirs`` under their parents."""
+        while path:
+            parent = _parent(path)
+            below = self._new_chunk_dirs.setdefault(parent, set())
+            if path in below:
+                return  # (and so are the ones above)
+            below.add(path)
+            path = parent
+
+    def _pending_below(self, path: str) -> bool:
+        """Does directory ``path`` or one below it hold a chunk written and
+        not stored yet (one with data: an unlink leaves nothing to list)?"""
+        todo = [path]
+        while todo:
+            d = todo.pop()
+            chunks = self.new_chunks.get(d)
+            if chunks and any((c := self.writeback.pending(t.shard_key, t.chunk_id)) is not None
+                              and c.data is not None for _, _, t in chunks.values()):
+                return True
+            todo.extend(self._new_chunk_dirs.get(d, ()))
+        return False
+
     def _remember_new_chunk(self, node: Node) -> None:
+        if _parent(node.path) not in self.new_chunks:
+            self._index_new_chunk_dir(_parent(node.path))
         names = self.new_chunks.setdefault(_parent(node.path), {})
         self._new_chunks_count += node.name not in names
         names[node.name] = (node.dataset, node.rel, node.target)
@@ -1803,6 +1829,9 @@ class View:
                            for d, names in self.new_chunks.items()}
         self.new_chunks = {d: names for d, names in self.new_chunks.items() if names}
         self._new_chunks_pruned_at = self._new_chunks_count = sum(len(n) for n in self.new_chunks.values())
+        self._new_chunk_dirs = {}
+        for d in self.new_chunks:
+            self._index_new_chunk_dir(d)
         self._forget_quiet_datasets()
 
     #: seconds a dataset made through this mount must go unwritten (with
