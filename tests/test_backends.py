@@ -1588,3 +1588,55 @@ def test_local_a_live_put_s_temporary_survives_a_listing_by_another_path(tmp_pat
     assert "exc" not in out, out
     assert b.get("real/c/0").data == b"v1"
     b.close()
+
+
+class _FreeDescriptors:
+    """This process's soft RLIMIT_NOFILE set, while in the block, so that
+    exactly ``n`` descriptor numbers below it are free (the numbers in use
+    found with fstat, which opens none)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __enter__(self):
+        import resource
+
+        self.saved = resource.getrlimit(resource.RLIMIT_NOFILE)
+        free, fd = [], 0
+        while len(free) <= self.n:
+            try:
+                os.fstat(fd)
+            except OSError:
+                free.append(fd)
+            fd += 1
+        resource.setrlimit(resource.RLIMIT_NOFILE, (free[self.n], self.saved[1]))
+        return self
+
+    def __exit__(self, *exc):
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.saved)
+
+
+def test_a_local_listing_at_the_open_file_limit_lets_go_of_kept_descriptors(tmp_path):
+    """At the open-file limit, the descriptors a local store keeps for fast
+    reads are let go of when a listing's copy of its directory's descriptor
+    (``scandir``) meets EMFILE, as when an open does.  Before, the listing
+    failed with EMFILE, for good: its open found the last free number, and
+    the copy none."""
+    root = tmp_path / "store"
+    (root / "r").mkdir(parents=True)
+    for i in range(40):
+        (root / "r" / str(i)).write_bytes(b"x")
+    (root / "d").mkdir()
+    (root / "d" / "a").write_bytes(b"a")
+    b = LocalBackend(str(root))
+    try:
+        for i in range(40):
+            b.get(f"r/{i}")
+        assert len(b._fds) >= 8
+        with _FreeDescriptors(1):
+            listing = b.list("d")
+        assert [f.key for f in listing.files] == ["d/a"] and not b._fds
+    finally:
+        b.close()

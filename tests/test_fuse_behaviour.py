@@ -928,6 +928,36 @@ def test_a_daemon_at_its_open_file_limit_keeps_serving(tmp_path, mount):
     assert (m / "arr/c/398").read_bytes() == b"199"
 
 
+def test_a_listing_at_the_open_file_limit_lets_go_of_kept_descriptors(tmp_path, mount):
+    """A listing opens its directory and then takes a copy of that
+    descriptor (``scandir``): with the descriptors kept for fast reads
+    leaving exactly one free below the daemon's limit, the copy meets EMFILE,
+    and the kept ones are let go of then, as for any open.  (Before, ``ls``
+    failed with EMFILE, and again every time: the open itself always found
+    the one free, so nothing let the kept ones go.)"""
+    arr = tmp_path / "arr"
+    n = 100
+    write_array_doc(arr, array_doc([2 * n], [2], [1]))
+    for s in range(n):
+        write_shard(arr, (s,), (2,), {0: b"%d" % s, 1: b"x"})
+    (tmp_path / "plain").mkdir()
+    for i in range(3):
+        (tmp_path / "plain" / f"f{i}").write_bytes(b"x")
+    m = mount(tmp_path, "rw")
+    pid = m.stats()["pid"]
+    for s in range(n):
+        assert (m / f"arr/c/{2 * s}").read_bytes() == b"%d" % s  # (each shard's descriptor kept)
+    import resource
+
+    held = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    assert len(held) > 20, held  # (min(64, a quarter of the limit) kept)
+    free = [fd for fd in range(max(held) + 3) if fd not in held]
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (free[1], free[1]))  # only free[0] below it
+    assert sorted(os.listdir(m / "plain")) == ["f0", "f1", "f2"]
+    assert len(os.listdir(f"/proc/{pid}/fd")) < len(held) - 10  # (the kept ones let go of)
+    assert "out of file descriptors" in m.log_text()
+
+
 def test_symlinks_leading_out_of_a_local_source_are_not_followed(tmp_path, mount):
     """A symbolic link in a local source that would lead the client out of
     the mount (absolute, climbing above the root, ``..`` after a name, a

@@ -753,7 +753,9 @@ class LocalBackend:
                 return Listing([], [])
             raise self._fail(prefix, exc) from None
         try:
-            with os.scandir(dfd) as it:
+            # (scandir reads a copy of ``dfd``: a descriptor of its own, which
+            # can meet the open-file limit as an open can)
+            with self._fd_or_room(os.scandir, dfd) as it:
                 for entry in it:
                     name = entry.name
                     key = f"{prefix}/{name}" if prefix else name
