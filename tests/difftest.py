@@ -68,7 +68,36 @@ LAYOUTS: dict[str, ZarrCase] = {
     "be_nocrc_dot_edges": B.with_(shape=(21, 14), index_endian="big", index_crc32c=False, separator="."),
     "zarr2": ZarrCase(shape=(20, 12), chunks=(4, 3), shards=(8, 6), index_crc32c=False, pattern="sparse",
                       separator="/"),
+    # variable shard grids (ZEP 3 rectangular, rectilinear), shown as the regular inner grid
+    # (the twin): edge lists, bare-integer steps, [length, repeat] runs (zarr-python writes
+    # [8, 8, 4] as [[8, 2], 4]), shards overhanging the array
+    "rectilinear_rle_int": B.with_(grid="rectilinear", shards=((8, 8, 4), 6)),
+    "rectilinear_edges_v2_gzip": B.with_(shape=(22, 13), grid="rectilinear", shards=((4, 12, 8), (6, 9)),
+                                         key_encoding="v2", separator=".", compressor="gzip"),
+    "rectilinear_overhang_start": B.with_(grid="rectilinear", shards=((8, 8, 8), (3, 6, 6)),
+                                          index_location="start", index_crc32c=False, write_empty_chunks=True),
+    "rectangular_edges_be_dot": B.with_(shape=(21, 14), grid="rectangular", shards=((4, 8, 12), (3, 9, 3)),
+                                        index_endian="big", separator="."),
+    "rectangular_3d": ZarrCase(shape=(6, 8, 10), chunks=(2, 4, 5), shards=((2, 4), 8, (5, 5)), grid="rectangular",
+                               pattern="sparse"),
 }
+
+#: hierarchies: a consolidated group with nested groups and several arrays (one list of
+#: cases each; the first sharded one's chunks make the pool, so all share dtype, inner
+#: chunk shape and inner codecs: a pool chunk is valid in every array of it)
+HIERARCHIES: dict[str, list[ZarrCase]] = {
+    "hier": [B.with_(path="g/a"),
+             B.with_(path="g/sub/r", shape=(22, 13), grid="rectilinear", shards=((8, 4, 12), 6),
+                     key_encoding="v2", separator="."),
+             B.with_(path="top", shape=(9, 7), shards=(8, 6), index_location="start", separator=".",
+                     attributes={"k": 0}),
+             B.with_(path="g/plain", shape=(8, 6), shards=None, pattern="full")],
+    "hier_rect": [B.with_(path="x/y/rect", grid="rectangular", shards=((8, 4, 8), 6), index_endian="big"),
+                  B.with_(path="x/b", shape=(12, 9), shards=(4, 9), key_encoding="v2", separator="/")],
+}
+LAYOUTS.update({k: v[0] for k, v in HIERARCHIES.items()})
+#: op weights a layout adds (metadata documents written through the mount, consolidation)
+LAYOUT_WEIGHTS: dict[str, dict[str, float]] = {k: {"meta": 6, "consolidate": 2} for k in HIERARCHIES}
 
 PLAIN_FILES = ["notes.txt", "plain/a.bin", "plain/b.bin", "plain/sub/c.bin", "top.bin"]
 PLAIN_DIRS = ["plain", "plain/sub", "plain/new"]
@@ -90,40 +119,61 @@ class Divergence(Exception):
 
 
 class Names:
-    """Every name the generator uses, and what each is to the view."""
+    """Every name the generator uses, and what each is to the view (``cases``: the arrays
+    of a hierarchy, each at its own path; one array otherwise)."""
 
-    def __init__(self, case: ZarrCase, draft: bool):
+    def __init__(self, case: ZarrCase, draft: bool, cases: list[ZarrCase] | None = None):
         self.case, self.draft = case, draft
-        bounds = pz.chunk_bounds(case)
-        self.grid = [len(b) - 1 for b in bounds]
-        self.coords = list(pz.grid_coords(bounds))
-        if draft:
-            self.arr = f"data/root/{case.path}"
-            key = lambda c: pz.draft_chunk_key(case, c)  # noqa: E731
-            # (zarr.json, the draft's entry point: zarr 2.18 writes it back when it opens a store)
-            self.meta = [f"meta/root/{case.path}.array.json", "zarr.json"]
-        else:
-            self.arr = case.path
-            key = lambda c: f"{case.path}/{pz.chunk_key(case, c)}"  # noqa: E731
-            self.meta = [f"{case.path}/zarr.json", "zarr.json"]
-        self.chunks = {key(c): c for c in self.coords}
-        out = []
-        for d in range(len(self.grid)):  # one step past the grid in each dimension
-            c = [0] * len(self.grid)
-            c[d] = self.grid[d]
-            out.append(tuple(c))
-        out.append(tuple(g + 3 for g in self.grid))
-        self.outside = {key(c): c for c in out}
-        # chunk directories: proper prefixes of chunk keys below the array
-        self.chunkdirs = set()
-        for k in list(self.chunks) + list(self.outside):
-            parts = k[len(self.arr) + 1:].split("/")
-            for i in range(1, len(parts)):
-                self.chunkdirs.add(self.arr + "/" + "/".join(parts[:i]))
+        self.cases = cases or [case]
+        self.chunks, self.outside, self.chunkdirs = {}, {}, set()
+        self.arrs, self.arr_plain, self.plain_chunks = [], [], []
+        self.meta = ["zarr.json"]
+        for c in self.cases:
+            self._add(c)
+        self.arr = self.arrs[0]
+        self.group_plain, self.members = [], []
+        if cases:  # a hierarchy: its groups' documents, files beside them, consolidated members
+            groups = sorted({"/".join(c.path.split("/")[:i]) for c in cases for i in range(1, c.path.count("/") + 1)})
+            self.meta += [f"{g}/zarr.json" for g in groups]
+            self.group_plain = [f"{g}/notes.md" for g in groups]
+            self.members = groups + [c.path for c in cases]
         self.inner_dirs = sorted(d for d in self.chunkdirs if self._in_grid_dir(d))
         self.out_dirs = sorted(self.chunkdirs - set(self.inner_dirs))
         self.leaf_dirs = sorted({k.rsplit("/", 1)[0] for k in self.chunks if k.rsplit("/", 1)[0] in self.chunkdirs})
-        self.arr_plain = [f"{self.arr}/extra.txt", f"{self.arr}/.tmp-arr"]
+
+    def _add(self, case: ZarrCase):
+        bounds = pz.chunk_bounds(case)
+        grid = [len(b) - 1 for b in bounds]
+        coords = list(pz.grid_coords(bounds))
+        if self.draft:
+            arr = f"data/root/{case.path}"
+            key = lambda c: pz.draft_chunk_key(case, c)  # noqa: E731
+            # (zarr.json, the draft's entry point: zarr 2.18 writes it back when it opens a store)
+            self.meta.insert(0, f"meta/root/{case.path}.array.json")
+        else:
+            arr = case.path
+            key = lambda c: f"{case.path}/{pz.chunk_key(case, c)}"  # noqa: E731
+            self.meta.append(f"{case.path}/zarr.json")
+        if not case.sharded:  # an unsharded array passes through: its chunks are plain files
+            self.plain_chunks += [key(c) for c in coords]
+            return
+        self.arrs.append(arr)
+        chunks = {key(c): c for c in coords}
+        self.chunks.update(chunks)
+        out = []
+        for d in range(len(grid)):  # one step past the grid in each dimension
+            c = [0] * len(grid)
+            c[d] = grid[d]
+            out.append(tuple(c))
+        out.append(tuple(g + 3 for g in grid))
+        outside = {key(c): c for c in out}
+        self.outside.update(outside)
+        # chunk directories: proper prefixes of chunk keys below the array
+        for k in list(chunks) + list(outside):
+            parts = k[len(arr) + 1:].split("/")
+            for i in range(1, len(parts)):
+                self.chunkdirs.add(arr + "/" + "/".join(parts[:i]))
+        self.arr_plain += [f"{arr}/extra.txt", f"{arr}/.tmp-arr"]
 
     def _in_grid_dir(self, d: str) -> bool:
         return any(k.startswith(d + "/") for k in self.chunks)
@@ -138,7 +188,7 @@ class Names:
         parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
         if parent in self.chunkdirs:
             return "chunktmp"
-        if parent == self.arr:
+        if parent in self.arrs:
             return "arrplain"
         return "plain"
 
@@ -197,13 +247,14 @@ class Env:
     def __init__(self, layout: str, backend: str, opts: list[str], work: Path, log=print):
         self.layout, self.backend, self.opts = layout, backend, opts
         self.case = LAYOUTS[layout]
+        self.cases = HIERARCHIES.get(layout)  # a hierarchy's arrays (None: the one array `case`)
         self.draft = layout.startswith("zarr2")  # (the v3-draft transformer)
         self.work = work
         self.src = work / "src"
         self.twin = work / "twin"
         self.mnt = work / "mnt"
         self.log = log
-        self.names = Names(self.case, self.draft)
+        self.names = Names(self.case, self.draft, self.cases)
         self.server = None
         self.bucket = None
         self.mount_count = 0
@@ -214,6 +265,8 @@ class Env:
             d.mkdir(parents=True, exist_ok=True)
         if self.draft:
             pz.write_zarr2_transformer(self.case, self.src, self.twin)
+        elif self.cases:
+            pz.write_zarr_hierarchy(self.cases, self.src, self.twin, consolidated=True, root_attributes={"top": 1})
         else:
             pz.write_zarr_python(self.case, self.src, self.twin)
         seeds = [("notes.txt", b"hello\n"), ("plain/a.bin", b"A" * 100)]
@@ -524,6 +577,59 @@ class Applier:
             self._on_fd(str(Path(dst).parent), os.O_RDONLY | os.O_DIRECTORY, os.fsync)
         return "ok"
 
+    def op_meta(self, op):
+        """A tool's edit of a metadata document through the mount (SEMANTICS 4.9, 4.11, 4.15):
+        read it, change attributes (of a consolidated member too) or the fill value, and
+        write it back as ``how`` says: in place, in pieces, emptied first (a shell
+        redirect after a ``truncate``), a temporary renamed over it, or an editor's save
+        (rename to ``~``, write anew, unlink the ``~``)."""
+        rel = op["path"]
+        doc = json.loads(self.p(rel).read_bytes())
+        target = doc
+        if op.get("member"):
+            target = ((doc.get("consolidated_metadata") or {}).get("metadata") or {}).get(op["member"])
+            if target is None:
+                return "no member"
+        target.setdefault("attributes", {}).update(op["attrs"])
+        if "fill" in op and target.get("node_type") == "array":
+            target["fill_value"] = op["fill"]
+        text = json.dumps(doc, indent=op.get("indent")).encode()
+        how = op["how"]
+        if how in ("write", "pieces"):
+            n = max(1, len(text) // (3 if how == "pieces" else 1))
+
+            def pieces(fd):
+                for i in range(0, len(text), n):
+                    os.write(fd, text[i:i + n])
+            return self._on_fd(rel, os.O_WRONLY | os.O_TRUNC, pieces)
+        if how == "emptied":
+            os.truncate(self.p(rel), 0)
+            return self._on_fd(rel, os.O_WRONLY, lambda fd: os.write(fd, text))
+        if how == "tmprename":
+            self._on_fd(rel + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: os.write(fd, text))
+            os.rename(self.p(rel + ".tmp"), self.p(rel))
+            return "ok"
+        assert how == "editor", how
+        os.rename(self.p(rel), self.p(rel + "~"))
+        self._on_fd(rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: os.write(fd, text))
+        os.unlink(self.p(rel + "~"))
+        return "ok"
+
+    def op_consolidate(self, op):
+        """zarr-python consolidates the hierarchy's metadata into the root ``zarr.json``."""
+        import warnings
+
+        import zarr
+        try:
+            with warnings.catch_warnings(), zarr.config.set({"array.rectilinear_chunks": True}):
+                warnings.simplefilter("ignore")
+                zarr.consolidate_metadata(zarr.storage.LocalStore(self.root))
+        except OSError:
+            raise
+        except Exception as e:
+            return f"{type(e).__name__}: {str(e).replace(str(self.root), 'ROOT')[:200]}"
+        return "ok"
+
     def op_fsync(self, op):
         return self._on_fd(op["path"], os.O_RDONLY, os.fsync)
 
@@ -644,7 +750,8 @@ def compare(env: Env, where: str) -> list[str]:
 #: how often each kind of op is drawn (relative weights)
 WEIGHTS = {"write": 18, "pwrite": 10, "append": 5, "otrunc": 3, "truncate": 6, "ftruncate": 2, "unlink": 8,
            "rename": 9, "link": 3, "mkdir": 3, "rmdir": 3, "hold": 6, "readopen": 3, "tmprename": 7, "fsync": 3,
-           "dirfsync": 2, "sync": 3, "remount": 2, "read": 2, "kill9": 1.5, "conc": 3}
+           "dirfsync": 2, "sync": 3, "remount": 2, "read": 2, "kill9": 1.5, "conc": 3,
+           "meta": 0, "consolidate": 0}  # (the last two: LAYOUT_WEIGHTS)
 
 
 class Gen:
@@ -652,7 +759,7 @@ class Gen:
 
     def __init__(self, env: Env, rng: random.Random, weights: dict[str, float] | None = None):
         self.env, self.rng, self.n = env, rng, env.names
-        self.weights = {**WEIGHTS, **(weights or {})}
+        self.weights = {**WEIGHTS, **LAYOUT_WEIGHTS.get(env.layout, {}), **(weights or {})}
         self.tmpn = 0
 
     def existing(self) -> list[str]:
@@ -681,7 +788,7 @@ class Gen:
         if x < 0.72:
             return r.choice(sorted(self.n.outside))
         if x < 0.85:
-            return r.choice(PLAIN_FILES)
+            return r.choice(PLAIN_FILES + self.n.group_plain + self.n.plain_chunks)
         if x < 0.93:
             return r.choice(self.n.arr_plain)
         if self.n.leaf_dirs:
@@ -747,6 +854,15 @@ class Gen:
                 for i in range(6):
                     jobs[i % 2].append([f, i * 100, ["rnd", r.randrange(1 << 30), 100]])
             return {"op": "conc", "jobs": jobs}
+        if kind == "meta":
+            o = {"op": "meta", "path": r.choice(self.n.meta),
+                 "how": r.choice(["write", "pieces", "emptied", "tmprename", "editor"]),
+                 "attrs": {r.choice("abc"): r.choice([0, 1, "x", [1, 2.5], None, {"n": r.randrange(9)}])}}
+            if o["path"] == "zarr.json" and r.random() < 0.5:
+                o["member"] = r.choice(self.n.members)
+            if r.random() < 0.2:
+                o["fill"] = r.randrange(50)
+            return o
         if kind == "kill9" and r.random() < 0.6:
             return {"op": "kill9", "delay": r.choice([0, 0.001, 0.005, 0.01, 0.02, 0.05])}
         return {"op": kind}
@@ -871,7 +987,7 @@ class Runner:
         env = self.env
         out = []
         valid = set(env.pool)
-        for rel in sorted(env.names.chunks):
+        for rel in sorted(env.names.chunks) + env.names.plain_chunks:
             p = env.twin / rel
             if p.is_file() and p.read_bytes() not in valid:
                 op = {"op": "write", "path": rel, "data": ["pool", zlib.crc32(rel.encode()) & 0xFFFF]}
@@ -887,22 +1003,76 @@ class Runner:
         if env.draft:
             out += zarr2_compare(env, src)
         else:
-            import zarr
-            a = zarr.open_array(zarr.storage.LocalStore(src), path=env.case.path, mode="r")[...]
-            b = zarr.open_array(zarr.storage.LocalStore(env.twin), path=env.case.path, mode="r")[...]
-            if not np.array_equal(a, b, equal_nan=a.dtype.kind == "f"):
-                out.append(f"[final] zarr-python values differ at {np.argwhere(a != b)[:5].tolist()}")
-            try:
-                import tensorstore as ts
-                t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(src / env.case.path)}},
-                            read=True).result().read().result()
-                if not np.array_equal(np.asarray(t), b, equal_nan=a.dtype.kind == "f"):
-                    out.append("[final] tensorstore values differ from the twin")
-            except Exception as e:
-                out.append(f"[final] tensorstore failed: {e!r}"[:500])
+            for case in env.names.cases:
+                out += peers_compare(env, src, case)
         env.mount()
         out += compare(env, "final after remount")
         return out
+
+
+def _as_rectilinear(v):
+    """``v`` with every ZEP 3 `rectangular` grid spelled `rectilinear` (same edges)."""
+    if isinstance(v, list):
+        return [_as_rectilinear(x) for x in v]
+    if not isinstance(v, dict):
+        return v
+    if v.get("name") == "rectangular" and isinstance(v.get("configuration"), dict):
+        return {"name": "rectilinear", "configuration": {"kind": "inline",
+                                                         "chunk_shapes": v["configuration"]["chunk_shape"]}}
+    return {k: _as_rectilinear(x) for k, x in v.items()}
+
+
+def _zarr_values(root: Path, case: ZarrCase, work: Path, consolidated: bool) -> np.ndarray:
+    """zarr-python reads the array (through the root's consolidated metadata when the
+    store is a hierarchy); a ZEP 3 `rectangular` grid, which it does not know, from a
+    copy of the store that spells it as its successor `rectilinear` (same edges)."""
+    import warnings
+
+    import zarr
+    for rel in [f"{case.path}/zarr.json"] + (["zarr.json"] if consolidated else []):
+        doc = json.loads((root / rel).read_bytes())
+        members = [doc] + list(((doc.get("consolidated_metadata") or {}).get("metadata") or {}).values())
+        if any((m.get("chunk_grid") or {}).get("name") == "rectangular" for m in members):
+            copy = Path(tempfile.mkdtemp(dir=work))
+            shutil.copytree(root, copy, dirs_exist_ok=True)
+            for rel2 in {f"{case.path}/zarr.json", "zarr.json"}:
+                (copy / rel2).write_text(json.dumps(_as_rectilinear(json.loads((copy / rel2).read_bytes()))))
+            root = copy
+            break
+    with warnings.catch_warnings(), zarr.config.set({"array.rectilinear_chunks": True}):
+        warnings.simplefilter("ignore")
+        store = zarr.storage.LocalStore(root, read_only=True)
+        if consolidated:
+            return zarr.open_group(store, mode="r", use_consolidated=True)[case.path][...]
+        return zarr.open_array(store, path=case.path, mode="r")[...]
+
+
+def peers_compare(env: Env, src: Path, case: ZarrCase) -> list[str]:
+    """zarr-python (and tensorstore, for regular grids) read the array from the sharded
+    source as zarr-python reads it from the twin; a hierarchy's arrays also through its
+    consolidated metadata (which the view mapped back)."""
+    out = []
+    b = _zarr_values(env.twin, case, env.work, False)
+    for consolidated in [False, True] if env.cases else [False]:
+        try:
+            a = _zarr_values(src, case, env.work, consolidated)
+        except Exception as e:
+            out.append(f"[final] zarr-python failed on {case.path} (consolidated={consolidated}): {e!r}"[:500])
+            continue
+        if a.shape != b.shape or not np.array_equal(a, b, equal_nan=a.dtype.kind == "f"):
+            where = np.argwhere(a != b)[:5].tolist() if a.shape == b.shape else f"shapes {a.shape} {b.shape}"
+            out.append(f"[final] zarr-python values of {case.path} differ (consolidated={consolidated}) at {where}")
+    if not pz.tensorstore_supports(case):
+        return out
+    try:
+        import tensorstore as ts
+        t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(src / case.path)}},
+                    read=True).result().read().result()
+        if not np.array_equal(np.asarray(t), b, equal_nan=b.dtype.kind == "f"):
+            out.append(f"[final] tensorstore values of {case.path} differ from the twin")
+    except Exception as e:
+        out.append(f"[final] tensorstore failed on {case.path}: {e!r}"[:500])
+    return out
 
 
 def zarr2_compare(env: Env, src: Path) -> list[str]:
