@@ -1052,8 +1052,8 @@ def peers_compare(env: Env, src: Path, case: ZarrCase) -> list[str]:
     source as zarr-python reads it from the twin; a hierarchy's arrays also through its
     consolidated metadata (which the view mapped back)."""
     out = []
-    b = _zarr_values(env.twin, case, env.work, False)
     for consolidated in [False, True] if env.cases else [False]:
+        b = _zarr_values(env.twin, case, env.work, consolidated)  # (a stale member: the twin's too)
         try:
             a = _zarr_values(src, case, env.work, consolidated)
         except Exception as e:
@@ -1068,6 +1068,7 @@ def peers_compare(env: Env, src: Path, case: ZarrCase) -> list[str]:
         import tensorstore as ts
         t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(src / case.path)}},
                     read=True).result().read().result()
+        b = _zarr_values(env.twin, case, env.work, False)
         if not np.array_equal(np.asarray(t), b, equal_nan=b.dtype.kind == "f"):
             out.append(f"[final] tensorstore values of {case.path} differ from the twin")
     except Exception as e:
