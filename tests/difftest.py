@@ -97,7 +97,10 @@ HIERARCHIES: dict[str, list[ZarrCase]] = {
 }
 LAYOUTS.update({k: v[0] for k, v in HIERARCHIES.items()})
 #: op weights a layout adds (metadata documents written through the mount, consolidation)
-LAYOUT_WEIGHTS: dict[str, dict[str, float]] = {k: {"meta": 6, "consolidate": 2} for k in HIERARCHIES}
+LAYOUT_WEIGHTS: dict[str, dict[str, float]] = {
+    **{k: {"meta": 3, "resize": 3} for k in LAYOUTS if LAYOUTS[k].grid != "regular"},
+    **{k: {"meta": 6, "consolidate": 2, "resize": 3} for k in HIERARCHIES},
+}
 
 PLAIN_FILES = ["notes.txt", "plain/a.bin", "plain/b.bin", "plain/sub/c.bin", "top.bin"]
 PLAIN_DIRS = ["plain", "plain/sub", "plain/new"]
@@ -125,6 +128,17 @@ class Names:
     def __init__(self, case: ZarrCase, draft: bool, cases: list[ZarrCase] | None = None):
         self.case, self.draft = case, draft
         self.cases = cases or [case]
+        self.largest = {c.path: c.shape for c in self.cases}  # (resize: the largest shape each had)
+        self.hier = bool(cases)
+        self._build()
+
+    def resize(self, path: str, shape: tuple):
+        """An array's document now has ``shape``: chunks past it are outside (ENOENT)."""
+        self.cases = [c.with_(shape=tuple(shape)) if c.path == path else c for c in self.cases]
+        self.largest[path] = tuple(max(a, b) for a, b in zip(self.largest[path], shape))
+        self._build()
+
+    def _build(self):
         self.chunks, self.outside, self.chunkdirs = {}, {}, set()
         self.arrs, self.arr_plain, self.plain_chunks = [], [], []
         self.meta = ["zarr.json"]
@@ -132,7 +146,8 @@ class Names:
             self._add(c)
         self.arr = self.arrs[0]
         self.group_plain, self.members = [], []
-        if cases:  # a hierarchy: its groups' documents, files beside them, consolidated members
+        if self.hier:  # a hierarchy: its groups' documents, files beside them, consolidated members
+            cases = self.cases
             groups = sorted({"/".join(c.path.split("/")[:i]) for c in cases for i in range(1, c.path.count("/") + 1)})
             self.meta += [f"{g}/zarr.json" for g in groups]
             self.group_plain = [f"{g}/notes.md" for g in groups]
@@ -166,6 +181,8 @@ class Names:
             c[d] = grid[d]
             out.append(tuple(c))
         out.append(tuple(g + 3 for g in grid))
+        out += [c for c in pz.grid_coords(pz.chunk_bounds(case.with_(shape=self.largest[case.path])))
+                if c not in set(coords)]  # (an array shrunk: the chunks it had)
         outside = {key(c): c for c in out}
         self.outside.update(outside)
         # chunk directories: proper prefixes of chunk keys below the array
@@ -489,6 +506,9 @@ class Applier:
 
     def op_rmdir(self, op):
         rel = op["path"]
+        if self.twin and self.names.kind(rel) == "outdir":  # (left empty by a resize: outside the grid)
+            shutil.rmtree(self.p(rel), ignore_errors=True)
+            return "ENOENT"
         if self.twin and self.names.kind(rel) == "chunkdir":
             p = self.p(rel)
             if p.exists() and any(q.is_file() for q in p.rglob("*")):
@@ -614,6 +634,22 @@ class Applier:
         self._on_fd(rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: os.write(fd, text))
         os.unlink(self.p(rel + "~"))
         return "ok"
+
+    def op_resize(self, op):
+        """zarr-python's resize through the mount: the chunks past the new shape are
+        deleted first, then the document gets the new shape (SEMANTICS 4.9; a variable
+        shard grid grows by one shard edge)."""
+        rel = f"{op['path']}/zarr.json"
+        doc = json.loads(self.p(rel).read_bytes())
+        case = next(c for c in self.names.cases if c.path == op["path"])
+        big = case.with_(shape=tuple(max(a, b) for a, b in zip(self.names.largest[case.path], doc["shape"])))
+        for c in pz.grid_coords(pz.chunk_bounds(big)):
+            if any(i * n >= s for i, n, s in zip(c, case.chunks, op["shape"])):
+                key = self.p(f"{case.path}/{pz.chunk_key(case, c)}")
+                if os.path.isfile(key):
+                    os.unlink(key)
+        doc["shape"] = list(op["shape"])
+        return self._on_fd(rel, os.O_WRONLY | os.O_TRUNC, lambda fd: os.write(fd, json.dumps(doc).encode()))
 
     def op_consolidate(self, op):
         """zarr-python consolidates the hierarchy's metadata into the root ``zarr.json``."""
@@ -751,7 +787,7 @@ def compare(env: Env, where: str) -> list[str]:
 WEIGHTS = {"write": 18, "pwrite": 10, "append": 5, "otrunc": 3, "truncate": 6, "ftruncate": 2, "unlink": 8,
            "rename": 9, "link": 3, "mkdir": 3, "rmdir": 3, "hold": 6, "readopen": 3, "tmprename": 7, "fsync": 3,
            "dirfsync": 2, "sync": 3, "remount": 2, "read": 2, "kill9": 1.5, "conc": 3,
-           "meta": 0, "consolidate": 0}  # (the last two: LAYOUT_WEIGHTS)
+           "meta": 0, "consolidate": 0, "resize": 0}  # (the last three: LAYOUT_WEIGHTS)
 
 
 class Gen:
@@ -863,6 +899,11 @@ class Gen:
             if r.random() < 0.2:
                 o["fill"] = r.randrange(50)
             return o
+        if kind == "resize":
+            case = r.choice([c for c in self.n.cases if c.sharded])
+            shape = json.loads((self.env.twin / case.path / "zarr.json").read_bytes())["shape"]
+            return {"op": "resize", "path": case.path,
+                    "shape": [max(1, s + r.choice([-7, -4, -1, 0, 0, 1, 3, 5, 9])) for s in shape]}
         if kind == "kill9" and r.random() < 0.6:
             return {"op": "kill9", "delay": r.choice([0, 0.001, 0.005, 0.01, 0.02, 0.05])}
         return {"op": kind}
@@ -879,6 +920,9 @@ class Runner:
         self.durable: dict[str, bytes] = {}   # file -> bytes at the last durable point
         self.versions: dict[str, list] = {}   # file -> versions since then
         self.stats = {"ops": 0, "remounts": 0, "kills": 0}
+        #: chunks past a shrunk array's shape when the daemon was killed: the mount hides them,
+        #: whether or not their removal was stored; a resize showing them again adopts them
+        self.hidden: set[str] = set()
 
     def twin_files(self) -> dict[str, bytes]:
         return {str(p.relative_to(self.env.twin)): p.read_bytes() for p in self.env.twin.rglob("*") if p.is_file()}
@@ -918,6 +962,14 @@ class Runner:
         rm = self.mnt_ap.apply(op)
         self.twin_ap.on_the_way = {}
         rt = self.twin_ap.apply(op)
+        if kind == "resize" and rt == "ok":
+            env.names.resize(op["path"], op["shape"])
+            for rel in sorted(self.hidden):
+                if env.names.kind(rel) == "chunk":
+                    self.hidden.discard(rel)
+                    if (env.mnt / rel).is_file():
+                        (env.twin / rel).parent.mkdir(parents=True, exist_ok=True)
+                        (env.twin / rel).write_bytes((env.mnt / rel).read_bytes())
         after = self.twin_files()
         for rel, states in self.twin_ap.on_the_way.items():
             self.versions.setdefault(rel, []).extend(states)
@@ -947,6 +999,11 @@ class Runner:
             syncer.wait(60)
         self.stats["kills"] += 1
         env.mount()
+        for c in env.names.cases:
+            if c.sharded and tuple(c.shape) != tuple(env.names.largest[c.path]):
+                big = c.with_(shape=env.names.largest[c.path])
+                self.hidden |= {f"{c.path}/{pz.chunk_key(c, x)}" for x in pz.grid_coords(pz.chunk_bounds(big))}
+        self.hidden = {rel for rel in self.hidden if env.names.kind(rel) == "outside"}
         fm, _, pm = snapshot(env.mnt, env.names)
         out = [f"[step {i} after kill -9] mount: {p}" for p in pm]
         cur = self.twin_files()
