@@ -149,6 +149,7 @@ class Names:
     def _build(self):
         self.chunks, self.outside, self.chunkdirs = {}, {}, set()
         self.arrs, self.arr_plain, self.plain_chunks = [], [], []
+        self.plain_trees = getattr(self, "plain_trees", [])
         self.meta = ["zarr.json"]
         for c in self.cases:
             self._add(c)
@@ -210,6 +211,8 @@ class Names:
             return "outside"
         if rel in self.chunkdirs:
             return "chunkdir" if rel in self.inner_dirs else "outdir"
+        if (k := self._spelled_outside(rel)):
+            return k
         parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
         if parent in self.chunkdirs:
             return "chunktmp"
@@ -217,8 +220,39 @@ class Names:
             return "arrplain"
         return "plain"
 
+    def _spelled_outside(self, rel: str) -> str | None:
+        """A chunk name, chunk directory or a name below one, past every grid listed
+        (minimising may drop the resize that made it): outside, as in the view."""
+        for c in self.cases:
+            if self.draft or not c.sharded or not rel.startswith(c.path + "/"):
+                continue
+            parts = rel[len(c.path) + 1:].split(c.separator)
+            if c.key_encoding == "default":
+                if parts[0] != "c":
+                    continue
+                parts = parts[1:]
+            n = 0
+            while n < len(parts) and parts[n].isdigit() and str(int(parts[n])) == parts[n]:
+                n += 1
+            grid = [len(b) - 1 for b in pz.chunk_bounds(c)]
+            if not 0 < n <= len(grid) or all(int(x) < g for x, g in zip(parts[:n], grid)):
+                continue
+            if n == len(grid) == len(parts):
+                return "outside"
+            if c.separator == "/" and n < len(grid):
+                return "outdir" if n == len(parts) else "outside"
+        return None
+
     def in_chunk_tree(self, rel: str) -> bool:
         return any(rel == d or rel.startswith(d + "/") for d in self.chunkdirs)
+
+    def unlisted(self, rel: str) -> bool:
+        """A directory whose listing is not compared: chunk trees, and (S3, where an
+        emptied directory is gone at a remount) the chunk directories of unsharded arrays."""
+        return self.in_chunk_tree(rel) or any(rel == d or rel.startswith(d + "/") for d in self.plain_trees)
+
+    def in_out_dir(self, rel: str) -> bool:
+        return any(rel.startswith(d + "/") for d in self.out_dirs)
 
 
 # ------------------------------------------------------------------ data
@@ -280,6 +314,9 @@ class Env:
         self.mnt = work / "mnt"
         self.log = log
         self.names = Names(self.case, self.draft, self.cases)
+        if backend == "s3":
+            self.names.plain_trees = sorted({k.rsplit("/", 1)[0] for k in self.names.plain_chunks if k.count("/") > 1}
+                                            - {c.path for c in self.names.cases})
         self.server = None
         self.bucket = None
         self.mount_count = 0
@@ -760,8 +797,8 @@ def snapshot(root: Path, names: Names, strict_dirs: bool = True) -> tuple[dict, 
                 files[rel] = b
             except OSError as e:
                 problems.append(f"{rel}: read {errname(e)}")
-        if not names.in_chunk_tree(rel_d):
-            dirs[rel_d] = sorted(d for d in dirnames if not names.in_chunk_tree(f"{rel_d}/{d}" if rel_d else d)) + \
+        if not names.unlisted(rel_d):
+            dirs[rel_d] = sorted(d for d in dirnames if not names.unlisted(f"{rel_d}/{d}" if rel_d else d)) + \
                 sorted(filenames)
     return files, dirs, problems
 
@@ -931,6 +968,9 @@ class Runner:
         #: chunks past a shrunk array's shape when the daemon was killed: the mount hides them,
         #: whether or not their removal was stored; a resize showing them again adopts them
         self.hidden: set[str] = set()
+        #: (twin) temporaries in chunk directories a resize put outside the grid: the mount
+        #: still holds them in memory, unreachable until a resize takes the directory back
+        self.hidden_tmp: dict[str, bytes] = {}
 
     def twin_files(self) -> dict[str, bytes]:
         return {str(p.relative_to(self.env.twin)): p.read_bytes() for p in self.env.twin.rglob("*") if p.is_file()}
@@ -946,6 +986,7 @@ class Runner:
 
     def drop_chunk_temporaries(self):
         """Documented: non-chunk files inside chunk dirs live in memory only (gone at unmount)."""
+        self.hidden_tmp = {}
         for p in list(self.env.twin.rglob("*")):
             rel = str(p.relative_to(self.env.twin))
             if p.is_file() and self.env.names.kind(rel) == "chunktmp":
@@ -972,6 +1013,15 @@ class Runner:
         rt = self.twin_ap.apply(op)
         if kind == "resize" and rt == "ok":
             env.names.resize(op["path"], op["shape"])
+            for rel, data in list(self.hidden_tmp.items()):
+                if not env.names.in_out_dir(rel) and not (env.twin / rel).exists():
+                    (env.twin / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (env.twin / rel).write_bytes(self.hidden_tmp.pop(rel))
+            for p in [p for p in env.twin.rglob("*") if p.is_file()]:
+                rel = str(p.relative_to(env.twin))
+                if env.names.kind(rel) == "chunktmp" and env.names.in_out_dir(rel):
+                    self.hidden_tmp[rel] = p.read_bytes()
+                    p.unlink()
             for rel in sorted(self.hidden):
                 if env.names.kind(rel) == "chunk":
                     self.hidden.discard(rel)
@@ -1007,6 +1057,7 @@ class Runner:
             syncer.wait(60)
         self.stats["kills"] += 1
         env.mount()
+        self.hidden_tmp = {}  # (memory only: gone with the daemon)
         for c in env.names.cases:
             if c.sharded and tuple(c.shape) != tuple(env.names.largest[c.path]):
                 big = c.with_(shape=env.names.largest[c.path])
