@@ -1535,6 +1535,33 @@ def test_names_outside_the_grid_are_refused(store, mount, tmp_path):
     assert "discarded" not in m.log_text()  # nothing was kept only to be dropped
 
 
+def test_names_outside_a_shrunk_grid_are_refused_through_directories_the_kernel_holds(store, mount, tmp_path):
+    """A chunk directory (and chunk) the kernel looked up while the array was
+    larger, then outside the shape a ``zarr.json`` written through the view
+    shrank: its cached entry still leads the kernel to it, yet names below it
+    are refused (ENOENT), as after a fresh lookup.  (A create, an open for
+    writing and a rename onto a name there were accepted: written into the
+    shard with the old grid, never listed; found by the differential tester.)"""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", "attr_timeout=3600", extra=store.extra)
+    assert os.path.isdir(m / "arr/c/3") and os.path.isfile(m / "arr/c/3/0")  # (the kernel holds both)
+    doc = json.loads((m / "arr/zarr.json").read_bytes())
+    doc["shape"] = [6, 8]  # by the document only: the stored chunks of row 3 stay, hidden
+    (m / "arr/zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(FileNotFoundError):
+        write_file(m / "arr/c/3/1", raw_chunk(7))
+    with pytest.raises(FileNotFoundError):
+        write_file(m / "arr/c/3/0", raw_chunk(7))
+    with pytest.raises(FileNotFoundError):
+        os.rename(m / "arr/c/0/0", m / "arr/c/3/2")
+    assert sorted(os.listdir(m / "arr/c")) == ["0", "1", "2"]
+    assert (m / "arr/c/0/0").read_bytes() == data[0:2, 0:2].tobytes()
+    m.umount()
+    stored = stored_chunks(store, "arr", (2, 2))
+    assert [stored[3, j] for j in range(3)] == [data[6:8, 2 * j:2 * j + 2].tobytes() for j in range(3)]  # as they were
+
+
 def test_directories_outside_the_grid_of_a_v2_keyed_array_are_refused(store, mount, tmp_path):
     """With the ``v2`` key encoding and ``/`` the chunk directories begin in
     the array's own directory (``arr/9``): one outside the grid is ENOENT at

@@ -373,6 +373,11 @@ class View:
         if fresh is None:
             writes = self.document_writes
             fresh = await self.resolve(node.path) if node.path else self.root()
+            if fresh is None and self._in_dataset(node):
+                # a chunk name (directory, file) the dataset no longer has, its
+                # shape shrunk: the kernel may still hold its entry, whose old
+                # grid would take chunks the new one hides (stored, never shown)
+                raise ViewError(errno.ENOENT, f"{node.path}: outside the chunk grid now")
             if fresh is None:
                 return node
             if self.document_writes == writes:  # (else resolved partly before another change)
