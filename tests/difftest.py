@@ -251,8 +251,6 @@ class Names:
         emptied directory is gone at a remount) the chunk directories of unsharded arrays."""
         return self.in_chunk_tree(rel) or any(rel == d or rel.startswith(d + "/") for d in self.plain_trees)
 
-    def in_out_dir(self, rel: str) -> bool:
-        return any(rel.startswith(d + "/") for d in self.out_dirs)
 
 
 # ------------------------------------------------------------------ data
@@ -1012,16 +1010,16 @@ class Runner:
         self.twin_ap.on_the_way = {}
         rt = self.twin_ap.apply(op)
         if kind == "resize" and rt == "ok":
+            tmps = [rel for rel in before if env.names.kind(rel) == "chunktmp"]
             env.names.resize(op["path"], op["shape"])
-            for rel, data in list(self.hidden_tmp.items()):
-                if not env.names.in_out_dir(rel) and not (env.twin / rel).exists():
+            for rel in list(self.hidden_tmp):
+                if env.names.kind(rel) == "chunktmp" and not (env.twin / rel).exists():
                     (env.twin / rel).parent.mkdir(parents=True, exist_ok=True)
                     (env.twin / rel).write_bytes(self.hidden_tmp.pop(rel))
-            for p in [p for p in env.twin.rglob("*") if p.is_file()]:
-                rel = str(p.relative_to(env.twin))
-                if env.names.kind(rel) == "chunktmp" and env.names.in_out_dir(rel):
-                    self.hidden_tmp[rel] = p.read_bytes()
-                    p.unlink()
+            for rel in tmps:
+                if env.names.kind(rel) != "chunktmp" and (env.twin / rel).is_file():
+                    self.hidden_tmp[rel] = (env.twin / rel).read_bytes()
+                    (env.twin / rel).unlink()
             for rel in sorted(self.hidden):
                 if env.names.kind(rel) == "chunk":
                     self.hidden.discard(rel)
