@@ -3,14 +3,16 @@
 Fixed seeds of the randomized differential tester (tests/difftest.py): each applies
 random ops (writes, pwrites past the end, truncates, renames, links, handles held open
 across an unlink or a rename, temporary-then-rename, fsync, sync, two writers at once,
-remounts and kill -9 of the daemon) to a mount of a sharded store and to a directory
+remounts and kill -9 of the daemon; for variable shard grids and consolidated
+hierarchies also metadata documents edited, consolidated and resized through the
+mount) to a mount of a sharded store and to a directory
 holding its unsharded twin, and compares the two after every step, except for the
 documented Limits (which the twin emulates). A failure prints the seed, the layout and
 the op list, and saves the list for ``scripts/difftest.py --replay FILE``.
 
 Each case's seed was chosen so that its run includes at least one remount and one
 kill -9 (asserted, so a change of the generator cannot drop them unnoticed); the steps
-keep the whole file within about 90 s on two cores.
+keep the whole file within about 2 minutes on two cores.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ CASES = [
     ("zarr2", "local", 1, 150),                # v3-draft storage transformer (zarr-python 2.18)
     ("basic", "s3", 2, 100),
     ("be_nocrc_dot_edges", "s3", 1, 100),      # big-endian index without crc32c, '.' keys
+    # variable shard grids, metadata edits and resizes through the mount
+    ("rectilinear_rle_int", "local", 4, 100),  # [length, repeat] runs and a bare-integer step
+    ("rectangular_edges_be_dot", "local", 2, 80),  # ZEP 3 rectangular, partial edge chunks
+    # consolidated hierarchies: groups, several arrays (one unsharded), consolidation
+    ("hier", "local", 1, 100),
+    ("hier_rect", "s3", 1, 80),                # a rectangular array among regular ones
 ]
 
 
