@@ -779,7 +779,10 @@ class Applier:
 def snapshot(root: Path, names: Names, strict_dirs: bool = True) -> tuple[dict, dict, list]:
     """(files: rel -> bytes, listings of dirs outside chunk trees, problems)."""
     files, dirs, problems = {}, {}, []
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def unlisted(e: OSError):  # (os.walk leaves out a directory it cannot list, silently)
+        problems.append(f"{os.path.relpath(e.filename, root)}: listing {errname(e)}")
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unlisted):
         rel_d = os.path.relpath(dirpath, root)
         rel_d = "" if rel_d == "." else rel_d
         dirnames.sort()
