@@ -312,9 +312,10 @@ class Env:
         self.mnt = work / "mnt"
         self.log = log
         self.names = Names(self.case, self.draft, self.cases)
-        if backend == "s3":
-            self.names.plain_trees = sorted({k.rsplit("/", 1)[0] for k in self.names.plain_chunks if k.count("/") > 1}
-                                            - {c.path for c in self.names.cases})
+        if backend == "s3":  # (the directories below an unsharded array's own)
+            self.names.plain_trees = sorted({
+                k.rsplit("/", i)[0] for k in self.names.plain_chunks for i in range(1, k.count("/") + 1)
+                if any(k.rsplit("/", i)[0].startswith(c.path + "/") for c in self.names.cases)})
         self.server = None
         self.bucket = None
         self.mount_count = 0
@@ -986,8 +987,13 @@ class Runner:
                 self.versions.setdefault(rel, []).append(after.get(rel))
 
     def drop_chunk_temporaries(self):
-        """Documented: non-chunk files inside chunk dirs live in memory only (gone at unmount)."""
+        """Documented: non-chunk files inside chunk dirs live in memory only (gone at unmount).
+        (And S3 has no empty directories: those below unsharded arrays are gone too.)"""
         self.hidden_tmp = {}
+        for d in sorted(self.env.names.plain_trees, key=lambda d: -d.count("/")):
+            p = self.env.twin / d
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
         for p in list(self.env.twin.rglob("*")):
             rel = str(p.relative_to(self.env.twin))
             if p.is_file() and self.env.names.kind(rel) == "chunktmp":
@@ -1089,6 +1095,7 @@ class Runner:
                 p.write_bytes(fm[rel])
             elif p.exists():
                 p.unlink()
+        self.drop_chunk_temporaries()
         self.mark_durable()
         return out + compare(env, f"step {i} after kill -9 (adopted)")
 
