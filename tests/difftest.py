@@ -645,8 +645,9 @@ class Applier:
         """A tool's edit of a metadata document through the mount (SEMANTICS 4.9, 4.11, 4.15):
         read it, change attributes (of a consolidated member too) or the fill value, and
         write it back as ``how`` says: in place, in pieces, emptied first (a shell
-        redirect after a ``truncate``), a temporary renamed over it, or an editor's save
-        (rename to ``~``, write anew, unlink the ``~``)."""
+        redirect after a ``truncate``), a temporary renamed over it, an editor's save
+        (rename to ``~``, write anew, unlink the ``~``), removed and put back, or moved
+        away and back."""
         rel = op["path"]
         doc = json.loads(self.p(rel).read_bytes())
         target = doc
@@ -673,6 +674,13 @@ class Applier:
             self._on_fd(rel + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: os.write(fd, text))
             os.rename(self.p(rel + ".tmp"), self.p(rel))
             return "ok"
+        if how == "rmput":  # rm, then a saved copy put back by a shell redirect
+            os.unlink(self.p(rel))
+            return self._on_fd(rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, lambda fd: os.write(fd, text))
+        if how == "mvback":  # mv away, back, then rewritten in place
+            os.rename(self.p(rel), self.p(rel + ".bak"))
+            os.rename(self.p(rel + ".bak"), self.p(rel))
+            return self._on_fd(rel, os.O_WRONLY | os.O_TRUNC, lambda fd: os.write(fd, text))
         assert how == "editor", how
         os.rename(self.p(rel), self.p(rel + "~"))
         self._on_fd(rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: os.write(fd, text))
@@ -939,7 +947,7 @@ class Gen:
             return {"op": "conc", "jobs": jobs}
         if kind == "meta":
             o = {"op": "meta", "path": r.choice(self.n.meta),
-                 "how": r.choice(["write", "pieces", "emptied", "tmprename", "editor"]),
+                 "how": r.choice(["write", "pieces", "emptied", "tmprename", "editor", "rmput", "mvback"]),
                  "attrs": {r.choice("abc"): r.choice([0, 1, "x", [1, 2.5], None, {"n": r.randrange(9)}])}}
             if o["path"] == "zarr.json" and self.n.members and r.random() < 0.5:
                 o["member"] = r.choice(self.n.members)
