@@ -27,7 +27,11 @@ the mount (attributes, fill value, consolidated members; SEMANTICS 4.9, 4.11, 4.
 zarr-python's consolidation, and resizes (chunks past the new shape deleted first, as
 zarr-python does; names past the shape are then outside the grid). A kill -9 while an
 array is shrunk leaves unknown which of its removed chunks the shards still hold (hidden
-past the shape): a resize that shows them again adopts them into the twin.
+past the shape): a resize that shows them again adopts them into the twin (and such an
+array is not read through consolidated metadata at the end). Temporaries in a chunk
+directory a shrink puts outside the grid stay in the mount's memory, unreachable: the
+twin holds them aside until a resize takes the directory back. On S3 the directories
+below an unsharded array are not listed and, found empty at a remount, are gone.
 
 An op is a JSON-able dict (data as ``["pool", i]``, a valid encoded chunk, or
 ``["rnd", seed, n]``), so a failing sequence can be printed, saved, replayed
