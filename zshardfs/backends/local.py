@@ -140,8 +140,12 @@ _OFD_WRLCK = struct.pack("=hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
 _OFD_UNLCK = struct.pack("=hh4xqqi4x", fcntl.F_UNLCK, os.SEEK_SET, 0, 0, 0)
 
 
+def _direct(opener, *args, **kwargs) -> int:
+    return opener(*args, **kwargs)
+
+
 @contextmanager
-def _key_lock(dfd: int, name: str):
+def _key_lock(dfd: int, name: str, retry=_direct):
     """tensorstore's lock of the key ``name`` in the directory ``dfd`` (its
     file kvstore, default ``os`` mode): an open-file-description write lock
     on ``<name>.__lock``,
@@ -150,12 +154,14 @@ def _key_lock(dfd: int, name: str):
     conditional write of ours that did not take it could land between the
     two, and tensorstore's rename would then throw it away unseen.  Waits
     LOCK_WAIT at most (EBUSY).  The lock file is removed when done, as
-    tensorstore removes it after a write that did not rename it."""
+    tensorstore removes it after a write that did not rename it.  ``retry``:
+    how its opens meet EMFILE (the store's ``_fd_or_room``: another thread
+    may take the last free descriptor number between our opens)."""
     lock_name = name + LOCK_SUFFIX
     # (a symlink planted there: ELOOP; a FIFO: ENXIO or not a regular file,
     # never an open that waits for a reader)
     flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-    fd = _open_regular(lock_name, flags, dfd)
+    fd = _open_regular(lock_name, flags, dfd, retry)
     try:
         deadline, delay = time.monotonic() + LOCK_WAIT, 0.001
         while True:
@@ -179,7 +185,7 @@ def _key_lock(dfd: int, name: str):
             fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _OFD_UNLCK)
             os.close(fd)
             fd = -1  # (closed: an open below that fails must not close it again)
-            fd = _open_regular(lock_name, flags, dfd)
+            fd = _open_regular(lock_name, flags, dfd, retry)
         try:
             yield
         finally:
@@ -192,10 +198,10 @@ def _key_lock(dfd: int, name: str):
             os.close(fd)  # (releases the lock)
 
 
-def _open_regular(name: str, flags: int, dfd: int) -> int:
+def _open_regular(name: str, flags: int, dfd: int, retry=_direct) -> int:
     """``os.open`` in ``dfd`` that accepts a regular file only (EBUSY for
     anything else another user may have put there)."""
-    fd = os.open(name, flags, 0o666, dir_fd=dfd)
+    fd = retry(os.open, name, flags, 0o666, dir_fd=dfd)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(errno.EBUSY, "not a regular file", name)
@@ -940,7 +946,7 @@ class LocalBackend:
                     f.flush()
                     os.fsync(f.fileno())
                 if if_match is not None or if_none_match:
-                    with _key_lock(dfd, name), self._dir_lock(dfd):
+                    with _key_lock(dfd, name, self._fd_or_room), self._dir_lock(dfd):
                         self._check(key, dfd, if_match, if_none_match)
                         os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 else:
@@ -984,7 +990,7 @@ class LocalBackend:
             if dfd < 0:
                 raise FileNotFoundError(errno.ENOENT, "no such directory", dir_key)
             if if_match is not None:
-                with _key_lock(dfd, name), self._dir_lock(dfd):
+                with _key_lock(dfd, name, self._fd_or_room), self._dir_lock(dfd):
                     self._check(key, dfd, if_match, False)
                     os.unlink(name, dir_fd=dfd)
             else:
