@@ -189,6 +189,51 @@ def test_a_precomputed_flush_that_loses_a_race_reading_minishards_merges_again(t
     assert sorted(ids.tolist()) == [1, 2, 3, 4]
 
 
+def test_a_listing_that_read_a_shard_before_its_flush_shows_no_chunk_removed_meanwhile(tmp_path):
+    """A listing reads a precomputed shard's minishard index, then a flush
+    stores the unlink of one of its keys: the listing must not show that key
+    from the version it read (its name listed, then ENOENT: found by the
+    differential tester, a name renamed away still listed)."""
+    from zshardfs.layouts.precomputed_format import ShardingSpec, encode_shard
+
+    sharding = {"@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity",
+                "minishard_bits": 1, "shard_bits": 0, "minishard_index_encoding": "raw", "data_encoding": "raw"}
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "info").write_text(json.dumps({"@type": "neuroglancer_skeletons", "sharding": sharding}))
+    (tmp_path / "kv" / "0.shard").write_bytes(encode_shard({1: b"one", 3: b"three"}, ShardingSpec.from_json(sharding)))
+
+    class FlushingStore(LocalBackend):
+        """The listing's read of the shard index is answered (the old
+        version's), then, before the listing goes on, the flush ends."""
+
+        armed = False
+
+        def get(self, key, start=0, length=None, *args, **kwargs):
+            blob = super().get(key, start, length, *args, **kwargs)
+            if self.armed and key == "kv/0.shard":
+                self.armed = False
+                trio.from_thread.run(view.writeback.flush, "kv/0.shard")
+            return blob
+
+        def get_nowait(self, *args, **kwargs):
+            return None  # every read asks the file (as S3 does)
+
+    store = FlushingStore(str(tmp_path))
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=False), store)
+
+    async def main():
+        kv = await view.resolve("kv")
+        await view.unlink(kv, "1")  # (pending: not stored yet)
+        view.ctx.shards.forget("kv/0.shard")
+        store.armed = True
+        names = [node.name async for node in view.listdir(kv)]
+        assert not store.armed  # (the flush ran inside the listing)
+        assert sorted(names) == ["3", "info"]
+        assert await view.resolve("kv/1") is None
+
+    trio.run(main)
+
+
 def _small_array(root) -> None:
     """arr: 8x8 uint8, shards of 4x4, inner chunks 2x2; shard (0, 0) holds
     its 4 chunks, chunk i filled with bytes i + 1."""

@@ -487,6 +487,15 @@ class View:
             return None
         return Node(path, False, entry.size, entry.mtime, dataset=dataset, rel=rel, target=target)
 
+    async def _listed_child(self, path: str, dataset: Dataset, rel: tuple[str, ...], entry, mark: int) -> Node | None:
+        """A listed entry's node.  A chunk whose shard this mount stored after
+        the listing began (``mark``) is looked up again: the listing may have
+        read the version before, and that store retired the pending change
+        (an unlink, a rename away, a new size) that would have corrected it."""
+        if isinstance(entry, ChunkEntry) and self.writeback.stored_since(entry.shard_key, mark):
+            return await self._dataset_child(path, dataset, rel)
+        return self._virtual(path, dataset, rel, entry)
+
     def _virtual(self, path: str, dataset: Dataset, rel: tuple[str, ...], entry) -> Node | None:
         if isinstance(entry, DirEntry):
             return Node(path, True, 0, entry.mtime or self.started, dataset=dataset, rel=rel)
@@ -597,6 +606,7 @@ class View:
         node = await self._fresh(node)
         extra = self._pending_children(node.path)
         seen: set[str] | None = set() if extra else None
+        mark = self.writeback.store_seq
 
         def fresh(child: Node | None) -> bool:
             if child is None or child.path in self.buffers:
@@ -608,7 +618,7 @@ class View:
         if self._in_dataset(node):
             prefix, dataset, rel = _prefix(node.path), node.dataset, node.rel
             async for name, entry in dataset.listdir(rel):
-                child = self._virtual(prefix + name, dataset, rel + (name,), entry)
+                child = await self._listed_child(prefix + name, dataset, rel + (name,), entry, mark)
                 if fresh(child):
                     yield child
         else:
@@ -653,7 +663,7 @@ class View:
             if dataset is not None:
                 prefix = _prefix(node.path)
                 async for name, entry in dataset.listdir(()):
-                    child = self._virtual(prefix + name, dataset, (name,), entry)
+                    child = await self._listed_child(prefix + name, dataset, (name,), entry, mark)
                     if fresh(child):
                         yield child
         for name in extra:

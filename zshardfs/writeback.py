@@ -150,6 +150,27 @@ class WriteBack:
         self.last_failure: StoreError | None = None
         self.failing = False  # the latest flush failed
         self._waiting = 0  # writers waiting for room
+        # shards this mount stored, each with the number of its last store (a
+        # listing that began before it looks their chunks up again: stored_since)
+        self._stored: OrderedDict[str, int] = OrderedDict()
+        self.store_seq = 0
+        self._stored_floor = 0  # the newest number forgotten (the memory is bounded)
+
+    #: shards whose last store is remembered
+    STORED_KEPT = 4096
+
+    def _stored_now(self, key: str) -> None:
+        self.store_seq += 1
+        self._stored[key] = self.store_seq
+        self._stored.move_to_end(key)
+        while len(self._stored) > self.STORED_KEPT:
+            self._stored_floor = max(self._stored_floor, self._stored.popitem(last=False)[1])
+
+    def stored_since(self, key: str, mark: int) -> bool:
+        """Did this mount store shard ``key`` after ``mark`` (a ``store_seq``)?
+        Then what was read of it before may be older than its pending
+        changes, which that store retired."""
+        return self._stored.get(key, self._stored_floor) > mark
 
     # -- the dirty set ------------------------------------------------------
 
@@ -325,6 +346,7 @@ class WriteBack:
         async with shard.lock:
             before = {cid: (chunk, chunk.version) for cid, chunk in shard.chunks.items()}
             result = await put()
+            self._stored_now(key)
             for cid, chunk in list(shard.chunks.items()):
                 was = before.get(cid)
                 if not chunk.writers and was is not None and was[0] is chunk and was[1] == chunk.version:
@@ -412,6 +434,7 @@ class WriteBack:
                 shard.failures = 0
                 self.failing = False
                 self.flushes += 1
+                self._stored_now(key)
                 for cid, (version, _) in snapshot.items():
                     chunk = shard.chunks.get(cid)
                     if chunk is not None and chunk.version == version:
