@@ -2129,6 +2129,33 @@ else:
 """
 
 
+def test_chunk_removals_before_a_shrinking_document_are_stored_before_it(store, mount, tmp_path):
+    """A resize as zarr-python writes it (delete the chunks past the new
+    shape, then write zarr.json), with shard writes held in memory
+    (``flush_delay=inf``), then ``kill -9``: the stored document is the new
+    one and the removed chunks are gone from their shards.  (The document
+    was stored at close ahead of the removals, which a kill then lost: the
+    chunks stayed, hidden past the new shape, and a later grow showed them
+    again.)"""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=inf", extra=store.extra)
+    pid = int(os.getxattr(m.path, "user.zshardfs.pid"))
+    for i in range(4):
+        for j in (2, 3):
+            os.unlink(m / "arr" / "c" / str(i) / str(j))
+    doc = json.loads((m / "arr" / "zarr.json").read_bytes())
+    doc["shape"] = [8, 4]
+    (m / "arr" / "zarr.json").write_text(json.dumps(doc))
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not process_running(pid), 10, "the daemon to die")
+    subprocess.run(["fusermount3", "-uz", str(m.path)], capture_output=True)
+    m.mounted = False
+    assert json.loads(store.get("arr/zarr.json"))["shape"] == [8, 4]
+    chunks = stored_chunks(store, "arr", (2, 2))
+    assert sorted(chunks) == [(i, j) for i in range(4) for j in (0, 1)], sorted(chunks)
+
+
 def test_zarr2_shrinking_a_transformer_array_removes_the_chunks_outside(store, mount, tmp_path):
     """zarr-python 2.18 resizes by storing the smaller document, then
     deleting the chunks outside it, by names the view no longer shows (it

@@ -1214,6 +1214,8 @@ class View:
             # no document any dataset can be made of, over one that was: as if
             # removed (4.15), its datasets keep their chunk files
             made_of = await self._datasets_made_of(buf.key, stored)
+        if stored and a_document:
+            await self._store_removals_first(buf.key, stored)
         info = await self.writeback.superseding(buf.key, functools.partial(self.store.put, buf.key, data))
         self.shards.forget(buf.key)
         if self._is_dataset_document(buf.key):
@@ -1237,6 +1239,20 @@ class View:
         buf.in_store = True
         self.datasets.pop(_parent(buf.key))
         self.datasets.pop(buf.key)
+
+    async def _store_removals_first(self, key: str, stored: bytes) -> None:
+        """Store the chunk removals pending in the datasets the document
+        ``key`` replaces before the document itself.  A resize is written
+        so (zarr-python deletes the chunks past the new shape, then writes
+        the document); stored the other way round, a kill -9 between the two
+        left those chunks in their shards, hidden past the new shape, and a
+        later grow showed them again.  A failure fails the document's store:
+        it is not stored ahead of what came before it."""
+        removing = []
+        for dir_key, _ in await self._datasets_made_of(key, stored):
+            removing += self.writeback.removing_below(dir_key)
+        if removing:
+            await self.writeback.flush_keys(removing)
 
     def _orphan_at(self, dir_key: str) -> Dataset | None:
         orphan = self.orphans.get(dir_key)
