@@ -111,15 +111,18 @@ def _show(value) -> str:
 def _traced(name: str, handler):
     async def traced(*args):
         shown = ", ".join(_show(a) for a in args if not isinstance(a, pyfuse3.RequestContext))
+        started = time.monotonic()  # (the time shown: which request waited, and how long)
         try:
             result = await handler(*args)
         except pyfuse3.FUSEError as exc:
-            request_log.debug("%s(%s) -> %s", name, shown, errno.errorcode.get(exc.errno, exc.errno))
+            request_log.debug("%s(%s) -> %s in %.1f ms", name, shown, errno.errorcode.get(exc.errno, exc.errno),
+                              1000 * (time.monotonic() - started))
             raise
         except BaseException as exc:
-            request_log.debug("%s(%s) -> %s", name, shown, type(exc).__name__)
+            request_log.debug("%s(%s) -> %s in %.1f ms", name, shown, type(exc).__name__,
+                              1000 * (time.monotonic() - started))
             raise
-        request_log.debug("%s(%s) -> %s", name, shown, _show(result))
+        request_log.debug("%s(%s) -> %s in %.1f ms", name, shown, _show(result), 1000 * (time.monotonic() - started))
         return result
 
     traced.__name__ = name
