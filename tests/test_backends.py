@@ -34,6 +34,7 @@ from zshardfs.backends.base import (
     PreconditionFailed,
     StoreError,
     Unavailable,
+    no_request_deadline,
 )
 from zshardfs.backends.local import LocalBackend
 from tests.util import store_with_links_out, wait_for
@@ -921,6 +922,43 @@ def test_a_write_given_up_before_it_began_never_blocks_its_key(tmp_path):
         assert time.monotonic() - started < 0.4
         assert (tmp_path / "b").read_bytes() == b"2"
         await store.delete("b")
+
+    trio.run(main)
+
+
+def test_the_calls_of_one_request_share_its_deadline(tmp_path):
+    """The storage calls of one kernel request (``request_deadline``) end
+    ``timeout`` after the request began, together: a call cut short by it
+    fails with EIO, the next is not even asked.  Before, each call had the
+    whole deadline, and a server answering each in just under it made a
+    request of k calls take k times the deadline.  A call cut after less
+    than half its own deadline leaves no fail-fast mark; work the request
+    started in the background (``no_request_deadline``) keeps its own."""
+    for key, data in (("a", b"1"), ("b", b"2"), ("c", b"3")):
+        (tmp_path / key).write_bytes(data)
+    asked = []
+
+    class Slow(LocalBackend):
+        def get(self, key, *args, **kwargs):
+            asked.append(key)
+            threading.Event().wait(0.3)  # a server that answers each call in 0.3 s
+            return super().get(key, *args, **kwargs)
+
+    store = AsyncStore(Slow(str(tmp_path)), timeout=0.5)
+
+    async def main():
+        started = trio.current_time()
+        with store.request_deadline():
+            assert (await store.get("a")).data == b"1"
+            with pytest.raises(Unavailable, match="deadline"):
+                await store.get("b")  # cut at 0.5 s, after 0.2 s of its own
+            with pytest.raises(Unavailable, match="not asked"):
+                await store.get("c")
+            assert trio.current_time() - started < 0.5 + 0.15
+            with no_request_deadline():
+                assert (await store.get("c")).data == b"3"
+        assert asked == ["a", "b", "c"]
+        assert (await store.get("b")).data == b"2"  # asked again at once: no mark
 
     trio.run(main)
 

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import time
 import uuid
@@ -580,6 +581,73 @@ def test_server_stopped_mid_read(mount, moto_server, bucket, array):
     assert read_file(root / later) == array.chunks[later]
     assert read_file(root / "c/11/11/11") == array.chunks["c/11/11/11"]
     assert m.stats()["retries"] >= 1
+
+
+_REQUEST_LINE = re.compile(r"zshardfs\.requests: (\w+)\((.*)\) -> (\S+).* in ([\d.]+) ms$", re.M)
+
+
+def request_times(log_text: str) -> list[tuple[float, str]]:
+    """(seconds, request) of every kernel request an ``-o debug`` log shows."""
+    return [(float(ms) / 1000, f"{name}({args}) -> {out}") for name, args, out, ms in _REQUEST_LINE.findall(log_text)]
+
+
+def test_every_request_ends_within_the_deadline_of_a_slow_server(mount, moto_server, bucket, array):
+    """``-o timeout`` bounds a whole kernel request, not each storage call
+    in it.  Against a server that answers every request in 0.8 s (well
+    within one call's deadline, 2 s), a listing, a lookup of a new name, a
+    mkdir, a chunk write's fsync and a plain file's rename each end, done
+    or EIO, within the deadline.  Before, each call had the whole deadline:
+    measured with 1.8 s answers and ``timeout=2``, a listing took 9 times
+    the deadline, an fsync 2.7, a lookup 2.8, a plain file's rename 11.8.
+    What a request given up left is whole: once the server is quick, a sync
+    stores the rest, and every chunk and file reads as written or as before."""
+    timeout = 2.0
+    proxy = DelayProxy(moto_server.port, delay=0.0)
+    try:
+        m = mount(f"s3://{bucket}/{PREFIX}", f"timeout={timeout:g}", "metadata_ttl=0", "index_ttl=0", "open_fill=0",
+                  "debug", extra=["--endpoint-url", proxy.endpoint_url])
+        root = m.path / "arr"
+        (m.path / "plain").write_bytes(b"p" * 1000)
+        written, listed = "c/1/2/3", "c/5/6"
+        for rel in (written, listed):
+            os.stat(root / rel)  # looked up while the server is quick
+        new = bytes(range(256)) * 2
+        fd = os.open(root / written, os.O_WRONLY)
+        proxy.delay = 0.8
+        try:
+            def attempt(fn, *args):
+                try:
+                    fn(*args)
+                except OSError as exc:
+                    assert exc.errno in (errno.EIO, errno.ENOENT), exc  # (done in time, or given up)
+
+            attempt(os.listdir, root / listed)
+            attempt(os.stat, m.path / "no-such-name")
+            attempt(os.mkdir, m.path / "newdir")
+            os.pwrite(fd, new, 0)
+            attempt(os.fsync, fd)
+            attempt(os.rename, m.path / "plain", m.path / "plain2")
+        finally:
+            proxy.delay = 0.0
+            os.close(fd)
+        times = request_times(m.log_text())
+        # (mkdir and rename may not be sent: the lookup of their new name,
+        # a HEAD and a LIST, may end in EIO first)
+        assert {r.partition("(")[0] for _, r in times} >= {"readdir", "lookup", "fsync"}
+        slow = [(t, r) for t, r in times if t > timeout + 0.3]
+        assert not slow, slow
+        # whole, and stored once the server is quick (a call that just failed
+        # is not asked again for FAIL_FAST, 2 s)
+        assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0)
+        assert read_file(root / written) == new
+        for rel in array.shards[array.shard_of(written)]:
+            if rel != written:
+                assert read_file(root / rel) == array.chunks[rel], rel
+        names = {p.name for p in m.path.iterdir()}
+        assert len(names & {"plain", "plain2"}) == 1, names
+        assert read_file(m.path / (names & {"plain", "plain2"}).pop()) == b"p" * 1000
+    finally:
+        proxy.close()
 
 
 # --------------------------------------------------------------------------

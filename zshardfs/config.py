@@ -135,8 +135,8 @@ OPTIONS = {
                      "(default 5)"),
     "max_connections": ("max_connections", parse_connections,
                         f"storage requests in flight at once, 1 to {MAX_CONNECTIONS} (default 16)"),
-    "timeout": ("timeout", parse_timeout, f"deadline of one storage operation in seconds, at least "
-                f"{MIN_TIMEOUT:g} and at most {MAX_TIMEOUT:g}; then EIO (default 30)"),
+    "timeout": ("timeout", parse_timeout, f"deadline of one file-system request (all its storage calls together) "
+                f"in seconds, at least {MIN_TIMEOUT:g} and at most {MAX_TIMEOUT:g}; then EIO (default 30)"),
     "log_level": ("log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
     "log_file": ("log_file", str, "write the log to this file (default: stderr in --foreground, else syslog); "
                                   "reopened at SIGHUP or SIGUSR1"),

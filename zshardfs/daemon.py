@@ -32,7 +32,7 @@ import pyfuse3
 import trio
 
 from . import gcpolicy
-from .backends.base import AsyncStore, StoreError
+from .backends.base import AsyncStore, StoreError, no_request_deadline
 from .config import ConfigError, MountConfig
 from .fuse_ops import Operations
 from .logonce import log_once
@@ -209,7 +209,8 @@ class Mount:
         """``zshardfs sync``: fails if anything could not be stored, or was
         refused (a document the stored chunks cannot live with: EPERM)."""
         refused = []
-        errors = await self.view.sync(refused)
+        with no_request_deadline():  # (every shard: rounds of FLUSH_PARALLEL, each call with its own deadline)
+            errors = await self.view.sync(refused)
         if errors:
             raise errors[0]
         if refused:

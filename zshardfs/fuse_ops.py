@@ -14,7 +14,8 @@ Inode invariants:
 
 Every handler goes through :func:`_translate`: a storage error becomes its
 errno and at most one log line; an unexpected bug becomes EIO and one
-traceback in the log, never a dead daemon.
+traceback in the log, never a dead daemon.  It also gives the request one
+deadline, ``-o timeout`` from its start, which all its storage calls share.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ def _log_once(level: int, msg: str) -> None:
 
 def _translate(fn):
     @functools.wraps(fn)
-    async def wrapper(*args, **kwargs):
+    async def wrapper(self, *args, **kwargs):
         try:
-            return await fn(*args, **kwargs)
+            with self.view.store.request_deadline():  # (one -o timeout for the whole request)
+                return await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError:
             raise
         except CorruptData as exc:

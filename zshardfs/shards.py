@@ -35,7 +35,8 @@ from typing import Any, Protocol
 
 import trio
 
-from .backends.base import AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, StoreError
+from .backends.base import (AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, StoreError,
+                            no_request_deadline)
 from .singleflight import SingleFlight
 from .together import off_loop
 
@@ -225,9 +226,12 @@ def scan_order(key: str) -> tuple:
 
 
 async def _guarded(fn, *args) -> None:
-    """Background work: an error is a log line, not the end of the mount."""
+    """Background work: an error is a log line, not the end of the mount.
+    Not bound by the deadline of the request that started it (its task
+    inherits the request's context): its calls have their own."""
     try:
-        await fn(*args)
+        with no_request_deadline():
+            await fn(*args)
     except Exception:  # noqa: BLE001 - a bug in work ahead must not unmount
         log.exception("work ahead of the reader failed")
 

@@ -18,8 +18,11 @@ writer's chunks.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import contextvars
 import errno
 import logging
+import math
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -36,6 +39,23 @@ T = TypeVar("T")
 
 #: reads up to this size may be served on the event loop when they cannot block
 NOWAIT_MAX = 1 << 20
+
+#: when (``trio.current_time()``) the kernel request being served must be
+#: answered: every storage call it makes ends by then, whatever the calls
+#: before it took (see AsyncStore.request_deadline); inf outside requests
+_request_deadline: contextvars.ContextVar[float] = contextvars.ContextVar("zshardfs_request_deadline",
+                                                                           default=math.inf)
+
+
+@contextlib.contextmanager
+def no_request_deadline():
+    """Work nobody's request waits for (read-ahead, a sync of everything):
+    its calls get the store's deadline each, not a request's."""
+    token = _request_deadline.set(math.inf)
+    try:
+        yield
+    finally:
+        _request_deadline.reset(token)
 
 
 # --------------------------------------------------------------------------
@@ -341,6 +361,20 @@ class AsyncStore:
         reserved = getattr(self.backend, "reserved_name", None)
         return reserved is not None and reserved(name)
 
+    @contextlib.contextmanager
+    def request_deadline(self):
+        """One deadline, ``timeout`` from now, for a whole kernel request:
+        the storage calls it makes share it (a read of a chunk whose index
+        is not cached, a lookup's HEAD then LIST, a listing's pages, a
+        flush's reads, PUT and retries).  Each call alone would get the
+        whole ``timeout``, and a request of several, each answered just in
+        time, took several times the deadline.  Nested: the earlier wins."""
+        token = _request_deadline.set(min(_request_deadline.get(), trio.current_time() + self.timeout))
+        try:
+            yield
+        finally:
+            _request_deadline.reset(token)
+
     async def _run(self, fn: Callable[..., T], *args, _speculative: bool = False, _writes: bool = False,
                    **kwargs) -> T:
         """``fn(*args, **kwargs)`` in a worker thread, within the deadline.
@@ -370,8 +404,12 @@ class AsyncStore:
         # (the key in the words: the line names what failed, and failures of
         # other keys are lines of their own, not repeats log_once drops)
         where = f"{self.url}: {what[0]} {what[1]}" if what[1] is not None else f"{self.url}: {what[0]}"
+        deadline = _request_deadline.get()
+        if trio.current_time() >= deadline:  # (never asked: nothing to wait for or mark)
+            bump(self.backend.counters, "errors")
+            raise Unavailable(f"{where}: not asked, the request's {self.timeout:g}s deadline has passed", what[1])
         if _writes:
-            await self._after_landing(what[1], where)
+            await self._after_landing(what[1], where, deadline)
         failed = None if _speculative else self._unanswered.get(what)
         if failed is not None:
             if time.monotonic() - failed < min(self.FAIL_FAST, self.timeout):
@@ -379,8 +417,12 @@ class AsyncStore:
                 raise Unavailable(f"{where}: no answer a moment ago; not asking again yet", what[1])
             del self._unanswered[what]
         started = time.monotonic()
+        # a call cut short by its request's deadline, after less than half
+        # of its own, proves little against the endpoint: it leaves no
+        # fail-fast mark (the kernel's repeat of a failed read then asks)
+        mark = not _speculative
         try:
-            with trio.move_on_after(self.timeout) as scope:
+            with trio.move_on_at(min(trio.current_time() + self.timeout, deadline)) as scope:
                 try:
                     result = await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
                 except StoreError as exc:
@@ -398,22 +440,28 @@ class AsyncStore:
                     asked = state["begun"]
                 if _writes and asked:  # (one never begun cannot land)
                     self._landing.setdefault(what[1], []).append(done)
+                waited = time.monotonic() - started
+                if waited < self.timeout / 2:
+                    mark = False
+                if waited < self.timeout * 0.99:
+                    raise Unavailable(f"{where}: no answer within the request's {self.timeout:g}s deadline "
+                                      f"(this call waited {waited:.1f}s)", what[1])
                 raise Unavailable(f"{where}: no answer within {self.timeout:g}s", what[1])
             raise AssertionError("unreachable")  # pragma: no cover
         except Unavailable:
-            if not _speculative:
+            if mark:
                 self._unanswered[what] = time.monotonic()
                 while len(self._unanswered) > 1024:
                     self._unanswered.popitem(last=False)
             raise
 
-    async def _after_landing(self, key: str, where: str) -> None:
-        """Wait (up to the deadline) for a write of ``key`` given up earlier
-        to end; Unavailable if it does not."""
+    async def _after_landing(self, key: str, where: str, deadline: float = math.inf) -> None:
+        """Wait (up to the deadline, or the request's) for a write of ``key``
+        given up earlier to end; Unavailable if it does not."""
         earlier = self._landing.get(key)
         if earlier is None:
             return
-        with trio.move_on_after(self.timeout):
+        with trio.move_on_at(min(trio.current_time() + self.timeout, deadline)):
             while not all(e.is_set() for e in earlier):
                 await trio.sleep(0.02)
         if not all(e.is_set() for e in earlier):
@@ -764,5 +812,5 @@ def bump(counters: Counter, name: str, n: int = 1) -> None:
 __all__ = [
     "AccessDenied", "AsyncStore", "Backend", "Blob", "COUNTER_NAMES", "CorruptData",
     "Listing", "NotFound", "ObjectInfo", "PreconditionFailed", "StoreError",
-    "Unavailable", "bump", "join_key",
+    "Unavailable", "bump", "join_key", "no_request_deadline",
 ]
