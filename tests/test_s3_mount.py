@@ -650,6 +650,45 @@ def test_every_request_ends_within_the_deadline_of_a_slow_server(mount, moto_ser
         proxy.close()
 
 
+def test_an_fsync_does_not_wait_out_a_slow_background_flush(mount, moto_server, bucket, array):
+    """An fsync of a shard the background flusher is storing waits for that
+    flush within its own deadline, not beyond: against a server answering
+    each call in 0.9 s, the flusher's flush (index GET, kept chunks' GET,
+    PUT) takes about 2.7 s; an fsync that came during it waited for all of it
+    (about 2.7 s with ``timeout=2``).  Now it fails with EIO at its deadline;
+    the flush goes on and stores the chunk."""
+    timeout = 2.0
+    proxy = DelayProxy(moto_server.port, delay=0.0)
+    try:
+        m = mount(f"s3://{bucket}/{PREFIX}", f"timeout={timeout:g}", "flush_delay=0", "open_fill=0", "debug",
+                  extra=["--endpoint-url", proxy.endpoint_url])
+        root = m.path / "arr"
+        rel = "c/1/2/3"
+        new = bytes(range(256)) * 2
+        reader = os.open(root / rel, os.O_RDONLY)  # opened while the server is quick
+        try:
+            proxy.delay = 0.9
+            proxy.reset()
+            with open(root / rel, "r+b") as f:  # (closed: the flusher stores its shard at once)
+                f.write(new)
+            assert wait_for(lambda: proxy.inflight > 0, timeout=5)  # the flusher's first call is out
+            t0 = time.monotonic()
+            try:
+                os.fsync(reader)
+            except OSError as exc:
+                assert exc.errno == errno.EIO, exc
+            assert time.monotonic() - t0 < timeout + 0.3
+        finally:
+            os.close(reader)
+        proxy.delay = 0.0
+        assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0)
+        assert read_file(root / rel) == new
+        slow = [(t, r) for t, r in request_times(m.log_text()) if t > timeout + 0.3]
+        assert not slow, slow
+    finally:
+        proxy.close()
+
+
 # --------------------------------------------------------------------------
 # mount-time errors through the command line
 

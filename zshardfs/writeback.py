@@ -45,7 +45,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import trio
 
-from .backends.base import AsyncStore, CorruptData, NotFound, PreconditionFailed, StoreError
+from .backends.base import AsyncStore, CorruptData, NotFound, PreconditionFailed, StoreError, held_by_deadline
 from .logonce import log_once
 from .shards import ShardCache, ShardFormat
 from .together import off_loop
@@ -343,7 +343,7 @@ class WriteBack:
         shard = self.dirty.get(key)
         if shard is None:
             return await put()
-        async with shard.lock:
+        async with held_by_deadline(shard.lock, key, "a flush of it"):
             before = {cid: (chunk, chunk.version) for cid, chunk in shard.chunks.items()}
             result = await put()
             self._stored_now(key)
@@ -400,11 +400,13 @@ class WriteBack:
 
     async def flush(self, key: str) -> None:
         """Write one shard's dirty chunks; raises the StoreError on failure
-        (the dirty chunks are kept and retried later)."""
+        (the dirty chunks are kept and retried later).  A flush of it in
+        progress (the background flusher's) is waited for within the
+        request's deadline only: Unavailable then, nothing changed."""
         shard = self.dirty.get(key)
         if shard is None:
             return
-        async with shard.lock:
+        async with held_by_deadline(shard.lock, key, "a flush of it"):
             if self.dirty.get(key) is not shard:
                 return
             # chunks flushed while open and unchanged since are in storage already

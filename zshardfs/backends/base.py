@@ -47,6 +47,21 @@ _request_deadline: contextvars.ContextVar[float] = contextvars.ContextVar("zshar
                                                                            default=math.inf)
 
 
+@contextlib.asynccontextmanager
+async def held_by_deadline(lock: trio.Lock, key: str, what: str):
+    """``lock``, waited for no longer than the request's deadline: work a
+    request waits for (the background flusher's flush of the same shard)
+    has a deadline per call, not the request's.  Unavailable (EIO) at it."""
+    with trio.move_on_at(_request_deadline.get()) as waited:
+        await lock.acquire()  # (cancelled: not acquired)
+    if waited.cancelled_caught:
+        raise Unavailable(f"{key}: {what} still running at the request's deadline", key)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 @contextlib.contextmanager
 def no_request_deadline():
     """Work nobody's request waits for (read-ahead, a sync of everything):
@@ -812,5 +827,5 @@ def bump(counters: Counter, name: str, n: int = 1) -> None:
 __all__ = [
     "AccessDenied", "AsyncStore", "Backend", "Blob", "COUNTER_NAMES", "CorruptData",
     "Listing", "NotFound", "ObjectInfo", "PreconditionFailed", "StoreError",
-    "Unavailable", "bump", "join_key", "no_request_deadline",
+    "Unavailable", "bump", "held_by_deadline", "join_key", "no_request_deadline",
 ]
