@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import pyfuse3
 
-from .backends.base import CorruptData, StoreError
+from .backends.base import CorruptData, StoreError, end_request
 from .logonce import log_once, report_damage
 from .view import Changed, Handle, Node, View, ViewError
 
@@ -55,9 +55,9 @@ def _log_once(level: int, msg: str) -> None:
 def _translate(fn):
     @functools.wraps(fn)
     async def wrapper(self, *args, **kwargs):
+        token = self.view.store.begin_request()  # (one -o timeout for the whole request)
         try:
-            with self.view.store.request_deadline():  # (one -o timeout for the whole request)
-                return await fn(self, *args, **kwargs)
+            return await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError:
             raise
         except CorruptData as exc:
@@ -75,6 +75,8 @@ def _translate(fn):
         except Exception:
             log.exception("%s failed unexpectedly", fn.__name__)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            end_request(token)
 
     return wrapper
 

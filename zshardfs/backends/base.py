@@ -62,6 +62,11 @@ async def held_by_deadline(lock: trio.Lock, key: str, what: str):
         lock.release()
 
 
+def end_request(token: contextvars.Token) -> None:
+    """The end of the request :meth:`AsyncStore.begin_request` began."""
+    _request_deadline.reset(token)
+
+
 @contextlib.contextmanager
 def no_request_deadline():
     """Work nobody's request waits for (read-ahead, a sync of everything):
@@ -384,11 +389,17 @@ class AsyncStore:
         flush's reads, PUT and retries).  Each call alone would get the
         whole ``timeout``, and a request of several, each answered just in
         time, took several times the deadline.  Nested: the earlier wins."""
-        token = _request_deadline.set(min(_request_deadline.get(), trio.current_time() + self.timeout))
+        token = self.begin_request()
         try:
             yield
         finally:
-            _request_deadline.reset(token)
+            end_request(token)
+
+    def begin_request(self) -> contextvars.Token:
+        """:meth:`request_deadline` without a context manager, for the path
+        every kernel request takes (0.5 us against 1.5 us); the token goes
+        to :func:`end_request`."""
+        return _request_deadline.set(min(_request_deadline.get(), trio.current_time() + self.timeout))
 
     async def _run(self, fn: Callable[..., T], *args, _speculative: bool = False, _writes: bool = False,
                    **kwargs) -> T:
@@ -827,5 +838,5 @@ def bump(counters: Counter, name: str, n: int = 1) -> None:
 __all__ = [
     "AccessDenied", "AsyncStore", "Backend", "Blob", "COUNTER_NAMES", "CorruptData",
     "Listing", "NotFound", "ObjectInfo", "PreconditionFailed", "StoreError",
-    "Unavailable", "bump", "held_by_deadline", "join_key", "no_request_deadline",
+    "Unavailable", "bump", "end_request", "held_by_deadline", "join_key", "no_request_deadline",
 ]
