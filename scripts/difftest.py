@@ -3,9 +3,11 @@
 
 Why: the suite's own tests check one behaviour each; this applies long random
 sequences of file operations (writes, truncates, renames, links, held-open handles,
-temporary-then-rename, fsync, sync, remounts, kill -9 of the daemon) to a zshardfs
-mount of a sharded Zarr store and to a directory holding its unsharded twin, and
-compares them after every step. tests/test_differential.py runs a few fixed seeds;
+temporary-then-rename, fsync, sync, remounts, kill -9 of the daemon; metadata edits,
+consolidation and resizes in variable shard grids and hierarchies) to a zshardfs mount
+of a sharded store (Zarr: regular and variable shard grids, consolidated hierarchies;
+Neuroglancer precomputed: the pc_* layouts) and to a directory holding its unsharded
+twin, and compares them after every step. tests/test_differential.py runs a few fixed seeds;
 run more seeds and steps here after changing the write path.
 
   .venv/bin/python scripts/difftest.py --seed 7 --layout basic --steps 200 [--backend s3]
