@@ -1,4 +1,6 @@
-"""Random file operations through a mount behave as on a directory store (SEMANTICS 4.17).
+"""Random file operations through a mount behave as on a directory store (SEMANTICS 4.17),
+for sharded Zarr arrays (regular and variable shard grids, consolidated hierarchies) and
+Neuroglancer precomputed volumes and skeleton directories.
 
 Fixed seeds of the randomized differential tester (tests/difftest.py): each applies
 random ops (writes, pwrites past the end, truncates, renames, links, handles held open
@@ -12,7 +14,7 @@ the op list, and saves the list for ``scripts/difftest.py --replay FILE``.
 
 Each case's seed was chosen so that its run includes at least one remount and one
 kill -9 (asserted, so a change of the generator cannot drop them unnoticed); the steps
-keep the whole file within about 2 minutes on two cores.
+keep the whole file within about 2.5 minutes on two cores.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ CASES = [
     # consolidated hierarchies: groups, several arrays (one unsharded), consolidation
     ("hier", "local", 1, 100),
     ("hier_rect", "s3", 1, 80),                # a rectangular array among regular ones
+    # Neuroglancer precomputed: a volume of 2-3 scales with odd edges and a skeleton directory
+    ("pc_murmur_gzip_preshift", "local", 2, 80),  # murmurhash3, preshift, gzip index and data; identity, shard_bits 0
+    ("pc_idxgzip_single_3scales", "local", 2, 60),  # one shard of one minishard, gzip index, 3 scales
+    ("pc_u64_datagzip_shard0", "s3", 6, 50),      # identity, shard_bits 0, uint64, gzip data; murmurhash3, preshift 5
 ]
 
 
@@ -48,7 +54,8 @@ CASES = [
 def test_random_operations_match_a_directory_store(layout, backend, seed, steps, tmp_path, request):
     """The mount and the unsharded twin agree after every one of ``steps`` random ops, every
     remount and kill -9 (then each file holds a version it had since its last durable point),
-    and at the end zarr-python and tensorstore (zarr 2.18) read the sharded source as the twin."""
+    and at the end zarr-python and tensorstore (zarr 2.18; precomputed: tensorstore) read the
+    sharded source as the twin."""
     if layout.startswith("zarr2") and not P.zarr2_available():
         pytest.fail(f"the zarr 2.18 interpreter {P.ZARR2_PYTHON} is missing")
     server = None
