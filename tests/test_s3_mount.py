@@ -1129,3 +1129,20 @@ def test_rsync_into_an_s3_mount_reads_nothing_back(moto_server, s3_bucket, mount
         assert moto_server.s3.get_object(Bucket=bucket, Key=f"{PREFIX}/d/{name}")["Body"].read() == data
         assert (m.path / "d" / name).read_bytes() == data
     assert sorted(os.listdir(m.path / "d")) == sorted(files)
+
+
+def test_a_listing_does_not_validate_again_the_indexes_it_loaded(mount, moto_server, bucket, array):
+    """A chunk directory's listing loads its shards' indexes together, then
+    reads each: an index loaded since the listing began is current for it,
+    whatever ``index_ttl``.  (With the TTL past by then, each was validated
+    again with a HEAD, one after another: on a slow link a listing of a few
+    shards took many round trips, and could reach the request's deadline.)"""
+    m = s3_mount(mount, moto_server, bucket, "index_ttl=0")
+    row = m / "arr" / "c" / "9" / "9"
+    assert row.is_dir()
+    before = m.stats()["requests"]
+    names = sorted(os.listdir(row), key=int)
+    after = m.stats()["requests"]
+    assert names == sorted((p.rsplit("/", 1)[1] for p in array.chunks if p.startswith("c/9/9/")), key=int)
+    assert after["head"] == before["head"], (before, after)
+    assert after["get_range"] - before["get_range"] == 3  # the three indexes of the row, once each

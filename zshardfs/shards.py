@@ -309,19 +309,24 @@ class ShardCache:
             observers.append(self._observe)
 
     async def index(self, fmt: ShardFormat, key: str, shard_ctx: Any = None, *,
-                    expired_ok: bool = False) -> ShardIndex | None:
+                    expired_ok: bool = False, checked_since: float | None = None) -> ShardIndex | None:
         """The current index of shard ``key`` (None: no such shard).
 
         ``expired_ok``: a cached index past ``index_ttl`` is returned without
         re-validation, for a caller that pins its next read to that version
         (the pinned GET re-validates it, or fails with 412 and the caller
-        reloads): a HEAD saved."""
+        reloads): a HEAD saved.  ``checked_since`` (a ``time.monotonic()``):
+        one loaded or validated since then is current enough, whatever
+        ``index_ttl`` (a listing that loaded its shards' indexes together
+        does not validate them again one by one when their loads outlasted
+        the TTL: on a slow link, a HEAD per shard in a row)."""
         while True:
             # hits and misses count answers, not callers: a caller that waits
             # for another's load is neither
             cached: _Cached | None = self.indexes.peek(key)
             if cached is not None:
-                if time.monotonic() - cached.checked < self.index_ttl or (expired_ok and cached.index is not None):
+                if (time.monotonic() - cached.checked < self.index_ttl or (expired_ok and cached.index is not None)
+                        or (checked_since is not None and cached.checked >= checked_since)):
                     self.indexes.touch(key)
                     return cached.index
                 if await self._still_valid(key, cached):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -420,7 +421,7 @@ class GridDataset(Dataset):
 
     # -- listing ------------------------------------------------------------
 
-    async def _shard_chunks(self, shard, fixed) -> list[tuple[tuple[int, ...], ChunkEntry]]:
+    async def _shard_chunks(self, shard, fixed, since: float | None = None) -> list[tuple[tuple[int, ...], ChunkEntry]]:
         """Stored chunks of one shard whose leading coordinates are ``fixed``
         (a list: one shard's slice is bounded, and a listing entry then
         costs no async generator step of its own).  The caller must not
@@ -432,12 +433,13 @@ class GridDataset(Dataset):
         immutable index version (and of the grid, which the key's dataset
         version fixes), so listing the directory again (a warm walk, ``ls``
         after ``find``) costs a look-up per shard instead of a walk over its
-        index entries."""
+        index entries.  ``since``: the listing's start (an index loaded or
+        validated since then is not validated again)."""
         if not self.grid.shard_contains(shard):
             return []
         key, extent = self._shard_where(shard)
         try:
-            index = await self.ctx.shards.index(self.shard_format, key, extent)
+            index = await self.ctx.shards.index(self.shard_format, key, extent, checked_since=since)
         except CorruptData as exc:
             report_damage(log, exc)
             return []
@@ -525,6 +527,7 @@ class GridDataset(Dataset):
 
     async def listdir(self, rel) -> AsyncIterator[tuple[str, Entry]]:
         keys, grid = self.keys, self.grid
+        started = time.monotonic()  # (indexes this listing loads are current for it)
         if keys.ndim == 0:
             if rel == ():
                 entry = await self.chunk_entry(())
@@ -539,7 +542,7 @@ class GridDataset(Dataset):
                 p[0] for f in listing.files if (p := keys.parse((f.key.rsplit("/", 1)[-1],))) is not None
             )
             for shard in shards:  # streamed: a flat listing may span thousands of shards
-                for coords, entry in await self._shard_chunks(shard, ()):
+                for coords, entry in await self._shard_chunks(shard, (), started):
                     yield keys.format(coords), entry
             return
         if rel == ():
@@ -587,7 +590,7 @@ class GridDataset(Dataset):
                 for c in grid.shard_range(m, s):
                     yield keys.level_name(m, c), DirEntry()
                 continue
-            for coords, entry in await self._shard_chunks(shard_prefix + (s,), fixed):
+            for coords, entry in await self._shard_chunks(shard_prefix + (s,), fixed, started):
                 yield keys.level_name(m, coords[-1]), entry
 
 
