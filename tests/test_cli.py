@@ -577,33 +577,19 @@ def test_allow_other_lets_another_user_read(store, public_mnt, allow_other):
         assert zs("umount", public_mnt).returncode == 0
 
 
-def _as_nobody(fn) -> tuple[int, str, str]:
-    """``fn()`` run as user nobody (65534) in a forked child: (its return
-    value as exit status, stdout, stderr).  Forked, not executed: the venv's
-    interpreter may lie where nobody cannot reach it."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        pid = os.fork()
-        if pid == 0:  # the child: never returns
-            code = 99
-            try:
-                os.setgroups([])
-                os.setgid(65534)
-                os.setuid(65534)
-                sys.stdout = open(out.fileno(), "w", closefd=False)
-                sys.stderr = open(err.fileno(), "w", closefd=False)
-                code = fn()
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        out.seek(0)
-        err.seek(0)
-        return os.waitstatus_to_exitcode(status), out.read().decode(), err.read().decode()
+def _as_nobody(code: str) -> tuple[int, str, str]:
+    """Python ``code`` run as user nobody (65534): (its exit status, stdout,
+    stderr).  A fresh interpreter started as root drops its privileges
+    itself once it has imported what the code uses: the venv's interpreter
+    may lie where nobody cannot reach it, and forking the (multi-threaded)
+    test process instead is unsafe.  ``cli``, ``errno``, ``os`` and ``sys``
+    are there for the code; it ends with ``sys.exit(...)``."""
+    prelude = ("import errno, json, os, sys\n"
+               "from zshardfs import cli\n"
+               "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n")
+    result = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=60,
+                            cwd="/")
+    return result.returncode, result.stdout, result.stderr
 
 
 def test_only_the_owner_or_root_can_sync_or_unmount(store, public_mnt, tmp_path):
@@ -612,8 +598,6 @@ def test_only_the_owner_or_root_can_sync_or_unmount(store, public_mnt, tmp_path)
     EACCES, and ``zshardfs sync``/``umount`` refuse in one line (umount
     before asking anything: no sync), so nobody can turn the owner's merged
     writes into one shard write per chunk."""
-    from zshardfs import cli
-
     mnt = str(public_mnt)
     run_mount(store.root, public_mnt, "rw", "allow_other", "flush_delay=inf", log=tmp_path / "z.log")
     try:
@@ -622,25 +606,25 @@ def test_only_the_owner_or_root_can_sync_or_unmount(store, public_mnt, tmp_path)
         before = json.loads(zs("stats", "--json", mnt).stdout)["writeback"]
         assert before["dirty_shards"] == 1
 
-        code, out, err = _as_nobody(lambda: cli.main(["sync", mnt]))
+        code, out, err = _as_nobody(f"sys.exit(cli.main(['sync', {mnt!r}]))")
         assert_one_line_error(subprocess.CompletedProcess([], code, out, err),
                               "only the mount's owner or root can sync it")
 
-        def raw_sync() -> int:
-            try:
-                os.getxattr(mnt, "user.zshardfs.sync")
-            except OSError as exc:
-                return exc.errno
-            return 0
-
+        raw_sync = f"""
+try:
+    os.getxattr({mnt!r}, "user.zshardfs.sync")
+except OSError as exc:
+    sys.exit(exc.errno)
+sys.exit(0)
+"""
         assert _as_nobody(raw_sync)[0] == errno.EACCES  # the daemon's own answer, whoever asks
         pid = daemon_pid(mnt)
-        code, out, err = _as_nobody(lambda: 0 if int(os.getxattr(mnt, "user.zshardfs.pid")) == pid else 1)
+        code, out, err = _as_nobody(f"sys.exit(0 if int(os.getxattr({mnt!r}, 'user.zshardfs.pid')) == {pid} else 1)")
         assert code == 0, err  # read-only control values stay readable by all
-        code, out, err = _as_nobody(lambda: cli.main(["stats", mnt]))
+        code, out, err = _as_nobody(f"sys.exit(cli.main(['stats', {mnt!r}]))")
         assert code == 0 and "requests" in out, err
 
-        code, out, err = _as_nobody(lambda: cli.main(["umount", mnt]))
+        code, out, err = _as_nobody(f"sys.exit(cli.main(['umount', {mnt!r}]))")
         assert_one_line_error(subprocess.CompletedProcess([], code, out, err),
                               "only the mount's owner or root can unmount it")
         assert mounts_at(public_mnt), "unmounted by another user"
@@ -659,11 +643,9 @@ def test_stats_by_another_user_of_a_private_mount_says_whose_it_is(store, public
     """Without ``allow_other`` the kernel keeps other users out of the
     mount (EACCES): ``zshardfs stats`` by one of them names the owner and
     the option, not "not a zshardfs mount point" (before)."""
-    from zshardfs import cli
-
     run_mount(store.root, public_mnt, "ro")
     try:
-        code, out, err = _as_nobody(lambda: cli.main(["stats", str(public_mnt)]))
+        code, out, err = _as_nobody(f"sys.exit(cli.main(['stats', {str(public_mnt)!r}]))")
         assert_one_line_error(subprocess.CompletedProcess([], code, out, err),
                               "uid 0's zshardfs mount", "without allow_other")
     finally:
