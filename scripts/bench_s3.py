@@ -10,7 +10,8 @@ uploads it.  Then, --repeat times (medians are printed):
 
 1. full scan of the view on a fresh mount (cold caches):
    ``find MNT -type f -print0 | xargs -0 cat`` (one reader), and the same
-   with ``xargs -P 8`` (eight readers); and a second scan of one mount after
+   with ``xargs -P 8`` (eight readers), and zarr-python reading the view
+   (the unsharded array) through the mount as a local store; and a second scan of one mount after
    the kernel dropped its pages (``drop_caches``), which the daemon's chunk
    cache answers as far as it holds the store, and a third with the kernel's
    caches warm (the floor of a scan through FUSE on this machine);
@@ -121,14 +122,26 @@ def cat_all(root: Path, parallel: int = 1) -> int:
     return len(out.stdout)
 
 
-def fuse_scan(workdir: Path, endpoint: str, parallel: int) -> dict:
+def fuse_scan(workdir: Path, endpoint: str, parallel: int, reader: str = "cat") -> dict:
+    """``reader``: "cat" (``find | xargs cat``, ``parallel`` readers), or
+    "zarr": zarr-python opening the view (the unsharded array) as a local
+    store and reading all of it, as a tool that reads chunk files does."""
     with Mount(workdir, endpoint) as m:
         before = m.stats()
         t0 = time.perf_counter()
-        nbytes = cat_all(m.path / "arr", parallel)
+        if reader == "zarr":
+            import zarr
+
+            data = zarr.open_array(str(m.path / "arr"), mode="r")[:]
+            nbytes = data.nbytes
+        else:
+            nbytes = cat_all(m.path / "arr", parallel)
         wall = time.perf_counter() - t0
         after = m.stats()
-    assert 0 < nbytes - np.prod(SHAPE) < 4096, nbytes  # every chunk, and the view's zarr.json
+    if reader == "zarr":
+        assert nbytes == np.prod(SHAPE), nbytes
+    else:
+        assert 0 < nbytes - np.prod(SHAPE) < 4096, nbytes  # every chunk, and the view's zarr.json
     d = {k: after["requests"][k] - before["requests"][k] for k in after["requests"]}
     return {"wall": wall, "client_gets": d["get"] + d["get_range"],
             "index_reads": after["index_cache"]["misses"] - before["index_cache"]["misses"],
@@ -253,18 +266,20 @@ def main() -> None:
               f"per request{f' (proxy {url})' if slow else ''}; workdir {workdir}")
         grid = [s // c for s, c in zip(SHAPE, CHUNK)]
         rnd = random.Random(1)
-        runs: dict[str, list[dict]] = {k: [] for k in ("fuse", "fuse_par", "zarr", "fuse_rand", "zarr_rand",
-                                                       "rescan")}
+        runs: dict[str, list[dict]] = {k: [] for k in ("fuse", "fuse_par", "fuse_zarr", "zarr", "fuse_rand",
+                                                       "zarr_rand", "rescan")}
         for i in range(args.repeat):
             picks = [tuple(rnd.randrange(g) for g in grid) for _ in range(args.random)]
             runs["fuse"].append(measure(server, fuse_scan, workdir, url, 1))
             runs["fuse_par"].append(measure(server, fuse_scan, workdir, url, args.parallel))
+            runs["fuse_zarr"].append(measure(server, fuse_scan, workdir, url, 1, "zarr"))
             runs["zarr"].append(measure(server, zarr_scan, url))
             runs["fuse_rand"].append(measure(server, fuse_random, workdir, url, picks))
             runs["zarr_rand"].append(measure(server, zarr_random, url, picks))
             runs["rescan"].append(fuse_rescan(server, workdir, url))
             print(f"  run {i + 1}: scan zshardfs {runs['fuse'][-1]['wall']:.2f}s "
-                  f"(x{args.parallel}: {runs['fuse_par'][-1]['wall']:.2f}s), zarr-python {runs['zarr'][-1]['wall']:.2f}s; "
+                  f"(x{args.parallel}: {runs['fuse_par'][-1]['wall']:.2f}s, zarr-python through it: "
+                  f"{runs['fuse_zarr'][-1]['wall']:.2f}s), zarr-python {runs['zarr'][-1]['wall']:.2f}s; "
                   f"random zshardfs {runs['fuse_rand'][-1]['wall']:.2f}s, zarr-python {runs['zarr_rand'][-1]['wall']:.2f}s")
 
         # bytes on the wire: one more pass of each case through a counting proxy
@@ -298,6 +313,7 @@ def main() -> None:
     print(f"  {'':34} {'GETs/shard':>10} {'(data+index)':>13} {'MiB sent':>9} {'wall s':>7} {'MiB/s':>7}")
     for name, label in (("fuse", "zshardfs, find | xargs cat"),
                         ("fuse_par", f"zshardfs, xargs -P {args.parallel} cat"),
+                        ("fuse_zarr", "zshardfs, zarr-python arr[:] of view"),
                         ("zarr", "zarr-python open + arr[:]")):
         rs = runs[name]
         per = med(rs, "server_gets") / n
