@@ -45,7 +45,8 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import trio
 
-from .backends.base import AsyncStore, CorruptData, NotFound, PreconditionFailed, StoreError, held_by_deadline
+from .backends.base import (AsyncStore, CorruptData, NotFound, PreconditionFailed, StoreError, held_by_deadline,
+                            pause_within_deadline)
 from .logonce import log_once
 from .shards import ShardCache, ShardFormat
 from .together import off_loop
@@ -469,7 +470,7 @@ class WriteBack:
                     entries = [e for e in await index.entries() if e[0] not in encoded]
                     kept = await self._read_kept(shard.key, index.info, entries)
                 except (PreconditionFailed, NotFound):  # replaced meanwhile: read it again
-                    await trio.sleep(_backoff(attempt))
+                    await pause_within_deadline(_backoff(attempt), shard.key, "replaced while being read")
                     continue
             merged = dict(kept)
             merged.update({cid: d for cid, d in encoded.items() if d is not None})
@@ -486,7 +487,7 @@ class WriteBack:
                         await self.store.put(shard.key, data, if_match=index.info.etag)
             except PreconditionFailed:
                 log.info("%s changed under us; re-reading and merging again", shard.key)
-                await trio.sleep(_backoff(attempt))
+                await pause_within_deadline(_backoff(attempt), shard.key, "replaced by another writer meanwhile")
                 continue
             finally:
                 self.shards.forget(shard.key)

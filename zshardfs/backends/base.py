@@ -62,6 +62,15 @@ async def held_by_deadline(lock: trio.Lock, key: str, what: str):
         lock.release()
 
 
+async def pause_within_deadline(seconds: float, key: str, what: str) -> None:
+    """``trio.sleep(seconds)`` (a backoff before trying again), unless the
+    request's deadline comes first: then Unavailable (EIO) at once, as the
+    try that would follow the pause could not be sent anyway."""
+    if trio.current_time() + seconds >= _request_deadline.get():
+        raise Unavailable(f"{key}: {what}; the request's deadline comes before the next try", key)
+    await trio.sleep(seconds)
+
+
 def end_request(token: contextvars.Token) -> None:
     """The end of the request :meth:`AsyncStore.begin_request` began."""
     _request_deadline.reset(token)
@@ -839,4 +848,5 @@ __all__ = [
     "AccessDenied", "AsyncStore", "Backend", "Blob", "COUNTER_NAMES", "CorruptData",
     "Listing", "NotFound", "ObjectInfo", "PreconditionFailed", "StoreError",
     "Unavailable", "bump", "end_request", "held_by_deadline", "join_key", "no_request_deadline",
+    "pause_within_deadline",
 ]
