@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import trio
 
 from zshardfs.backends.base import AsyncStore, PreconditionFailed, StoreError, Unavailable
 from zshardfs.backends.local import LocalBackend
 from zshardfs.config import MountConfig
 from zshardfs.daemon import build_view
+from zshardfs.shards import ShardCache
 
 #: seconds a request may end after its deadline (trio's scheduling, a
 #: loaded CI machine); the waits fixed here overshot it by 0.5 s or more
@@ -144,5 +146,86 @@ def test_a_flush_that_lost_a_race_does_not_pause_past_the_deadline(tmp_path, mon
                            LocalBackend(str(tmp_path)))
         for rel, want in (("0/0", b"\x01" * 4), ("0/1", b"NEW!"), ("1/0", b"\x03" * 4), ("1/1", b"\x04" * 4)):
             assert await check.content(await check.resolve(f"arr/c/{rel}")) == want, rel
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("what", ["listing", "shard index", "chunk", "minishard index"])
+def test_a_request_sharing_a_later_requests_load_ends_at_its_own_deadline(tmp_path, what):
+    """A request that needs what another request is loading (a listing, a
+    shard's index, a chunk, a precomputed minishard's index) shares that
+    load.  That request may have begun later, so its load may end after
+    this request's deadline: the wait for it ends there (EIO).  Before,
+    the request waited for the whole load (0.5 of the deadline too long
+    here).  The load itself goes on and is kept: a later request finds it."""
+    _small_array(tmp_path)
+    from tests.handmade_zarr import write_shard
+
+    write_shard(tmp_path / "arr", (0, 1), (2, 2), {i: bytes([i + 5]) * 4 for i in range(4)})
+    if what == "minishard index":
+        _skeletons(tmp_path / "skel", {2: b"x" * 10, 5: b"y" * 10})
+    timeout = 1.0
+    backend = Gated(str(tmp_path))
+    store = AsyncStore(backend, timeout=timeout, list_ttl=60)
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt"), backend)
+    key, other = "arr/c/0/0", "arr/c/0/1"
+
+    async def main():
+        nonlocal key
+        node, node2 = await view.resolve("arr/c/0/1"), await view.resolve("arr/c/0/2")
+        fmt, ctx, cid = node.dataset.shard_format, node.target.shard_ctx, node.target.chunk_id
+        # (room for one index load at a time)
+        cache = ShardCache(store, index_cache_bytes=fmt.index_size(ctx) + 1 if what == "room for an index" else 1 << 20)
+        assert node2.target.shard_key == other
+        if what == "minishard index":
+            skeletons = await view.dataset_at("skel")  # (its minishard indexes not read yet)
+            fmt, target = skeletons.shard_format, skeletons.target(("2",))
+            key, ctx, cid = target.shard_key, target.shard_ctx, target.chunk_id
+            await cache.index(fmt, key, ctx)  # (the shard's index is cached: its minishard's is shared)
+
+        async def load(whose):
+            if what == "listing":
+                return [f.key for f in (await store.list("arr")).files]
+            if what == "shard index":
+                return (await cache.index(fmt, key, ctx)).info.size
+            if what == "room for an index":
+                shard, c = (key, ctx) if whose == "second" else (other, node2.target.shard_ctx)
+                return (await cache.index(fmt, shard, c)).info.size
+            if what == "minishard index":
+                return await (await cache.index(fmt, key, ctx)).locate(cid)
+            return await cache.read_chunk(fmt, key, cid, ctx)
+
+        if what == "chunk":
+            await cache.index(fmt, key, ctx)  # (the index is cached: the chunk's GET is shared)
+        backend.hold("list" if what == "listing" else "get", "arr" if what == "listing" else key)
+        first_began = trio.Event()
+        results = {}
+
+        async def first():
+            with store.request_deadline():
+                first_began.set()
+                await backend.in_flight_now()  # the second's load is out
+                results["first"] = await _request(store, load, "first")
+
+        async def second():
+            await first_began.wait()
+            await trio.sleep(timeout / 2)  # (begins later: its deadline is later)
+            results["second"] = await _request(store, load, "second")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first)
+            nursery.start_soon(second)
+            await _until(lambda: "first" in results)
+            backend.go.set()  # (the second's load is answered, after the first's deadline)
+        took, out = results["first"]
+        assert isinstance(out, Unavailable) and "deadline" in str(out), out
+        assert took < timeout / 2 + SLACK, took  # (what was left of its deadline)
+        assert not isinstance(results["second"][1], Exception), results["second"]
+        backend.held = None
+        for whose in ("second", "first"):  # (both work now)
+            _, out = await _request(store, load, whose)
+            assert not isinstance(out, Exception), out
+        if what != "room for an index":
+            assert out == results["second"][1]
 
     trio.run(main)

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import trio
 
 from .backends.base import (AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, StoreError,
-                            no_request_deadline)
+                            no_request_deadline, shared_within_deadline)
 from .singleflight import SingleFlight
 from .together import off_loop
 
@@ -334,7 +334,7 @@ class ShardCache:
                     self.indexes.touch(key)
                     return cached.index
                 self.indexes.pop(key)
-            if not await self._loads.wait(key):
+            if not await shared_within_deadline(self._loads, key, key):
                 break
         self.indexes.misses += 1
         with self._loads.loading(key):
@@ -471,7 +471,7 @@ class ShardCache:
                     return data
                 if not self._current(key, index):
                     continue
-            while await self._fetching.wait(ckey):  # another reader fetches this very chunk: share it
+            while await shared_within_deadline(self._fetching, ckey, key):  # another reader fetches it: share it
                 data = self.chunks.get(ckey)
                 if data is not None:
                     return data

@@ -10,6 +10,7 @@ load it yourself while marked as loading.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator
 
 import trio
@@ -23,13 +24,16 @@ class SingleFlight:
         """True while a load of ``key`` runs."""
         return key in self._running
 
-    async def wait(self, key) -> bool:
-        """Wait for the load of ``key`` that runs, if one does (then True)."""
+    async def wait(self, key, deadline: float = math.inf) -> bool | None:
+        """Wait for the load of ``key`` that runs, if one does (then True);
+        None: it still runs at ``deadline`` (``trio.current_time()``)."""
         event = self._running.get(key)
         if event is None:
             return False
-        await event.wait()
-        return True
+        with trio.move_on_at(deadline):
+            await event.wait()
+            return True
+        return None
 
     @contextlib.contextmanager
     def loading(self, key) -> Iterator[None]:

@@ -71,6 +71,17 @@ async def pause_within_deadline(seconds: float, key: str, what: str) -> None:
     await trio.sleep(seconds)
 
 
+async def shared_within_deadline(flight: SingleFlight, key, name: str) -> bool:
+    """``flight.wait(key)``: another request's load of the same thing (a
+    listing, a shard index, a chunk), waited for no longer than this
+    request's deadline, since that request may have begun later and its
+    load end after it.  Unavailable (EIO) at it; the load goes on."""
+    waited = await flight.wait(key, _request_deadline.get())
+    if waited is None:
+        raise Unavailable(f"{name}: another request's load of it still running at the request's deadline", name)
+    return waited
+
+
 def end_request(token: contextvars.Token) -> None:
     """The end of the request :meth:`AsyncStore.begin_request` began."""
     _request_deadline.reset(token)
@@ -730,7 +741,7 @@ class AsyncStore:
             if cached is not None and time.monotonic() - cached[1] < self.list_ttl and not cached[0].unconfirmed:
                 self._listings.move_to_end(prefix)
                 return cached[0]
-            if not await self._lists.wait(prefix):  # one LIST per prefix at a time: share its answer
+            if not await shared_within_deadline(self._lists, prefix, prefix or "/"):  # one LIST per prefix at a time
                 break
         generation = self._list_generation
         with self._lists.loading(prefix):
@@ -848,5 +859,5 @@ __all__ = [
     "AccessDenied", "AsyncStore", "Backend", "Blob", "COUNTER_NAMES", "CorruptData",
     "Listing", "NotFound", "ObjectInfo", "PreconditionFailed", "StoreError",
     "Unavailable", "bump", "end_request", "held_by_deadline", "join_key", "no_request_deadline",
-    "pause_within_deadline",
+    "pause_within_deadline", "shared_within_deadline",
 ]

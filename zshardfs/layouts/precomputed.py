@@ -76,7 +76,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backends.base import AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, join_key
+from ..backends.base import (AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, join_key,
+                             shared_within_deadline)
 from ..logonce import report_damage
 from ..shards import ByteLRU
 from ..singleflight import SingleFlight
@@ -367,7 +368,7 @@ class PrecomputedShardFormat:
             hit = self.cache.get(key)
             if hit is not None:
                 return hit
-            if not await self._loads.wait(key):
+            if not await shared_within_deadline(self._loads, key, key[0]):  # (key: shard, etag, minishard)
                 break
         with self._loads.loading(key):
             return await load()
