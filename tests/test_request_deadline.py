@@ -150,11 +150,13 @@ def test_a_flush_that_lost_a_race_does_not_pause_past_the_deadline(tmp_path, mon
     trio.run(main)
 
 
-@pytest.mark.parametrize("what", ["listing", "shard index", "chunk", "minishard index"])
+@pytest.mark.parametrize("what", ["listing", "shard index", "chunk", "room for an index", "minishard index"])
 def test_a_request_sharing_a_later_requests_load_ends_at_its_own_deadline(tmp_path, what):
     """A request that needs what another request is loading (a listing, a
     shard's index, a chunk, a precomputed minishard's index) shares that
-    load.  That request may have begun later, so its load may end after
+    load; one that loads an index while other loads hold the room that
+    indexes being loaded may take waits for them.  That request may have
+    begun later, so its load may end after
     this request's deadline: the wait for it ends there (EIO).  Before,
     the request waited for the whole load (0.5 of the deadline too long
     here).  The load itself goes on and is kept: a later request finds it."""

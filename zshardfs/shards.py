@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import trio
 
 from .backends.base import (AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, StoreError,
-                            no_request_deadline, shared_within_deadline)
+                            Unavailable, no_request_deadline, request_deadline_at, shared_within_deadline)
 from .singleflight import SingleFlight
 from .together import off_loop
 
@@ -339,7 +339,7 @@ class ShardCache:
         self.indexes.misses += 1
         with self._loads.loading(key):
             try:
-                async with self._index_room(fmt, shard_ctx):
+                async with self._index_room(fmt, shard_ctx, key):
                     index = await fmt.load_index(self.store, key, shard_ctx)
             finally:
                 forgotten = key in self._forgotten
@@ -355,12 +355,19 @@ class ShardCache:
             return index
 
     @contextlib.asynccontextmanager
-    async def _index_room(self, fmt: ShardFormat, shard_ctx: Any):
+    async def _index_room(self, fmt: ShardFormat, shard_ctx: Any, key: str):
         """Wait until an index of this size may load (see ``_loading_bytes``)."""
         size = fmt.index_size(shard_ctx) if hasattr(fmt, "index_size") else 0
         async with self._loading_room:
-            while self._loading_bytes and self._loading_bytes + size > self.indexes.max_bytes:
-                await self._loading_room.wait()
+            if self._loading_bytes and self._loading_bytes + size > self.indexes.max_bytes:
+                # the loads that hold the room may have begun after this
+                # request, and end after its deadline: waited for until then
+                with trio.move_on_at(request_deadline_at()):
+                    while self._loading_bytes and self._loading_bytes + size > self.indexes.max_bytes:
+                        await self._loading_room.wait()
+                if self._loading_bytes and self._loading_bytes + size > self.indexes.max_bytes:
+                    raise Unavailable(f"{key}: other index loads still hold the room for its index at the "
+                                      "request's deadline", key)
             self._loading_bytes += size
         try:
             yield

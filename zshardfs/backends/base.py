@@ -62,6 +62,12 @@ async def held_by_deadline(lock: trio.Lock, key: str, what: str):
         lock.release()
 
 
+def request_deadline_at() -> float:
+    """When (``trio.current_time()``) the request being served must be
+    answered; inf outside requests."""
+    return _request_deadline.get()
+
+
 async def pause_within_deadline(seconds: float, key: str, what: str) -> None:
     """``trio.sleep(seconds)`` (a backoff before trying again), unless the
     request's deadline comes first: then Unavailable (EIO) at once, as the
@@ -859,5 +865,5 @@ __all__ = [
     "AccessDenied", "AsyncStore", "Backend", "Blob", "COUNTER_NAMES", "CorruptData",
     "Listing", "NotFound", "ObjectInfo", "PreconditionFailed", "StoreError",
     "Unavailable", "bump", "end_request", "held_by_deadline", "join_key", "no_request_deadline",
-    "pause_within_deadline", "shared_within_deadline",
+    "pause_within_deadline", "request_deadline_at", "shared_within_deadline",
 ]
