@@ -231,3 +231,74 @@ def test_a_request_sharing_a_later_requests_load_ends_at_its_own_deadline(tmp_pa
             assert out == results["second"][1]
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("waiter", ["unlink", "rename", "fsync"])
+def test_a_request_waiting_for_the_store_of_a_plain_file_ends_at_its_deadline(tmp_path, waiter):
+    """An unlink of a file, a rename onto it, and an fsync through another
+    handle on it, while a close stores it, wait for that store (so that
+    PUTs and deletes land in order).  That close may have begun after the
+    waiting request, and its store end after this request's deadline: the
+    wait ends there (EIO), and changes nothing (the file, its handles).
+    Before, each waited for the whole store.  Once the store ends, the same
+    request works."""
+    timeout = 1.0
+    backend = Gated(str(tmp_path))
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=False,
+                                  timeout=timeout), backend)
+    (tmp_path / "other.txt").write_bytes(b"other")
+
+    async def main():
+        root = await view.resolve("")
+        h = await view.create(root, "f.txt")
+        await view.write(h, 0, b"written")
+        await view.fsync(h)
+        await view.write(h, 0, b"WRITTEN")
+        reader = await view.open(await view.resolve("f.txt"), write=False, truncate=False)
+        backend.hold("put", "f.txt")
+        results = {}
+        began = trio.Event()
+        request = {"unlink": (view.unlink, root, "f.txt"),
+                   "rename": (view.rename, root, "other.txt", root, "f.txt"),
+                   "fsync": (view.fsync, reader)}[waiter]
+
+        async def waiting():
+            with view.store.request_deadline():
+                began.set()
+                await backend.in_flight_now()  # the close's PUT is out
+                results[waiter] = await _request(view.store, *request)
+
+        async def close():
+            await began.wait()
+            await trio.sleep(timeout / 2)  # (begins later: its deadline is later)
+            results["close"] = await _request(view.store, view.flush, h)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiting)
+            nursery.start_soon(close)
+            await _until(lambda: waiter in results)
+            backend.go.set()
+        took, out = results[waiter]
+        assert isinstance(out, Unavailable) and "deadline" in str(out), out
+        assert took < timeout / 2 + SLACK, took
+        assert results["close"][1] is None, results["close"]
+        assert (tmp_path / "f.txt").read_bytes() == b"WRITTEN"
+        # nothing changed: the file and its handles are as they were
+        await view.write(h, 7, b"!")
+        await view.flush(h)
+        assert (tmp_path / "f.txt").read_bytes() == b"WRITTEN!"
+        assert await view.read(await view.resolve("other.txt"), 0, 100) == b"other"
+        _, out = await _request(view.store, *request)  # (works now)
+        assert out is None, out
+        await view.release(h)
+        await view.release(reader)
+        assert not await view.sync()
+        names = sorted(p.name for p in tmp_path.iterdir())
+        if waiter == "unlink":
+            assert names == ["other.txt"]
+        elif waiter == "rename":
+            assert names == ["f.txt"] and (tmp_path / "f.txt").read_bytes() == b"other"
+        else:
+            assert names == ["f.txt", "other.txt"] and (tmp_path / "f.txt").read_bytes() == b"WRITTEN!"
+
+    trio.run(main)

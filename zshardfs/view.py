@@ -30,6 +30,7 @@ translates.  Nothing here knows a shard format: layouts do.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import functools
@@ -43,7 +44,7 @@ from typing import AsyncIterator
 import trio
 
 from .backends.base import (AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed,
-                            StoreError, TooLarge, Unavailable, join_key)
+                            StoreError, TooLarge, Unavailable, held_by_deadline, join_key)
 from .layouts import LAYOUTS
 from .layouts.base import ChunkEntry, ChunkTarget, Dataset, DirEntry, LayoutContext
 from .shards import ShardCache
@@ -1097,7 +1098,7 @@ class View:
         return dataset is not None and dataset.stored_as_is((buf.key.rsplit("/", 1)[-1],)) is None
 
     async def _store_buffer(self, buf: FileBuffer) -> None:
-        async with buf.storing:
+        async with held_by_deadline(buf.storing, buf.key or buf.path, "another store of it"):
             if buf.dirty and buf.key is not None:
                 try:
                     await self._store_buffer_now(buf)
@@ -1437,13 +1438,32 @@ class View:
     async def unlink(self, parent: Node, name: str) -> None:
         await self._unlink(parent, name)
 
+    @contextlib.asynccontextmanager
+    async def _no_store_of(self, path: str):
+        """While held, no store of the file at ``path`` runs or begins (its
+        buffer's ``storing``, if it has one): a store a close or a sync
+        began is waited for, within the request's deadline, as it may have
+        begun after this request and end after it (Unavailable then,
+        before the caller changed anything)."""
+        while (buf := self.buffers.get(path)) is not None:
+            async with held_by_deadline(buf.storing, buf.key or path, "a store of it"):
+                if self.buffers.get(path) is buf:  # (else replaced while waiting: that one's)
+                    yield
+                    return
+        yield
+
     async def _unlink(self, parent: Node, name: str, moving: bool = False) -> None:
         """``moving``: a rename's unlink of its source, whose open handles
         move to the new name (see rename) instead of being detached."""
         node = await self._file_to_change(parent, name, errno.EISDIR)
-        if not moving:
-            self._detach_writers(node.path)
-        buf = self.buffers.pop(node.path, None)
+        async with self._no_store_of(node.path):
+            # a store of it lands first, then this delete (else its PUT would
+            # bring the file back after it)
+            if not moving:
+                self._detach_writers(node.path)
+            buf = self.buffers.pop(node.path, None)
+            if buf is not None:
+                buf.dirty = False  # (its bytes go with its name: a close queued to store it stores nothing)
         if node.is_chunk:
             await self._keep_for_readers(node)
             t = node.target
@@ -1451,11 +1471,6 @@ class View:
                                   node.dataset.shard_home)
             self._chunk_changed(t)
             return
-        if buf is not None and buf.storing.locked():
-            # a close is storing this file: its PUT lands first, then this
-            # delete (else the PUT would bring the file back after it)
-            async with buf.storing:
-                pass
         if buf is not None and (buf.key is None or not (buf.in_store or buf.maybe_stored)):
             return  # scratch, or a new file not stored yet: nothing in storage to remove
         if node.key is not None:
@@ -1634,6 +1649,8 @@ class View:
         # room first: a rename refused for it must leave the target as it was
         await self.writeback.wait_for_room()
         if existing is not None:
+            async with self._no_store_of(existing.path):
+                pass  # (a store of the target out: waited for before anything changes)
             self._detach_writers(existing.path)
             if existing.is_chunk:
                 await self._keep_for_readers(existing)
@@ -1646,7 +1663,7 @@ class View:
                 # last and bring back the bytes this rename replaced).  Waited
                 # for once the new buffer holds the name, so opens meanwhile
                 # share the new file, not the old one
-                async with replaced.storing:
+                async with held_by_deadline(replaced.storing, replaced.key or replaced.path, "a store of it"):
                     pass
             if existing is not None and not existing.is_chunk and handle.buffer is not None:
                 # the name holds a file already, perhaps stored: the new one is no
@@ -1690,11 +1707,11 @@ class View:
         if existing is not None and existing.is_dir:
             raise ViewError(errno.EISDIR, f"{new_name}: is a directory")
         if existing is not None:
-            self._detach_writers(existing.path)
-            buf = self.buffers.pop(existing.path, None)
-            if buf is not None and buf.storing.locked():
-                async with buf.storing:  # (its PUT lands first, then the link replaces it)
-                    pass
+            async with self._no_store_of(existing.path):  # (its PUT lands first, then the link replaces it)
+                self._detach_writers(existing.path)
+                buf = self.buffers.pop(existing.path, None)
+                if buf is not None:
+                    buf.dirty = False  # (replaced: a close queued to store it stores nothing)
         await self.store.move_link(node.key, new_key)
 
     async def _link_key(self, parent: Node, name: str, target: str | None) -> str:
