@@ -302,3 +302,64 @@ def test_a_request_waiting_for_the_store_of_a_plain_file_ends_at_its_deadline(tm
             assert names == ["f.txt", "other.txt"] and (tmp_path / "f.txt").read_bytes() == b"WRITTEN!"
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("waiter", ["write", "close", "rename"])
+def test_a_request_waiting_for_a_rename_of_its_file_ends_at_its_deadline(tmp_path, waiter):
+    """A write, a close (or fsync) through a handle on a file another
+    request is renaming, and a second rename of it, wait until the rename
+    has moved the file (else the write would land under the old name).
+    The rename may have begun after the waiting request, and end after its
+    deadline: the wait ends there (EIO), having changed nothing.  Before,
+    each waited for the whole rename.  The rename lands whole, and the
+    same request works afterwards, on the new name."""
+    timeout = 1.0
+    backend = Gated(str(tmp_path))
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=False,
+                                  timeout=timeout), backend)
+    (tmp_path / "f.txt").write_bytes(b"0123456789")
+
+    async def main():
+        root = await view.resolve("")
+        h = await view.open(await view.resolve("f.txt"), write=True, truncate=False)
+        await view.write(h, 0, b"AAAA")
+        backend.hold("put", "g.txt")  # (the rename's store of its new name)
+        request = {"write": (view.write, h, 4, b"ZZ"), "close": (view.flush, h),
+                   "rename": (view.rename, root, "f.txt", root, "h.txt")}[waiter]
+        results = {}
+        began = trio.Event()
+
+        async def waiting():
+            with view.store.request_deadline():
+                began.set()
+                await backend.in_flight_now()  # the rename's PUT is out
+                results[waiter] = await _request(view.store, *request)
+
+        async def rename():
+            await began.wait()
+            await trio.sleep(timeout / 2)  # (begins later: its deadline is later)
+            results["rename f.txt"] = await _request(view.store, view.rename, root, "f.txt", root, "g.txt")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiting)
+            nursery.start_soon(rename)
+            await _until(lambda: waiter in results)
+            backend.go.set()
+        took, out = results[waiter]
+        assert isinstance(out, Unavailable) and "deadline" in str(out), out
+        assert took < timeout / 2 + SLACK, took
+        assert results["rename f.txt"][1] is None, results["rename f.txt"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["g.txt"]
+        assert (tmp_path / "g.txt").read_bytes() == b"AAAA456789"
+        if waiter == "rename":
+            request = (view.rename, root, "g.txt", root, "h.txt")
+        _, out = await _request(view.store, *request)  # (works now, on the new name)
+        assert not isinstance(out, Exception), out
+        await view.write(h, 4, b"ZZ")
+        await view.release(h)
+        assert not await view.sync()
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert names == (["h.txt"] if waiter == "rename" else ["g.txt"]), names
+        assert (tmp_path / names[0]).read_bytes() == b"AAAAZZ6789"
+
+    trio.run(main)

@@ -44,7 +44,8 @@ from typing import AsyncIterator
 import trio
 
 from .backends.base import (AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed,
-                            StoreError, TooLarge, Unavailable, held_by_deadline, join_key)
+                            StoreError, TooLarge, Unavailable, held_by_deadline, join_key,
+                            waited_within_deadline)
 from .layouts import LAYOUTS
 from .layouts.base import ChunkEntry, ChunkTarget, Dataset, DirEntry, LayoutContext
 from .shards import ShardCache
@@ -1622,7 +1623,7 @@ class View:
             return
         self._check_name(new_name)
         while (earlier := self._renaming.get(path)) is not None:
-            await earlier.wait()
+            await waited_within_deadline(earlier, path, "a rename of it")
         done = self._renaming[path] = trio.Event()
         try:
             await self._rename(parent, name, new_parent, new_name)
@@ -1633,7 +1634,7 @@ class View:
     async def _while_renamed(self, handle: Handle) -> None:
         """Wait while the file ``handle`` writes is being renamed (see rename)."""
         while (renaming := self._renaming.get(handle.node.path)) is not None:
-            await renaming.wait()
+            await waited_within_deadline(renaming, handle.node.path, "a rename of it")
 
     async def _rename(self, parent: Node, name: str, new_parent: Node, new_name: str) -> None:
         node = await self._file_to_change(parent, name, errno.EXDEV)

@@ -88,6 +88,16 @@ async def shared_within_deadline(flight: SingleFlight, key, name: str) -> bool:
     return waited
 
 
+async def waited_within_deadline(event: trio.Event, key: str, what: str) -> None:
+    """``event.wait()`` for work another request began (which may have
+    begun after this one, and end after its deadline), no longer than the
+    request's deadline.  Unavailable (EIO) at it."""
+    with trio.move_on_at(_request_deadline.get()):
+        await event.wait()
+        return
+    raise Unavailable(f"{key}: {what} still running at the request's deadline", key)
+
+
 def end_request(token: contextvars.Token) -> None:
     """The end of the request :meth:`AsyncStore.begin_request` began."""
     _request_deadline.reset(token)
@@ -865,5 +875,5 @@ __all__ = [
     "AccessDenied", "AsyncStore", "Backend", "Blob", "COUNTER_NAMES", "CorruptData",
     "Listing", "NotFound", "ObjectInfo", "PreconditionFailed", "StoreError",
     "Unavailable", "bump", "end_request", "held_by_deadline", "join_key", "no_request_deadline",
-    "pause_within_deadline", "request_deadline_at", "shared_within_deadline",
+    "pause_within_deadline", "request_deadline_at", "shared_within_deadline", "waited_within_deadline",
 ]
