@@ -233,10 +233,11 @@ def test_a_request_sharing_a_later_requests_load_ends_at_its_own_deadline(tmp_pa
     trio.run(main)
 
 
-@pytest.mark.parametrize("waiter", ["unlink", "rename", "fsync"])
+@pytest.mark.parametrize("waiter", ["unlink", "rename", "fsync", "link"])
 def test_a_request_waiting_for_the_store_of_a_plain_file_ends_at_its_deadline(tmp_path, waiter):
-    """An unlink of a file, a rename onto it, and an fsync through another
-    handle on it, while a close stores it, wait for that store (so that
+    """An unlink of a file, a rename onto it (of a file or a symbolic link),
+    and an fsync through another handle on it, while a close stores it,
+    wait for that store (so that
     PUTs and deletes land in order).  That close may have begun after the
     waiting request, and its store end after this request's deadline: the
     wait ends there (EIO), and changes nothing (the file, its handles).
@@ -247,6 +248,7 @@ def test_a_request_waiting_for_the_store_of_a_plain_file_ends_at_its_deadline(tm
     view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=False,
                                   timeout=timeout), backend)
     (tmp_path / "other.txt").write_bytes(b"other")
+    (tmp_path / "link").symlink_to("other.txt")
 
     async def main():
         root = await view.resolve("")
@@ -260,7 +262,8 @@ def test_a_request_waiting_for_the_store_of_a_plain_file_ends_at_its_deadline(tm
         began = trio.Event()
         request = {"unlink": (view.unlink, root, "f.txt"),
                    "rename": (view.rename, root, "other.txt", root, "f.txt"),
-                   "fsync": (view.fsync, reader)}[waiter]
+                   "fsync": (view.fsync, reader),
+                   "link": (view.rename, root, "link", root, "f.txt")}[waiter]
 
         async def waiting():
             with view.store.request_deadline():
@@ -295,11 +298,13 @@ def test_a_request_waiting_for_the_store_of_a_plain_file_ends_at_its_deadline(tm
         assert not await view.sync()
         names = sorted(p.name for p in tmp_path.iterdir())
         if waiter == "unlink":
-            assert names == ["other.txt"]
+            assert names == ["link", "other.txt"]
+        elif waiter == "link":
+            assert names == ["f.txt", "other.txt"] and (tmp_path / "f.txt").is_symlink()
         elif waiter == "rename":
-            assert names == ["f.txt"] and (tmp_path / "f.txt").read_bytes() == b"other"
+            assert names == ["f.txt", "link"] and (tmp_path / "f.txt").read_bytes() == b"other"
         else:
-            assert names == ["f.txt", "other.txt"] and (tmp_path / "f.txt").read_bytes() == b"WRITTEN!"
+            assert names == ["f.txt", "link", "other.txt"] and (tmp_path / "f.txt").read_bytes() == b"WRITTEN!"
 
     trio.run(main)
 
