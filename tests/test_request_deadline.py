@@ -309,11 +309,11 @@ def test_a_request_waiting_for_the_store_of_a_plain_file_ends_at_its_deadline(tm
     trio.run(main)
 
 
-@pytest.mark.parametrize("waiter", ["write", "close", "rename"])
+@pytest.mark.parametrize("waiter", ["write", "close", "fsync", "truncate", "rename"])
 def test_a_request_waiting_for_a_rename_of_its_file_ends_at_its_deadline(tmp_path, waiter):
-    """A write, a close (or fsync) through a handle on a file another
-    request is renaming, and a second rename of it, wait until the rename
-    has moved the file (else the write would land under the old name).
+    """A write, a close, an fsync or a truncate through a handle on a file
+    another request is renaming, and a second rename of it, wait until the
+    rename has moved the file (else a write would land under the old name).
     The rename may have begun after the waiting request, and end after its
     deadline: the wait ends there (EIO), having changed nothing.  Before,
     each waited for the whole rename.  The rename lands whole, and the
@@ -329,7 +329,8 @@ def test_a_request_waiting_for_a_rename_of_its_file_ends_at_its_deadline(tmp_pat
         h = await view.open(await view.resolve("f.txt"), write=True, truncate=False)
         await view.write(h, 0, b"AAAA")
         backend.hold("put", "g.txt")  # (the rename's store of its new name)
-        request = {"write": (view.write, h, 4, b"ZZ"), "close": (view.flush, h),
+        request = {"write": (view.write, h, 4, b"ZZ"), "close": (view.flush, h), "fsync": (view.fsync, h),
+                   "truncate": (view.truncate, h.node, 12, h),
                    "rename": (view.rename, root, "f.txt", root, "h.txt")}[waiter]
         results = {}
         began = trio.Event()
@@ -365,6 +366,6 @@ def test_a_request_waiting_for_a_rename_of_its_file_ends_at_its_deadline(tmp_pat
         assert not await view.sync()
         names = sorted(p.name for p in tmp_path.iterdir())
         assert names == (["h.txt"] if waiter == "rename" else ["g.txt"]), names
-        assert (tmp_path / names[0]).read_bytes() == b"AAAAZZ6789"
+        assert (tmp_path / names[0]).read_bytes() == b"AAAAZZ6789" + b"\0\0" * (waiter == "truncate")
 
     trio.run(main)
