@@ -5,8 +5,9 @@ time goes inside the daemon.
 
 Serves the mount in the foreground (as ``zshardfs mount -f``) with each
 handler wrapped: its calls and the wall time spent inside it (waits for
-storage included) are summed.  ``kill -USR1 PID`` prints the sums so far to
-stderr and starts new ones; so does unmounting.  Used for docs/PERFORMANCE.md
+storage included) are summed.  ``kill -USR1 PID`` (or ``-HUP``: the
+daemon's signals for reopening its log, which they still do) prints the sums
+so far to stderr and starts new ones; so does unmounting.  Used for docs/PERFORMANCE.md
 ("where the time goes"); not a benchmark: the wrapping itself costs about
 0.5 us per request.
 """
@@ -14,14 +15,13 @@ stderr and starts new ones; so does unmounting.  Used for docs/PERFORMANCE.md
 from __future__ import annotations
 
 import collections
-import signal
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from zshardfs import fuse_ops  # noqa: E402
+from zshardfs import daemon, fuse_ops  # noqa: E402
 from zshardfs.cli import main  # noqa: E402
 
 HANDLERS = ("lookup", "getattr", "open", "read", "release", "opendir", "readdir", "releasedir", "write", "flush",
@@ -53,10 +53,20 @@ def report(*_) -> None:
     sums.clear()
 
 
+def report_at_reopen(reopen_log):
+    """The daemon's reopening of its log (SIGUSR1, SIGHUP), then a report:
+    a handler of our own for USR1 would be replaced by the daemon's."""
+    def wrapper(self, signum: int) -> None:
+        reopen_log(self, signum)
+        report()
+
+    return wrapper
+
+
 if __name__ == "__main__":
     for name in HANDLERS:
         setattr(fuse_ops.Operations, name, timed(name))
-    signal.signal(signal.SIGUSR1, report)
+    daemon.Mount._reopen_log = report_at_reopen(daemon.Mount._reopen_log)
     sys.argv = ["zshardfs", "mount", *sys.argv[1:], "--foreground"]
     try:
         main()

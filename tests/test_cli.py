@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -1072,3 +1073,36 @@ def test_debug_log_shows_a_written_payload_by_its_size(store, mount):
     text = m.log_text()
     assert re.search(rf"storage put notes\.bin .*<{len(payload)} bytes>", text), text[-3000:]
     assert "zshardfs-payload-" not in text
+
+
+# --------------------------------------------------------------------------
+# scripts
+
+
+def test_handler_times_prints_its_sums_at_sigusr1(store, mnt, tmp_path):
+    """``scripts/handler_times.py`` prints the handler times so far at
+    ``kill -USR1`` while it serves, as its docstring says (the daemon takes
+    USR1 for reopening its log: the sums came only at unmount), and the log
+    is still reopened."""
+    name, data = first_chunk(store)
+    log = tmp_path / "times.log"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "handler_times.py"
+    proc = subprocess.Popen([sys.executable, str(script), str(store.root), str(mnt), "-o", f"ro,log_file={log}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        assert wait_for(lambda: bool(mounts_at(mnt)) or proc.poll() is not None, timeout=20)
+        assert proc.poll() is None, lines
+        assert (mnt / name).read_bytes() == data
+        proc.send_signal(signal.SIGUSR1)
+        opens = wait_for(lambda: [ln.split() for ln in list(lines) if ln.startswith("open ")], timeout=20)
+        assert opens and opens[0][1] == "1", lines  # (open: one call)
+        assert proc.poll() is None  # still serving
+        assert wait_for(lambda: "log file reopened" in log.read_text(), timeout=20), log.read_text()
+        assert zs("umount", mnt).returncode == 0
+        proc.wait(timeout=30)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0, lines
