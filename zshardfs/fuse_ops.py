@@ -44,6 +44,9 @@ REMEMBERED_INODES = 1 << 16
 #: Node.created of a node written through a handle since (re-asked at open)
 _STALE = float("-inf")
 
+#: open flags that ask for writing
+_WRITING = os.O_WRONLY | os.O_RDWR
+
 
 def _log_once(level: int, msg: str) -> None:
     """One log line per distinct message per minute: a damaged shard read a
@@ -55,7 +58,7 @@ def _log_once(level: int, msg: str) -> None:
 def _translate(fn):
     @functools.wraps(fn)
     async def wrapper(self, *args, **kwargs):
-        token = self.view.store.begin_request()  # (one -o timeout for the whole request)
+        token = self._begin_request()  # (one -o timeout for the whole request)
         try:
             return await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError:
@@ -177,6 +180,7 @@ class Operations(pyfuse3.Operations):
         self.reads = self.open_fills = 0
         self.control = control  # async .get(name, uid) / .set(name, value, uid): xattrs of the root
         self.view = view
+        self._begin_request = view.store.begin_request  # (every request: one attribute, not three)
         self.read_only = read_only
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
@@ -430,7 +434,10 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def open(self, inode, flags, ctx):
-        node = self._node(inode)
+        entry = self.inodes.get(inode)
+        if entry is None:
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        node = entry.node
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         if self.by_path.get(node.path) != inode:
@@ -443,7 +450,21 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ESTALE)
         if node.created == _STALE:  # written through a handle since: what is it now?
             node = self.inodes[inode].node = (await self.view.refresh(node)) or node
-        write = bool(flags & (os.O_WRONLY | os.O_RDWR))
+        elif not flags & _WRITING:
+            # The common open (a warm `cat` is OPEN and RELEASE per file):
+            # nothing was awaited since the checks above, and open_reader
+            # never waits, so no other request ran in between and the
+            # re-checks after the general path's await below are moot.
+            handle = self.view.open_reader(node)
+            if 0 < node.size <= self.open_fill and entry.handles == 0 and entry.filled != (node.size, node.mtime):
+                await self._fill_page_cache(inode, entry, handle)
+                return pyfuse3.FileInfo(fh=self._new_fh(inode, handle), keep_cache=True)
+            fh = self._next_fh
+            self._next_fh = fh + 1
+            self._handles[fh] = (inode, handle)
+            entry.handles += 1
+            return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        write = bool(flags & _WRITING)
         if write and self.read_only:
             raise pyfuse3.FUSEError(errno.EROFS)
         handle = await self.view.open(node, write=write, truncate=bool(flags & os.O_TRUNC))
@@ -565,15 +586,19 @@ class Operations(pyfuse3.Operations):
             return
         inode, handle = entry
         try:
-            await self.view.release(handle)
+            if handle.writable:
+                await self.view.release(handle)
+            else:  # (the common close: no coroutine to make and run)
+                self.view.release_reader(handle)
         except Exception:  # release cannot report errors; flush/fsync did
             log.exception("release failed")
         ino = self.inodes.get(inode)
-        if ino:
+        if ino is not None:
             if handle.writable:  # its size may have changed: ask the view on the next getattr
                 ino.node = dataclasses.replace(ino.node, created=_STALE)
             ino.handles -= 1
-            self._drop_if_unused(inode)
+            if ino.handles <= 0 and ino.lookups <= 0:  # (the kernel still knows the name: nothing to drop)
+                self._drop_if_unused(inode)
 
     @_translate
     async def statfs(self, ctx):

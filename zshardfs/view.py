@@ -126,7 +126,7 @@ class FileBuffer:
         self.mtime = time.time()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Handle:
     """An open file of the view (fuse_ops maps fh numbers to these)."""
 
@@ -845,23 +845,31 @@ class View:
                 self.removed_dirs.discard(path)
                 path = _parent(path)
 
-    async def open(self, node: Node, *, write: bool, truncate: bool) -> Handle:
+    def open_reader(self, node: Node) -> Handle:
+        """:meth:`open` for reading.  Synchronous (it never waits): the
+        kernel's most frequent request after a lookup, and its caller may
+        count on nothing changing between its own checks and this."""
         if node.link is not None:  # (the kernel resolves links itself: never asked)
             raise ViewError(errno.ELOOP, f"{node.path}: a symbolic link")
+        handle = Handle(node)
+        if node.target is not None and not self.read_only:  # (a chunk: only writes of this mount remove it under them)
+            self.readers.setdefault(node.path, set()).add(handle)
+        buf = self.buffers.get(node.path)
+        if buf is not None and buf.key is None:
+            # a scratch file exists only in memory: the reader keeps its
+            # bytes, also once it is unlinked or dropped (POSIX), and it
+            # is not dropped while read (_drop_abandoned_scratch)
+            handle.buffer = buf
+            buf.readers += 1
+        elif node.key is None and node.target is None and not node.is_dir:
+            raise ViewError(errno.ENOENT, f"{node.path}: no longer exists")
+        return handle
+
+    async def open(self, node: Node, *, write: bool, truncate: bool) -> Handle:
         if not write:
-            handle = Handle(node)
-            if node.is_chunk and not self.read_only:  # (only writes of this mount can remove it under them)
-                self.readers.setdefault(node.path, set()).add(handle)
-            buf = self.buffers.get(node.path)
-            if buf is not None and buf.key is None:
-                # a scratch file exists only in memory: the reader keeps its
-                # bytes, also once it is unlinked or dropped (POSIX), and it
-                # is not dropped while read (_drop_abandoned_scratch)
-                handle.buffer = buf
-                buf.readers += 1
-            elif node.key is None and not node.is_chunk and not node.is_dir:
-                raise ViewError(errno.ENOENT, f"{node.path}: no longer exists")
-            return handle
+            return self.open_reader(node)
+        if node.link is not None:  # (the kernel resolves links itself: never asked)
+            raise ViewError(errno.ELOOP, f"{node.path}: a symbolic link")
         self._check_writable()
         node = await self._fresh(node)
         if node.is_chunk:
@@ -1407,12 +1415,25 @@ class View:
                         old[0].path, f" and {len(old) - 1} more" if len(old) > 1 else "",
                         "s" if len(old) > 1 else "", int(self.SCRATCH_KEEP))
 
+    def release_reader(self, handle: Handle) -> None:
+        """:meth:`release` of a handle open for reading: synchronous, as
+        :meth:`open_reader`.  A reader's chunk, if any, is its private copy
+        (4.1); only the readers' registry can hold a reader, and only on a
+        writable mount: the common close costs no look-up at all."""
+        if self.readers:
+            handles = self.readers.get(handle.node.path)
+            if handles is not None:
+                handles.discard(handle)
+                if not handles:
+                    del self.readers[handle.node.path]
+        if handle.buffer is not None:
+            handle.buffer.readers -= 1
+
     async def release(self, handle: Handle) -> None:
-        self._not_writer(handle)
         if not handle.writable:
-            if handle.buffer is not None:
-                handle.buffer.readers -= 1
-            return  # (a reader's chunk, if any, is its private copy: 4.1)
+            self.release_reader(handle)
+            return
+        self._not_writer(handle)
         if handle.buffer is not None:
             buf = handle.buffer
             buf.handles -= 1
