@@ -709,6 +709,7 @@ def test_log_lines_naming_non_utf8_paths(tmp_path, mount):
     rel = Path(store.shard_files[name]).relative_to(store.root / "arr")
     (store.root / bad / rel).write_bytes(b"garbage")  # a shard too short for its index
     m = mount(store.root, "ro")
+    assert b"arr\xff" in os.listdir(os.fsencode(m))  # (listed with its own bytes)
     with pytest.raises(OSError) as info:
         (m / bad / name.split("/", 1)[1]).read_bytes()
     assert info.value.errno == errno.EIO

@@ -26,6 +26,7 @@ import functools
 import logging
 import os
 import stat
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -46,6 +47,9 @@ _STALE = float("-inf")
 
 #: open flags that ask for writing
 _WRITING = os.O_WRONLY | os.O_RDWR
+
+#: what os.fsencode encodes names with
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 
 
 def _log_once(level: int, msg: str) -> None:
@@ -363,28 +367,32 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def readdir(self, fh, start_id, token):
         handle = self._handles[fh]
+        entries = handle.entries
         i = start_id
         while True:
-            while i >= len(handle.entries) and not handle.done:
+            while i >= len(entries) and not handle.done:
                 if handle.failed is not None:  # (a fresh error: re-raising one object grows its traceback)
                     raise pyfuse3.FUSEError(getattr(handle.failed, "errno", None) or errno.EIO)
                 try:
                     asked = time.monotonic()
-                    handle.entries.append((await handle.source.__anext__(), asked))
+                    entries.append((await handle.source.__anext__(), asked))
                 except StopAsyncIteration:
                     handle.done = True
                 except Exception as exc:
                     handle.failed = exc
                     raise
-            if i >= len(handle.entries):
+            if i >= len(entries):
                 return
-            listed, asked = handle.entries[i]
+            listed, asked = entries[i]
             ino = self._inode_for(listed, since=asked)
-            node = self.inodes[ino].node
-            if not pyfuse3.readdir_reply(token, os.fsencode(node.name), self._attrs(ino, node), i + 1):
+            entry = self.inodes[ino]
+            node = entry.node
+            # (os.fsencode(node.name), without its two Python calls: every entry of every listing)
+            name = node.path.rpartition("/")[2].encode(_FS_ENCODING, _FS_ERRORS)
+            if not pyfuse3.readdir_reply(token, name, self._attrs(ino, node), i + 1):
                 self._drop_if_unused(ino)
                 return
-            self.inodes[ino].lookups += 1
+            entry.lookups += 1
             i += 1
 
     async def releasedir(self, fh):

@@ -493,7 +493,8 @@ class View:
         """A listed entry's node.  A chunk whose shard this mount stored after
         the listing began (``mark``) is looked up again: the listing may have
         read the version before, and that store retired the pending change
-        (an unlink, a rename away, a new size) that would have corrected it."""
+        (an unlink, a rename away, a new size) that would have corrected it.
+        (Inlined in :meth:`listdir`'s loop over a dataset's directory.)"""
         if isinstance(entry, ChunkEntry) and self.writeback.stored_since(entry.shard_key, mark):
             return await self._dataset_child(path, dataset, rel)
         return self._virtual(path, dataset, rel, entry)
@@ -619,8 +620,14 @@ class View:
 
         if self._in_dataset(node):
             prefix, dataset, rel = _prefix(node.path), node.dataset, node.rel
+            stored_since = self.writeback.stored_since
             async for name, entry in dataset.listdir(rel):
-                child = await self._listed_child(prefix + name, dataset, rel + (name,), entry, mark)
+                # (_listed_child, inlined: a coroutine per entry was a good
+                # part of a warm listing's cost)
+                if isinstance(entry, ChunkEntry) and stored_since(entry.shard_key, mark):
+                    child = await self._dataset_child(prefix + name, dataset, rel + (name,))
+                else:
+                    child = self._virtual(prefix + name, dataset, rel + (name,), entry)
                 if fresh(child):
                     yield child
         else:
