@@ -147,9 +147,10 @@ def version_mtime(last_modified: float, etag: str) -> float:
 def parse_timestamp(value: str) -> datetime:
     """An S3 timestamp, as botocore's own parser would read it, faster:
     ISO 8601 in XML bodies, RFC 1123 in headers; anything else goes to
-    botocore's (dateutil) parser."""
+    botocore's (dateutil) parser.  ISO 8601 starts with the year; a header
+    with the day's name ("Tue, ..., GMT": a "T" is no sign of ISO)."""
     try:
-        if "T" in value:
+        if value[:1].isdigit():
             return datetime.fromisoformat(value)
         return parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):
