@@ -242,7 +242,7 @@ def test_stats_text_and_json(store, mount):
     assert result.returncode == 0, result.stderr
     text = result.stdout
     for label in ("source", "mountpoint", "requests", "bytes", "errors", "index_cache", "chunk_cache", "inodes",
-                  "read-ahead", "kernel", "handles", "write-back"):
+                  "read-ahead", "kernel", "handles", "write-back", "memory"):
         assert re.search(rf"^{label}\b", text, re.M), f"{label} missing from:\n{text}"
     assert str(store.root) in text and str(m.path) in text
     assert "dirty_shards=0" in text and "open=" in text
@@ -258,6 +258,11 @@ def test_stats_text_and_json(store, mount):
     assert stats["bytes"]["read"] >= len(data)
     assert stats["index_cache"]["entries"] >= 1
     assert stats["inodes"] >= 1
+    # every internal table's entries (what grows over a long life shows there)
+    assert 10 << 20 < stats["rss_bytes"] < 4 << 30
+    assert stats["tables"]["inodes"] == stats["inodes"] and stats["tables"]["indexes"] >= 1
+    assert {"by_path", "forgotten", "new_dirs", "writers", "readers", "chunk_changes", "dirty_shards", "listings",
+            "kept_fds"} <= set(stats["tables"])
 
 
 def test_stats_output_to_closed_pipe(store, mount):

@@ -599,6 +599,8 @@ def cmd_stats(args) -> int:
         print("write-back  " + "  ".join(f"{k}={v}" for k, v in stats["writeback"].items()))
     if "gc" in stats:
         print("gc          " + "  ".join(f"{k}={v}" for k, v in stats["gc"].items()))
+    if "rss_bytes" in stats:  # (the tables' entries: --json)
+        print(f"memory      rss={stats['rss_bytes'] >> 20}MiB")
     return EXIT_OK
 
 

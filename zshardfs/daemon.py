@@ -53,6 +53,15 @@ REOPEN_SIGNALS = (signal.SIGHUP, signal.SIGUSR1)
 IGNORED_SIGNALS = (signal.SIGUSR2,)
 
 
+def rss_bytes() -> int:
+    """This process's resident memory (0 where /proc has no answer)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def open_backend(cfg: MountConfig):
     """The backend for ``cfg.source`` (a path or ``s3://bucket/prefix``)."""
     if cfg.source.startswith("s3://"):
@@ -186,6 +195,10 @@ class Mount:
                           "flushes": self.writeback.flushes, "flush_errors": self.writeback.flush_errors},
             # the collector's permanent generation (see gcpolicy)
             "gc": {"frozen_objects": gc.get_freeze_count(), "full_collections": gc.get_stats()[2]["collections"]},
+            "rss_bytes": rss_bytes(),
+            # entries of every table of every layer: what a long life makes grow shows here
+            "tables": {**self.ops.table_sizes(), **self.view.table_sizes(), **self.shards.table_sizes(),
+                       **self.writeback.table_sizes(), **self.store.table_sizes()},
         }
 
     def _may_sync(self, uid: int) -> None:

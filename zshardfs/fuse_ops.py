@@ -206,6 +206,12 @@ class Operations(pyfuse3.Operations):
         """Files and directories the kernel has open (for stats)."""
         return len(self._handles)
 
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of this layer's tables (``zshardfs stats --json``: a
+        long-lived daemon's memory is found growing by these)."""
+        return {"inodes": len(self.inodes), "by_path": len(self.by_path),
+                "forgotten": len(self._forgotten), "handles": len(self._handles)}
+
     def trace_requests(self) -> None:
         """``-o debug``: log every kernel request and its answer (pyfuse3 looks
         handlers up on the instance, so wrapping them there is enough)."""

@@ -620,6 +620,13 @@ class ShardCache:
         """:meth:`preload` in the background (see :meth:`soon`)."""
         self.soon(self.preload, fmt, shards, True)
 
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of this layer's tables (see Operations.table_sizes)."""
+        return {"indexes": len(self.indexes), "chunks": len(self.chunks), "index_loads": len(self._loads),
+                "forgotten_loads": len(self._forgotten), "positions": len(self._positions),
+                "coming": sum(map(len, self._coming.values())), "chunk_fetches": len(self._fetching),
+                "unread": len(self._unread), "ahead": len(self._ahead)}
+
     def start(self, nursery: trio.Nursery | None) -> None:
         """Where background read-ahead runs (the daemon's nursery); None
         once that nursery is closed (the final sync at unmount reads without

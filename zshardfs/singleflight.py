@@ -24,6 +24,10 @@ class SingleFlight:
         """True while a load of ``key`` runs."""
         return key in self._running
 
+    def __len__(self) -> int:
+        """Loads running (for stats)."""
+        return len(self._running)
+
     async def wait(self, key, deadline: float = math.inf) -> bool | None:
         """Wait for the load of ``key`` that runs, if one does (then True);
         None: it still runs at ``deadline`` (``trio.current_time()``)."""

@@ -174,6 +174,9 @@ class _TTLCache:
         if item is not None:
             self.nbytes -= self._size(item)
 
+    def __len__(self) -> int:
+        return len(self._d)
+
     def expired(self, key):
         """The value kept for ``key`` even if it expired (None if none)."""
         item = self._d.get(key)
@@ -324,6 +327,18 @@ class View:
         # datasets, REMOVED_DOCUMENTS_BYTES of documents.
         self.orphans: OrderedDict[str, tuple[Dataset, str]] = OrderedDict()
         self.removed_documents: OrderedDict[str, bytes] = OrderedDict()
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of this layer's tables (see Operations.table_sizes)."""
+        return {"datasets": len(self.datasets), "documents": len(self.documents),
+                "buffers": len(self.buffers), "new_chunks": self._new_chunks_count,
+                "new_chunk_dirs": len(self._new_chunk_dirs), "new_dirs": sum(map(len, self.new_dirs.values())),
+                "emptied": len(self.emptied), "writers": len(self.writers), "readers": len(self.readers),
+                "born_here": len(self.born_here), "written_dirs": len(self.written_dirs),
+                "removed_dirs": len(self.removed_dirs), "own_versions": len(self.own_versions),
+                "renaming": len(self._renaming), "chunk_changes": len(self._chunk_changes),
+                "fresh_nodes": len(self._fresh_nodes), "orphans": len(self.orphans),
+                "removed_documents": len(self.removed_documents), "probed": len(self.ctx.probed)}
 
     # -- datasets -----------------------------------------------------------
 

@@ -173,6 +173,10 @@ class WriteBack:
         changes, which that store retired."""
         return self._stored.get(key, self._stored_floor) > mark
 
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of this layer's tables (see Operations.table_sizes)."""
+        return {"dirty_shards": len(self.dirty), "maybe_full": len(self._maybe_full), "stored": len(self._stored)}
+
     # -- the dirty set ------------------------------------------------------
 
     @property

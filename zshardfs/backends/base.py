@@ -419,6 +419,14 @@ class AsyncStore:
         self._written: OrderedDict[str, tuple[Blob, float]] = OrderedDict()
         self._written_bytes = 0
 
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of this layer's tables and its backend's (see Operations.table_sizes)."""
+        own = {"listings": len(self._listings), "list_loads": len(self._lists), "unanswered": len(self._unanswered),
+               "landing": len(self._landing), "store_documents": len(self._documents),
+               "listed_lately": len(self._listed_lately), "written": len(self._written)}
+        sizes = getattr(self.backend, "table_sizes", None)
+        return {**own, **(sizes() if sizes is not None else {})}
+
     @property
     def counters(self) -> Counter:
         return self.backend.counters

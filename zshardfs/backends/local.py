@@ -1125,6 +1125,10 @@ class LocalBackend:
         bump(self.counters, "put")
         self._forget_fds(new_key)  # (a file it replaced)
 
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of this backend's tables (see AsyncStore.table_sizes)."""
+        return {"kept_fds": len(self._fds), "swept_dirs": len(self._swept)}
+
     def close(self) -> None:
         with self._fd_lock:
             for fd, _ in self._fds.values():
