@@ -600,7 +600,9 @@ def cmd_stats(args) -> int:
     if "gc" in stats:
         print("gc          " + "  ".join(f"{k}={v}" for k, v in stats["gc"].items()))
     if "rss_bytes" in stats:  # (the tables' entries: --json)
-        print(f"memory      rss={stats['rss_bytes'] >> 20}MiB")
+        trim = stats.get("malloc_trim", {})
+        print(f"memory      rss={stats['rss_bytes'] >> 20}MiB  trims={trim.get('calls', 0)}  "
+              f"returned={trim.get('returned_bytes', 0) >> 20}MiB")
     return EXIT_OK
 
 

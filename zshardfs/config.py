@@ -109,6 +109,7 @@ class MountConfig:
     max_dirty: int = 256 << 20
     flush_delay: float = 2.0
     shard: tuple[int, ...] | None = None
+    malloc_trim: str = "on"
     # S3
     endpoint_url: str | None = None
     region: str | None = None
@@ -152,6 +153,8 @@ OPTIONS = {
     "max_dirty": ("max_dirty", parse_size, "written-but-unflushed bytes before writers wait (default 256M)"),
     "flush_delay": ("flush_delay", parse_seconds, "seconds after its last write (and close) a shard is flushed, 0 to "
                     "inf (inf: only when full, at max_dirty, fsync, sync or unmount; default 2)"),
+    "malloc_trim": ("malloc_trim", str, "give memory freed back to the system once idle or after the write-back "
+                    "set drained: on, off (default on)"),
     "shard": ("shard", None, "K or K1xK2x...: store new Zarr v3 arrays sharded, K inner chunks per shard and "
                              "dimension (at most 4096)"),
 }
@@ -207,6 +210,8 @@ def parse_options(cfg: MountConfig, opts: list[str]) -> MountConfig:
         raise OptionError(f"option log_level: {cfg.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
     if cfg.prefetch not in ("on", "off"):
         raise OptionError(f"option prefetch: {cfg.prefetch!r} is not on or off")
+    if cfg.malloc_trim not in ("on", "off"):
+        raise OptionError(f"option malloc_trim: {cfg.malloc_trim!r} is not on or off")
     if cfg.shard is not None and cfg.read_only:
         raise OptionError("option shard: only makes sense on a read-write mount (add -o rw)")
     if cfg.follow_symlinks and "://" in cfg.source:

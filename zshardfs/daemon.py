@@ -36,6 +36,7 @@ from .backends.base import AsyncStore, StoreError, no_request_deadline
 from .config import ConfigError, MountConfig
 from .fuse_ops import Operations
 from .logonce import log_once
+from .memtrim import Trimmer, malloc_trim, rss_bytes
 from .shards import ShardCache
 from .view import View
 from .writeback import WriteBack
@@ -51,15 +52,6 @@ XATTR_SYNC = "user.zshardfs.sync"
 REOPEN_SIGNALS = (signal.SIGHUP, signal.SIGUSR1)
 #: signals whose default action would end the daemon without its final sync
 IGNORED_SIGNALS = (signal.SIGUSR2,)
-
-
-def rss_bytes() -> int:
-    """This process's resident memory (0 where /proc has no answer)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def open_backend(cfg: MountConfig):
@@ -158,8 +150,17 @@ class Mount:
                               attr_timeout=cfg.attr_timeout, open_fill=cfg.open_fill, control=self)
         if cfg.debug:
             self.ops.trace_requests()
+        # freed memory given back to the system (see memtrim)
+        self.trimmer = Trimmer(self._activity, lambda: self.writeback.dirty_bytes,
+                               malloc_trim() if cfg.malloc_trim == "on" else None)
         self._give_up = False  # a second SIGTERM/SIGINT: exit without storing the rest
         self.lost = False  # exited without storing everything (the exit status says so)
+
+    def _activity(self) -> tuple:
+        """Changes whenever the mount reads, looks up, lists or stores."""
+        return (self.ops.reads, self.shards.chunks.hits, self.shards.chunks.misses, self.shards.indexes.hits,
+                self.shards.indexes.misses, sum(self.store.counters.values()), self.writeback.flushes,
+                len(self.ops.inodes), self.ops.open_handles)
 
     def stats(self) -> dict:
         c = self.store.counters
@@ -196,6 +197,7 @@ class Mount:
             # the collector's permanent generation (see gcpolicy)
             "gc": {"frozen_objects": gc.get_freeze_count(), "full_collections": gc.get_stats()[2]["collections"]},
             "rss_bytes": rss_bytes(),
+            "malloc_trim": {"calls": self.trimmer.trims, "returned_bytes": self.trimmer.returned},
             # entries of every table of every layer: what a long life makes grow shows here
             "tables": {**self.ops.table_sizes(), **self.view.table_sizes(), **self.shards.table_sizes(),
                        **self.writeback.table_sizes(), **self.store.table_sizes()},
@@ -254,6 +256,7 @@ class Mount:
                 nursery.start_soon(self._signals, nursery)
                 await nursery.start(self.writeback.run)
                 self.shards.start(nursery)
+                nursery.start_soon(self.trimmer.run)
                 await pyfuse3.main()
                 nursery.cancel_scope.cancel()
         except BaseException:

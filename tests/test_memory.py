@@ -1,0 +1,86 @@
+"""The daemon's memory over a long life: what it frees goes back to the
+system (zshardfs/memtrim.py); the tables' bounds are tested where each table
+lives, and scripts/soak_memory.py runs the long mixed workload."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import trio
+import trio.testing
+import zarr
+
+from zshardfs import memtrim
+from zshardfs.memtrim import Trimmer
+
+from .util import wait_for
+
+
+def test_the_trimmer_gives_memory_back_after_a_drain_and_once_idle():
+    """A trim when the write-back set has shrunk by SHRUNK from its peak,
+    and one when a busy daemon has been idle for IDLE; none while it is busy
+    with nothing drained, nor again while it stays idle."""
+    state = {"activity": 0, "dirty": 0}
+    calls = []
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    trimmer = Trimmer(lambda: state["activity"], lambda: state["dirty"],
+                      trim=lambda pad: calls.append(clock.current_time()) or 1, in_thread=False)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trimmer.run)
+            await trio.sleep(memtrim.TICK / 2)  # (changes between its looks)
+            for _ in range(20):  # busy, dirty data growing: nothing to give back
+                state["activity"] += 1
+                state["dirty"] += 8 << 20
+                await trio.sleep(1)
+            assert calls == []
+            state["dirty"] = 16 << 20  # stored: 144 MiB freed
+            state["activity"] += 1
+            await trio.sleep(memtrim.TICK)
+            assert len(calls) == 1 and trimmer.trims == 1
+            for _ in range(3):
+                await trio.sleep(1)
+                state["activity"] += 1
+            idle_from = trio.current_time()
+            await trio.sleep(memtrim.IDLE + memtrim.TICK)
+            assert len(calls) == 2 and calls[1] - idle_from >= memtrim.IDLE
+            await trio.sleep(60)  # still idle: nothing new to give back
+            assert len(calls) == 2
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=clock)
+    assert calls[1] - calls[0] >= memtrim.MIN_INTERVAL
+
+
+def test_memory_of_stored_writes_goes_back_to_the_system(tmp_path, mount):
+    """128 MiB written through the mount into partial shards (held in memory
+    until stored), then stored: glibc kept nearly all of it (RSS 271 MiB after
+    256 MiB, 24 MiB of it in use); the daemon now gives it back
+    (malloc_trim) once the write-back set has drained."""
+    source = tmp_path / "store"
+    source.mkdir()
+    m = mount(source, "rw", "flush_delay=inf", "shard=4")
+    side = 32
+    zarr.create_array(str(m / "a"), shape=(16 * side, 16 * side, 16 * side), dtype="uint8",
+                      chunks=(side, side, side), compressors=None, fill_value=0)
+    chunk = os.urandom(side ** 3)
+    # four passes over x, each writing a quarter of every shard's chunks: the
+    # shards stay partial (in memory) until the last pass
+    for p in range(4):
+        if p == 3:
+            peak = m.stats()["rss_bytes"]  # (three quarters held: 96 MiB)
+            assert m.stats()["writeback"]["dirty_bytes"] >= 96 << 20
+        for x in range(p, 16, 4):
+            for y in range(16):
+                (m / "a" / "c" / str(x) / str(y)).mkdir(parents=True, exist_ok=True)
+                for z in range(16):
+                    (m / "a" / "c" / str(x) / str(y) / str(z)).write_bytes(chunk)
+    subprocess.run([sys.executable, "-m", "zshardfs.cli", "sync", str(m.path)], check=True, timeout=60)
+    # (no event to wait for in another process: its RSS, asked until it drops or 15 s pass)
+    wait_for(lambda: m.stats()["rss_bytes"] < peak - (48 << 20), timeout=15, interval=0.2)
+    stats = m.stats()
+    assert stats["rss_bytes"] < peak - (48 << 20), (peak >> 20, stats["rss_bytes"] >> 20, stats.get("malloc_trim"))
+    assert stats["malloc_trim"]["calls"] >= 1 and stats["malloc_trim"]["returned_bytes"] >= 48 << 20
