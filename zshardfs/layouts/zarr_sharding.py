@@ -117,21 +117,28 @@ def _rewrite_array(doc: dict, what: str) -> dict | None:
 # consolidates metadata through the view embeds what it read there, and each
 # member maps back to the stored document it was shown from.  Only a fallback
 # for a view that cannot call accept_document_async (which reads them).
+# Bounded by bytes too: documents with megabytes of attributes, read one
+# after another, kept 4096 of them (gigabytes, for the life of the daemon).
 SHOWN_MAX = 4096
+SHOWN_BYTES = 16 << 20
 _shown: OrderedDict[str, bytes] = OrderedDict()
+_shown_bytes = 0  # the sum of the lengths of _shown's values
 _shown_lock = threading.Lock()  # large documents are rewritten in worker threads (off_loop)
 
 
 def _remember(key: str, stored: bytes | None) -> None:
     """``stored`` is what ``key`` holds now (None: not a sharded array)."""
+    global _shown_bytes
     with _shown_lock:
-        if stored is None:
-            _shown.pop(key, None)
+        old = _shown.pop(key, None)
+        if old is not None:
+            _shown_bytes -= len(old)
+        if stored is None or len(stored) > SHOWN_BYTES:
             return
         _shown[key] = stored
-        _shown.move_to_end(key)
-        while len(_shown) > SHOWN_MAX:
-            _shown.popitem(last=False)
+        _shown_bytes += len(stored)
+        while len(_shown) > SHOWN_MAX or _shown_bytes > SHOWN_BYTES:
+            _shown_bytes -= len(_shown.popitem(last=False)[1])
 
 
 def is_document(key: str) -> bool:
