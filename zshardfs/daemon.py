@@ -36,7 +36,7 @@ from .backends.base import AsyncStore, StoreError, no_request_deadline
 from .config import ConfigError, MountConfig
 from .fuse_ops import Operations
 from .logonce import log_once
-from .memtrim import Trimmer, malloc_trim, rss_bytes
+from .memtrim import Trimmer, limit_arenas, malloc_trim, rss_bytes
 from .shards import ShardCache
 from .view import View
 from .writeback import WriteBack
@@ -365,6 +365,8 @@ def run(cfg: MountConfig, ready=None, reopen_log=None) -> bool:
     # also reopened by itself at its next line once rotated
     for signum in (*REOPEN_SIGNALS, *IGNORED_SIGNALS):
         signal.signal(signum, signal.SIG_IGN)
+    if cfg.malloc_trim == "on":
+        limit_arenas()  # (before the backend's first threads: see memtrim)
     backend = open_backend(cfg)
     mount = Mount(cfg, backend, reopen_log=reopen_log)
     gcpolicy.install()  # (short collector pauses with a big inode table)
