@@ -765,11 +765,18 @@ class LocalBackend:
                 for entry in it:
                     name = entry.name
                     key = f"{prefix}/{name}" if prefix else name
-                    if name.endswith(LOCK_SUFFIX) and entry.is_file(follow_symlinks=False) and \
-                            _is_key_lock(name, entry.stat(follow_symlinks=False).st_size):
-                        if self.tidy:  # (a key's lock, held now or left by a writer killed)
-                            _remove_lock_if_stale(dfd, name)
-                        continue
+                    if name.endswith(LOCK_SUFFIX) and entry.is_file(follow_symlinks=False):
+                        try:
+                            size = entry.stat(follow_symlinks=False).st_size
+                        except FileNotFoundError:
+                            # a writer done with its lock removed it since the name
+                            # was read (every conditional write does): not listed,
+                            # and no reason to end the listing
+                            continue
+                        if _is_key_lock(name, size):
+                            if self.tidy:  # (a key's lock, held now or left by a writer killed)
+                                _remove_lock_if_stale(dfd, name)
+                            continue
                     if _is_internal(name):
                         path = self._path(key)
                         if _writer_gone(path, name):
@@ -901,9 +908,13 @@ class LocalBackend:
                         path = self._path(join_key(dir_key, name))
                         if _writer_gone(path, name):
                             again |= not _remove_if_old(dfd, name, path)
-                    elif name.endswith(LOCK_SUFFIX) and entry.is_file(follow_symlinks=False) and \
-                            _is_key_lock(name, entry.stat(follow_symlinks=False).st_size):
-                        again |= not _remove_lock_if_stale(dfd, name)
+                    elif name.endswith(LOCK_SUFFIX) and entry.is_file(follow_symlinks=False):
+                        try:
+                            size = entry.stat(follow_symlinks=False).st_size
+                        except FileNotFoundError:
+                            continue  # (a writer's, done with it: see list)
+                        if _is_key_lock(name, size):
+                            again |= not _remove_lock_if_stale(dfd, name)
         except OSError:
             return
         if not again:
