@@ -1398,6 +1398,74 @@ def test_a_new_array_where_a_removed_one_left_nothing_is_new(store, mount, tmp_p
     np.testing.assert_array_equal(zarr.open_array(str(store.local_copy(tmp_path / "copy") / "arr"))[:], 4)
 
 
+def test_an_editor_s_save_keeps_chunk_directories_whose_chunks_are_not_stored_yet(store, mount, tmp_path):
+    """An editor's save of the zarr.json of an array whose only chunk is one
+    written and not stored yet (storage holds nothing below the array) keeps
+    that chunk's directory: before, the saved document was taken for a new
+    array's, whose chunk directories exist only once made, and the chunk
+    was ENOENT until its flush (the listing of its directory too)."""
+    data = np.zeros((8, 8), "<i4")
+    data[0:2, 0:2] = 7
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    a = m / "arr"
+    os.unlink(a / "c" / "0" / "0")
+    fd = os.open(a / "c" / "0", os.O_RDONLY)
+    try:
+        os.fsync(fd)  # (the removal stored: so are the shard's and its directories')
+    finally:
+        os.close(fd)
+    (a / "c" / "3" / "3").write_bytes(raw_chunk(5))
+    doc = a / "zarr.json"
+    view = json.loads(doc.read_text())
+    os.rename(doc, a / "zarr.json~")
+    doc.write_text(json.dumps({**view, "attributes": {"saved": 1}}))
+    os.unlink(a / "zarr.json~")
+    assert os.listdir(a / "c" / "3") == ["3"]
+    assert (a / "c" / "3" / "3").read_bytes() == raw_chunk(5)
+    (a / "c" / "2" / "1").write_bytes(raw_chunk(6))
+    m.umount()
+    got = zarr.open_array(str(store.local_copy(tmp_path / "copy") / "arr"))
+    assert got.shards == (4, 4)
+    expected = np.zeros((8, 8), "<i4")
+    expected[6:8, 6:8] = 5
+    expected[4:6, 2:4] = 6
+    np.testing.assert_array_equal(got[:], expected)
+
+
+def test_an_editor_s_save_of_an_array_emptied_of_chunks_keeps_its_chunk_directories(store, mount, tmp_path):
+    """An array whose every chunk was removed (their shards and the
+    directories that held only them are gone from storage) keeps its chunk
+    directories when an editor saves its zarr.json (rename to zarr.json~,
+    write anew), as a directory store would: a temporary held in one stays
+    listed and readable, and a chunk can be written into another. Before,
+    the new document was taken for a new array's (storage held nothing
+    below it), whose chunk directories exist only once made: the temporary
+    vanished and the write was ENOENT (found by tests/difftest.py)."""
+    data = np.zeros((8, 8), "<i4")
+    data[0:2, 0:2] = 7
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    a = m / "arr"
+    os.rename(a / "c" / "0" / "0", a / "c" / "1" / ".tmp-1")  # (held in memory: a temporary)
+    doc = a / "zarr.json"
+    view = json.loads(doc.read_text())
+    os.rename(doc, a / "zarr.json~")
+    doc.write_text(json.dumps({**view, "attributes": {"saved": 1}}))
+    os.unlink(a / "zarr.json~")
+    assert (a / "c" / "1" / ".tmp-1").read_bytes() == data[0:2, 0:2].tobytes()
+    assert os.listdir(a / "c" / "1") == [".tmp-1"]
+    assert sorted(os.listdir(a)) == ["c", "zarr.json"]
+    (a / "c" / "2" / "3").write_bytes(raw_chunk(5))
+    os.rename(a / "c" / "1" / ".tmp-1", a / "c" / "1" / "1")
+    m.umount()
+    got = zarr.open_array(str(store.local_copy(tmp_path / "copy") / "arr"))[:]
+    expected = np.zeros((8, 8), "<i4")
+    expected[2:4, 2:4] = 7
+    expected[4:6, 6:8] = 5
+    np.testing.assert_array_equal(got, expected)
+
+
 def test_a_file_a_chunk_was_renamed_over_is_gone_once_unlinked(store, mount, tmp_path):
     """A chunk renamed over a stored plain file in the array's own directory
     replaces it (held in memory a while there: it may be a tool's temporary);

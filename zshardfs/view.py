@@ -1195,6 +1195,9 @@ class View:
         version, written = buf.version, bytes(buf.data)
         data = written
         stored = None  # the document replaced: what the key holds now, or the one this mount removed there
+        # (an editor's save, rm and put back: the array's directories stay what
+        # they were, even if none of its chunks is left; see born_here below)
+        resaved = buf.key in self.removed_documents
         for layout in LAYOUTS:
             if layout.is_document(buf.key) and hasattr(layout, "accept_document"):
                 blob = await self.store.get_or_none(buf.key)
@@ -1229,8 +1232,11 @@ class View:
                 if accepted is not None:
                     data = accepted
                     break
-        if not buf.in_store and self._is_dataset_document(buf.key):
-            # a new dataset, if nothing is stored below it yet (see __init__)
+        if not buf.in_store and not resaved and self._is_dataset_document(buf.key):
+            # a new dataset, if nothing is stored below it yet (see __init__);
+            # not one saved again over the document this mount removed: its
+            # chunk directories existed, if storage lost them with their last
+            # shard, and may hold temporaries and chunks not stored yet
             root = _parent(buf.key)
             listing = await self.store.list(root)
             if not listing.dirs and not any(_could_be_chunk(f.key.rsplit("/", 1)[-1]) for f in listing.files):
@@ -1663,10 +1669,14 @@ class View:
             self.removed_dirs.add(node.path)
 
     async def _holds_chunks(self, node: Node) -> bool:
-        """A chunk file somewhere below ``node`` (plain files do not count)."""
+        """A chunk file somewhere below ``node`` (plain files do not count),
+        or a temporary in a chunk directory: a chunk about to be (tmp+rename
+        writers), which only the dataset's chunk directories can hold."""
         async for child in self.listdir(node):
             if child.is_chunk or (child.is_dir and child.dataset is not None and await self._holds_chunks(child)):
                 return True
+            if child.key is None and not child.is_dir:
+                return True  # (scratch, in memory only; a temporary in the dataset's root has a key)
         return False
 
     async def _empty(self, node: Node) -> bool:
