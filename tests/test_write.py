@@ -1398,6 +1398,31 @@ def test_a_new_array_where_a_removed_one_left_nothing_is_new(store, mount, tmp_p
     np.testing.assert_array_equal(zarr.open_array(str(store.local_copy(tmp_path / "copy") / "arr"))[:], 4)
 
 
+def test_a_zarr_json_moved_away_and_back_after_its_last_chunk_went_is_put_back(store, mount, tmp_path):
+    """``mv zarr.json x; mv x zarr.json`` of an array none of whose chunks is
+    left: the file moved away holds the stored (sharded) document, and
+    moved back it is that document again, stored as it was. Before, no
+    chunk being left, it was taken for a new sharded array written through
+    the view and refused (EPERM): the array had no zarr.json any more
+    (found by tests/difftest.py)."""
+    data = np.zeros((8, 8), "<i4")
+    data[0:2, 0:2] = 7
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    stored = store.get("arr/zarr.json")
+    m = mount(store.source, extra=store.extra)
+    a = m / "arr"
+    os.unlink(a / "c" / "0" / "0")
+    os.rename(a / "zarr.json", a / "zarr.json.bak")
+    os.rename(a / "zarr.json.bak", a / "zarr.json")
+    assert "zarr.json" in os.listdir(a) and "zarr.json.bak" not in os.listdir(a)
+    assert json.loads((a / "zarr.json").read_bytes())["shape"] == [8, 8]
+    m.umount()
+    assert store.get("arr/zarr.json") == stored
+    got = zarr.open_array(str(store.local_copy(tmp_path / "copy") / "arr"))
+    assert got.shards == (4, 4)
+    np.testing.assert_array_equal(got[:], np.zeros((8, 8), "<i4"))
+
+
 def test_an_editor_s_save_keeps_chunk_directories_whose_chunks_are_not_stored_yet(store, mount, tmp_path):
     """An editor's save of the zarr.json of an array whose only chunk is one
     written and not stored yet (storage holds nothing below the array) keeps

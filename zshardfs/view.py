@@ -1197,7 +1197,8 @@ class View:
         stored = None  # the document replaced: what the key holds now, or the one this mount removed there
         # (an editor's save, rm and put back: the array's directories stay what
         # they were, even if none of its chunks is left; see born_here below)
-        resaved = buf.key in self.removed_documents
+        removed = self.removed_documents.get(buf.key)
+        resaved = removed is not None
         for layout in LAYOUTS:
             if layout.is_document(buf.key) and hasattr(layout, "accept_document"):
                 blob = await self.store.get_or_none(buf.key)
@@ -1208,6 +1209,11 @@ class View:
                 stored = blob.data if blob is not None and await off_loop(
                     functools.partial(_json_object, blob.data), len(blob.data)) else \
                     await self._removed_document(buf.key)
+                if stored is None and removed is not None and data == removed:
+                    # the very document this mount removed there, put back (``mv``
+                    # away and back) after the last chunk went: not a new array
+                    # written through the view, but the store's own document
+                    stored = removed
                 # a layout that needs to read storage to decide (members'
                 # documents, what the directory already holds) offers an
                 # async variant
