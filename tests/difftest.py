@@ -28,7 +28,10 @@ The documented differences (docs/SEMANTICS.md, Limits) are emulated on the twin:
   - files with non-chunk names inside chunk directories live in memory only: dropped
     at unmount and by a daemon kill;
   - directories cannot be renamed (EXDEV);
-  - (empty) directories below the array's chunk directories are not compared.
+  - (empty) directories below the array's chunk directories are not compared;
+  - an editor's save or ``rm`` and put back of the ``zarr.json`` of a sharded array none of
+    whose chunks is left makes a new array, stored as written (unsharded; SEMANTICS 4.15):
+    not emulated, so such a metadata op is drawn as a rewrite in place instead.
 Metadata ops (Zarr variable grids and hierarchies, ``LAYOUT_WEIGHTS``; :class:`ZarrNames`
 follows a resize): documents edited through the mount (attributes, fill value,
 consolidated members; SEMANTICS 4.9, 4.11, 4.15), zarr-python's consolidation, and
@@ -1172,6 +1175,15 @@ class Gen:
                     out.append(rel)
         return sorted(out)
 
+    def _holds_nothing(self, root: str) -> bool:
+        """Is ``root`` a sharded array's directory that holds no chunk and no temporary in a
+        chunk directory (in the twin)?"""
+        if not any(c.path == root and c.sharded for c in self.n.cases):
+            return False
+        base = self.env.twin / root
+        return not any(p.is_file() and (p.parent != base or str(p.relative_to(self.env.twin)) in self.n.chunks)
+                       for p in base.rglob("*"))
+
     def data(self):
         r = self.rng
         if r.random() < 0.45:
@@ -1264,6 +1276,11 @@ class Gen:
                 o["member"] = r.choice(self.n.members)
             if r.random() < 0.2:
                 o["fill"] = r.randrange(50)
+            if o["how"] in ("editor", "rmput") and self._holds_nothing(o["path"].rpartition("/")[0]):
+                # a sharded array none of whose chunks (nor temporaries) is left: the document
+                # written after it was removed is a new array's, stored as written (SEMANTICS
+                # 4.15), which the twin does not follow (it stays sharded there)
+                o["how"] = "write"
             return o
         if kind == "resize":
             case = r.choice([c for c in self.n.cases if c.sharded])
