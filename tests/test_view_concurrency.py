@@ -845,57 +845,6 @@ def test_rm_r_leaves_no_directories_in_memory(tmp_path):
     view.store.close()
 
 
-def test_directories_made_are_forgotten_once_storage_holds_them(tmp_path):
-    """A directory made through the mount is remembered only while storage
-    cannot show it: on a local store not at all (it is made there), on S3
-    until a file below it is stored.  Before, each one stayed in memory for
-    the life of the mount unless its parent was listed (a service making a
-    directory per run, in a directory no one lists, grew without bound), and
-    on a local store one another client removed was still shown."""
-    root = tmp_path / "local"
-    (root / "runs").mkdir(parents=True)
-    view = build_view(MountConfig(source=str(root), mountpoint=str(root) + "-mnt", read_only=False,
-                                  metadata_ttl=0), LocalBackend(str(root)))
-
-    async def local():
-        runs = await view.lookup(view.root(), "runs")
-        for i in range(100):
-            await view.mkdir(runs, f"r{i}")
-        assert view.table_sizes()["new_dirs"] == 0
-        assert (await view.lookup(runs, "r7")).is_dir
-        (root / "runs" / "r7").rmdir()  # another client
-        assert await view.lookup(runs, "r7") is None
-        with pytest.raises(ViewError) as exc:
-            await view.mkdir(runs, "r8")
-        assert exc.value.errno == errno.EEXIST
-
-    trio.run(local)
-    view.store.close()
-    root = tmp_path / "s3"
-    (root / "runs").mkdir(parents=True)
-    view = build_view(MountConfig(source=str(root), mountpoint=str(root) + "-mnt", read_only=False,
-                                  metadata_ttl=0), S3LikeStore(str(root)))
-
-    async def s3():
-        runs = await view.lookup(view.root(), "runs")
-        for i in range(100):
-            d = await view.mkdir(runs, f"r{i}")
-            sub = await view.mkdir(d, "out")
-            handle = await view.create(sub, "f.txt")
-            await view.write(handle, 0, b"data")
-            await view.release(handle)
-        assert view.table_sizes()["new_dirs"] == 200  # (nothing stored yet: only memory holds them)
-        assert not await view.sync()
-        assert view.table_sizes()["new_dirs"] == 0
-        assert (await view.resolve("runs/r5/out")).is_dir
-        assert await view.read(await view.resolve("runs/r5/out/f.txt"), 0, 10) == b"data"
-        await view.mkdir(runs, "empty")  # (nothing below: memory is all there is of it)
-        assert (await view.lookup(runs, "empty")).is_dir
-
-    trio.run(s3)
-    view.store.close()
-
-
 class _HeldPut:
     """A store mix-in whose first PUT of ``held`` stays in flight until the
     test lets it go (``go``), or until a later PUT of that key has landed,

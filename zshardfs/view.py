@@ -1281,8 +1281,6 @@ class View:
         if buf.version == version:  # else a write came in meanwhile: still dirty
             buf.dirty = False
         buf.in_store = True
-        if buf.path == buf.key:
-            self._stored_below(buf.key)
         self.datasets.pop(_parent(buf.key))
         self.datasets.pop(buf.key)
 
@@ -1602,7 +1600,6 @@ class View:
             path = join_key(parent.path, name)
             raise self._outside(parent.dataset, path, path)
         dataset = parent.dataset
-        in_store = False
         if not self._in_dataset(parent):
             dataset = await self.dataset_at(parent.key)  # (the array's own directory: its dataset)
             if dataset is not None and dataset.outside((name,)):
@@ -1611,40 +1608,16 @@ class View:
                 raise self._outside(dataset, path, path)
             if dataset is None or not dataset.claims((name,)):
                 await self.store.make_dir(join_key(parent.key, name))
-                # storage keeps it (local): it answers for it from now on
-                # (remembered, every directory ever made was, for the life
-                # of the mount, and shown after another client removed it)
-                in_store = self.store.keeps_empty_dirs
-        if not in_store:
-            self.new_dirs.setdefault(parent.path, set()).add(name)
+        self.new_dirs.setdefault(parent.path, set()).add(name)
         self.removed_dirs.discard(join_key(parent.path, name))
         self._made_in(parent.path)
         if dataset is not None and dataset.root in self.born_here:
             self.born_here[dataset.root] = time.monotonic()  # (a copy into it goes on: not quiet)
         node = await self.lookup(parent, name)
         if node is None:  # e.g. a name the dataset claims but that cannot be a directory
-            self._unmade(parent.path, name)
+            self.new_dirs[parent.path].discard(name)
             raise ViewError(errno.EINVAL, f"{name}: cannot be a directory here")
         return node
-
-    def _unmade(self, parent_path: str, name: str) -> None:
-        """``name`` in ``parent_path`` is no longer a directory only this
-        mount's memory holds."""
-        made = self.new_dirs.get(parent_path)
-        if made is not None:
-            made.discard(name)
-            if not made:
-                del self.new_dirs[parent_path]
-
-    def _stored_below(self, key: str) -> None:
-        """A file was stored at ``key`` (a path of the view as well): the
-        directories above it exist in storage now (S3), which answers for
-        them; remembered, each one made stayed for the life of the mount
-        unless its parent was listed."""
-        path = _parent(key)
-        while path and self.new_dirs:
-            self._unmade(_parent(path), path.rsplit("/", 1)[-1])
-            path = _parent(path)
 
     async def rmdir(self, parent: Node, name: str) -> None:
         self._check_writable()
@@ -1664,7 +1637,11 @@ class View:
             await self.writeback.flush_below(node.key)
             await self.store.remove_dir(node.key)
             self._forget_orphan(node.key)
-        self._unmade(parent.path, name)
+        made = self.new_dirs.get(parent.path)
+        if made is not None:
+            made.discard(name)
+            if not made:
+                del self.new_dirs[parent.path]
         self.new_dirs.pop(node.path, None)
         self.emptied.pop(node.path, None)
         self._keep_emptied(parent)
