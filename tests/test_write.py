@@ -1943,8 +1943,10 @@ def test_readers_of_a_file_replaced_by_rename_get_one_whole_version(mount, tmp_p
     writer = subprocess.Popen([sys.executable, "-c", REPLACE_FOREVER, chunk])
     torn, whole, stale = [], 0, 0
     try:
-        deadline = time.monotonic() + 6
-        while time.monotonic() < deadline:
+        # 2000 whole reads, or as many as 30 s give (a loaded machine): before
+        # the fix one read in about 300 was torn
+        deadline = time.monotonic() + 30
+        while whole < 2000 and time.monotonic() < deadline:
             try:
                 with open(chunk, "rb") as f:
                     data = f.read()
