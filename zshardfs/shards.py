@@ -28,7 +28,6 @@ import heapq
 import logging
 import math
 import re
-import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -50,9 +49,6 @@ EMPTY = 2**64 - 1
 #: header and the LRU's links, about 330 bytes measured with 8-byte chunks
 #: (64 was counted before: a cache of tiny chunks took 4.6x its budget)
 CHUNK_ENTRY_OVERHEAD = 320
-#: what a chunk cached as a view of a read-ahead GET's bytes (see Shared)
-#: costs beyond a bytes object: the memoryview object
-VIEW_OVERHEAD = sys.getsizeof(memoryview(b"")) - sys.getsizeof(b"")
 
 
 class ShardIndex(Protocol):
@@ -98,28 +94,8 @@ def _decoding(fmt: ShardFormat, nbytes: int) -> int:
     return nbytes if getattr(fmt, "decodes", True) else 0
 
 
-class Shared:
-    """One buffer several cached values are views of (a read-ahead GET's
-    bytes, its chunks slices of it without a copy): the buffer's bytes are
-    counted once, while any of them is cached (see :class:`ByteLRU`)."""
-
-    __slots__ = ("nbytes", "keys", "live")
-
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
-        self.keys: set = set()  # cached keys whose values are views of it
-        self.live = 0  # bytes of those views
-
-
 class ByteLRU:
     """An LRU mapping bounded by the sum of its values' declared sizes.
-
-    A value put with ``shared`` (a :class:`Shared`) is a view of that
-    buffer: it is counted at its declared size (its entry's own cost) and
-    the buffer once, for as long as any view of it is cached, so the budget
-    bounds the memory really held.  Once the views left of a buffer are
-    less than half of it, they are copied out (``bytes``) and the buffer is
-    let go of: a few chunks never pin a whole GET's bytes for long.
 
     The last value larger than the whole budget is kept beside it (one,
     outside the budget): callers ask for such a value again at once (the
@@ -130,7 +106,7 @@ class ByteLRU:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._d: OrderedDict[Any, tuple[Any, int, Shared | None]] = OrderedDict()
+        self._d: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
         self._beside: tuple[Any, Any, int] | None = None  # (key, value, nbytes)
         self.hits = 0
         self.misses = 0
@@ -152,38 +128,16 @@ class ByteLRU:
         self.hits += 1
         return item[0]
 
-    def put(self, key, value, nbytes: int, shared: Shared | None = None) -> None:
+    def put(self, key, value, nbytes: int) -> None:
         self.pop(key)
-        if shared is None and nbytes > self.max_bytes:
+        if nbytes > self.max_bytes:
             self._beside = (key, value, nbytes)
             return
-        self._d[key] = (value, nbytes, shared)
+        self._d[key] = (value, nbytes)
         self.bytes += nbytes
-        if shared is not None:
-            if not shared.keys:
-                self.bytes += shared.nbytes
-            shared.keys.add(key)
-            shared.live += len(value)
-        while self.bytes > self.max_bytes and self._d:
-            old, (value, n, shared) = self._d.popitem(last=False)
-            self._dropped(old, value, n, shared)
-
-    def _dropped(self, key, value, nbytes: int, shared: Shared | None) -> None:
-        """Uncount an entry gone from ``_d``."""
-        self.bytes -= nbytes
-        if shared is None:
-            return
-        shared.keys.discard(key)
-        shared.live -= len(value)
-        if shared.keys and 2 * shared.live < shared.nbytes:
-            for k in shared.keys:  # (in place: the LRU order stays)
-                v, n, _ = self._d[k]
-                copy = bytes(v)
-                self._d[k] = (copy, n + len(copy), None)
-                self.bytes += len(copy)
-            shared.keys.clear()
-        if not shared.keys:
-            self.bytes -= shared.nbytes
+        while self.bytes > self.max_bytes:
+            _, (_, n) = self._d.popitem(last=False)
+            self.bytes -= n
 
     def __contains__(self, key) -> bool:
         return key in self._d or self._oversized(key) is not None
@@ -219,7 +173,7 @@ class ByteLRU:
     def pop(self, key) -> None:
         item = self._d.pop(key, None)
         if item is not None:
-            self._dropped(key, *item)
+            self.bytes -= item[1]
         if self._oversized(key) is not None:
             self._beside = None
 
@@ -775,14 +729,6 @@ class ShardCache:
             start, end = off, max(end, off + n)
         return start, end
 
-    def _share(self, data: bytes, arrived: list[tuple[int, int, int]]) -> bool:
-        """May the chunks ``arrived`` of a GET's bytes ``data`` be cached as
-        views of it?  When they are most of it (the rest would be held for
-        nothing) and it is a small part of the chunk cache (all of it is
-        counted while any of them is cached)."""
-        return (len(data) <= self.chunks.max_bytes // 4
-                and 4 * sum(n for _, _, n in arrived) >= 3 * len(data))
-
     def _release(self, key: str, etag: str, events: dict[int, trio.Event]) -> None:
         """These chunks are no longer coming (cached, or given up): wake
         their readers."""
@@ -880,14 +826,7 @@ class ShardCache:
                     break
                 if off + n > got or (key, etag, cid) in self.chunks:
                     continue
-                arrived_raw.append((cid, off - start, n))
-            if not _decoding(fmt, 1) and getattr(fmt, "chunk_views", False) and self._share(blob.data, arrived_raw):
-                # views of the GET's bytes, not copies (a scan's every byte)
-                shared, whole = Shared(len(blob.data)), memoryview(blob.data)
-                for cid, at, n in arrived_raw:
-                    self.chunks.put((key, etag, cid), whole[at: at + n], CHUNK_ENTRY_OVERHEAD + VIEW_OVERHEAD, shared)
-                arrived_raw = []
-            arrived_raw = [(cid, blob.data[at: at + n]) for cid, at, n in arrived_raw]
+                arrived_raw.append((cid, blob.data[off - start: off - start + n]))
 
             def decode_all(raw=arrived_raw):
                 out = []

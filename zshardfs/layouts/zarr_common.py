@@ -163,9 +163,6 @@ class ZarrShardFormat:
         return index + body if self.index_location == "start" else body + index
 
     decodes = False  # chunk bytes pass through untouched
-    #: chunks may be memoryviews of a larger read (see shards.Shared): the
-    #: view and its writes take any bytes-like object
-    chunk_views = True
 
     @staticmethod
     def decode_chunk(data: bytes) -> bytes:
