@@ -72,23 +72,39 @@ def cat_all(root: Path) -> tuple[float, int]:
 
 
 def pin(*roots: Path) -> list:
-    """Lock every file below ``roots`` in memory (mmap + mlock) for as long
-    as the returned maps live: this machine's proactive reclaim then cannot
-    page the stores out between passes (``--pin``; see docs/PERFORMANCE.md)."""
+    """Lock every file below ``roots`` in memory for as long as the returned
+    maps live: this machine's proactive reclaim then cannot page the stores
+    out between passes (``--pin``; see docs/PERFORMANCE.md).  The maps are
+    shared and read-only, so what is locked is the page cache's own pages
+    (mlock of a writable private map would lock private copies of them,
+    leaving the files' pages to reclaim)."""
     import ctypes
     import mmap
 
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mlock.argtypes = libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+    class Pinned:
+        def __init__(self, addr: int, size: int):
+            self.addr, self.size = addr, size
+
+        def __del__(self):
+            libc.munmap(self.addr, self.size)
+
     maps = []
     for root in roots:
         for path in root.rglob("*"):
             if path.is_file() and path.stat().st_size:
+                size = path.stat().st_size
                 with open(path, "rb") as f:
-                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                if libc.mlock(ctypes.addressof(ctypes.c_char.from_buffer(m)), len(m)) != 0:
+                    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+                if addr == ctypes.c_void_p(-1).value:
+                    raise OSError(ctypes.get_errno(), f"mmap of {path}")
+                maps.append(Pinned(addr, size))
+                if libc.mlock(addr, size) != 0:
                     raise OSError(ctypes.get_errno(), f"mlock of {path}")
-                maps.append(m)
     return maps
 
 
