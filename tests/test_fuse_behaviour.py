@@ -640,6 +640,32 @@ def test_open_fill_under_concurrent_opens_and_forgets(small, mount):
     assert m.stats()["kernel"]["open_fills"] >= len(names)
 
 
+def test_random_reads_that_meet_by_chance_fetch_no_shard_ahead(tmp_path, mount):
+    """Read-ahead within a shard starts when a miss continues that shard's
+    previous read.  Among random reads one does so now and then by chance
+    (about one read in a shard's chunk count), and each such read fetched a
+    whole shard ahead (``prefetch_max``: 16 MiB read for one 32 KiB chunk).
+    A continuation right after a miss that strayed is taken as chance: only
+    a second one in a row fetches ahead.  A scan's start still does."""
+    import numpy as np
+    import zarr
+
+    data = np.arange(16 * 16, dtype=np.uint8).reshape(16, 16)
+    zarr.create_array(tmp_path / "s" / "a", shape=(16, 16), dtype="uint8", chunks=(2, 2), shards=(8, 8),
+                      compressors=None, fill_value=0)[:] = data
+    m = mount(tmp_path / "s", "ro")
+
+    def read(i: int, j: int) -> None:  # the chunk with id i * 4 + j in the first shard
+        assert (m / f"a/c/{i}/{j}").read_bytes() == data[2 * i:2 * i + 2, 2 * j:2 * j + 2].tobytes()
+
+    for i, j in [(0, 0), (2, 1), (2, 3), (3, 0)]:  # ids 0, 9, 11, then 12: continues 11 by chance
+        read(i, j)
+    assert m.stats()["prefetches"] == 0, "a chance neighbour among random reads fetched its shard ahead"
+    for i, j in [(1, 0), (1, 1), (1, 2)]:  # ids 4, 5, 6: reads that walk
+        read(i, j)
+    assert m.stats()["prefetches"] == 1, "reads walking through a shard no longer fetch ahead"
+
+
 def test_a_shard_changed_by_another_writer_is_seen_after_the_timeouts(small, mount):
     """The page cache, filled at open or by reads, is kept only while the
     chunk's size and mtime (its shard's) stay the same: after the attribute

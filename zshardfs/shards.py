@@ -275,6 +275,8 @@ class ShardCache:
         # (chunk id, end offset), and how many reads in a row continued one
         self._positions: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._walk = 0
+        #: the last miss that had a predecessor in its shard did not continue it
+        self._strayed = False
         # chunks read-ahead is fetching, by shard version: chunk id -> set
         # once that chunk is cached (or its fetch given up)
         self._coming: dict[tuple[str, str], dict[int, trio.Event]] = {}
@@ -510,11 +512,16 @@ class ShardCache:
 
         A miss that continues its shard's previous read fetches ahead in
         that shard; once two reads in a row have walked, so does the first
-        read of a shard (which is how a scan gets one GET per shard), while
-        one neighbour read by chance among random reads costs at most that
-        shard's read-ahead.  A miss that does not continue its shard's
-        previous read ends the walk (random reads); cache hits never end it
-        (sparse shards and chunks clipped at the array's edge skip ids)."""
+        read of a shard (which is how a scan gets one GET per shard).  A
+        miss that does not continue its shard's previous read ends the walk
+        (random reads), and the continuation that comes right after such a
+        stray is taken for chance, fetching nothing ahead: among random
+        reads about one in a shard's chunk count meets its predecessor so,
+        and each fetched a whole shard (``prefetch_max``) for one chunk.
+        Only a second continuation in a row then fetches ahead.  A scan's
+        start (no stray before it) fetches at its first continuation.
+        Cache hits never end a walk (sparse shards and chunks clipped at the
+        array's edge skip ids)."""
         prev = self._positions.pop(key, None)
         self._positions[key] = (chunk_id, offset + nbytes)
         if len(self._positions) > SCAN_SHARDS:
@@ -527,8 +534,10 @@ class ShardCache:
             return self._walk >= 2
         if chunk_id == prev[0] + 1 or (offset == prev[1] and chunk_id != prev[0]):
             self._walk += 1
-            return True
+            chance, self._strayed = self._strayed, False
+            return not chance or self._walk >= 2
         self._walk = 0
+        self._strayed = True
         return False
 
     async def preload(self, fmt: ShardFormat, shards: list[tuple[str, Any]], ahead: bool = False) -> None:
