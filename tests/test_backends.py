@@ -1811,3 +1811,25 @@ def test_a_key_lock_opened_at_the_open_file_limit_lets_go_of_kept_descriptors(tm
         assert not any(p.name.endswith(LOCK_SUFFIX) for p in (root / "d").iterdir())
     finally:
         b.close()
+
+
+def test_local_conditional_writes_of_the_longest_names_need_no_lock_file(tmp_path):
+    """A key whose name is legal but leaves no room for ``.__lock`` (over
+    248 bytes; a shard of a many-dimensional array with ``.`` keys) is
+    written and deleted conditionally all the same (before: ENAMETOOLONG
+    from the lock file's name).  tensorstore cannot lock such a key either,
+    so there is no lock to honour; the directory lock still orders our own
+    writers."""
+    backend = LocalBackend(str(tmp_path))
+    for name in ("c" + ".1" * 126, "s" * 255):  # (253 and 255 bytes)
+        key = "arr/" + name
+        made = backend.put(key, b"one", if_none_match=True)
+        with pytest.raises(PreconditionFailed):
+            backend.put(key, b"two", if_none_match=True)
+        again = backend.put(key, b"three", if_match=made.etag)
+        assert (tmp_path / key).read_bytes() == b"three"
+        with pytest.raises(PreconditionFailed):
+            backend.delete(key, if_match=made.etag)
+        backend.delete(key, if_match=again.etag)
+        assert not (tmp_path / key).exists()
+    assert os.listdir(tmp_path / "arr") == []

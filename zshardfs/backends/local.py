@@ -158,6 +158,12 @@ def _key_lock(dfd: int, name: str, retry=_direct):
     how its opens meet EMFILE (the store's ``_fd_or_room``: another thread
     may take the last free descriptor number between our opens)."""
     lock_name = name + LOCK_SUFFIX
+    if len(os.fsencode(lock_name)) > NAME_MAX:
+        # a key this long cannot have a lock file: tensorstore cannot lock
+        # it either (its open fails), so there is no writer to wait for;
+        # the caller's directory lock still orders this process's writers
+        yield
+        return
     # (a symlink planted there: ELOOP; a FIFO: ENXIO or not a regular file,
     # never an open that waits for a reader)
     flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
