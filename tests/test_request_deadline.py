@@ -309,6 +309,68 @@ def test_a_request_waiting_for_the_store_of_a_plain_file_ends_at_its_deadline(tm
     trio.run(main)
 
 
+def test_a_rename_whose_wait_for_a_store_of_its_target_ends_at_the_deadline_keeps_the_target_s_writers(tmp_path):
+    """``mv other f`` while a handle writes ``f``, and a sync begins storing
+    ``f`` while the rename makes its new file (after the wait for stores
+    of ``f`` before it): the rename waits for that store, and ends at its
+    deadline (EIO) having changed nothing.  Before, the handle's writes had
+    already been detached onto the old file when that wait came: the
+    failed rename put ``f``'s buffer back but not its writer, whose later
+    writes then went to a copy no one stores (``f`` stayed ``WRITTEN``)."""
+    timeout = 1.0
+    backend = Gated(str(tmp_path))
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=False,
+                                  timeout=timeout), backend)
+    (tmp_path / "other.txt").write_bytes(b"other")
+
+    async def main():
+        root = await view.resolve("")
+        h = await view.create(root, "f.txt")
+        await view.write(h, 0, b"written")
+        await view.fsync(h)
+        await view.write(h, 0, b"WRITTEN")
+        synced, begin = {}, trio.Event()
+        create = view.create
+
+        async def create_as_a_sync_begins(parent, name):
+            if name == "f.txt" and not begin.is_set():
+                # a sync (a request of its own) begins storing f.txt now, its PUT held
+                backend.hold("put", "f.txt")
+                begin.set()
+                await backend.in_flight_now()
+            return await create(parent, name)
+
+        async def sync():
+            await begin.wait()
+            synced["errors"] = await view.sync()
+
+        view.create = create_as_a_sync_begins
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sync)
+            took, out = await _request(view.store, view.rename, root, "other.txt", root, "f.txt")
+            backend.go.set()
+        view.create = create
+        assert isinstance(out, Unavailable) and "deadline" in str(out), out
+        assert took < timeout + SLACK, took
+        # (the sync's PUT, held to the rename's deadline, may have been given up at its own)
+        assert all(isinstance(e, Unavailable) for e in synced["errors"]), synced
+        # nothing changed: the file and its writer are as they were
+        await view.write(h, 7, b"!")
+        await view.flush(h)
+        assert (tmp_path / "f.txt").read_bytes() == b"WRITTEN!"
+        assert await view.read(await view.resolve("f.txt"), 0, 100) == b"WRITTEN!"
+        assert await view.read(await view.resolve("other.txt"), 0, 100) == b"other"
+        _, out = await _request(view.store, view.rename, root, "other.txt", root, "f.txt")  # (works now)
+        assert out is None, out
+        await view.write(h, 0, b"lost with the old file")
+        await view.release(h)
+        assert not await view.sync()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["f.txt"]
+        assert (tmp_path / "f.txt").read_bytes() == b"other"
+
+    trio.run(main)
+
+
 @pytest.mark.parametrize("waiter", ["write", "close", "fsync", "truncate", "rename"])
 def test_a_request_waiting_for_a_rename_of_its_file_ends_at_its_deadline(tmp_path, waiter):
     """A write, a close, an fsync or a truncate through a handle on a file

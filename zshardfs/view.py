@@ -1711,20 +1711,29 @@ class View:
         if existing is not None:
             async with self._no_store_of(existing.path):
                 pass  # (a store of the target out: waited for before anything changes)
-            self._detach_writers(existing.path)
             if existing.is_chunk:
+                self._detach_writers(existing.path)
                 await self._keep_for_readers(existing)
         replaced = self.buffers.get(existing.path) if existing is not None else None
+        was_dirty = False
         handle = await self.create(new_parent, new_name)
         try:
             if replaced is not None and replaced.storing.locked():
-                # a close is storing the file this one replaces: its PUT lands
-                # first, then this one (both out at once, the older could land
-                # last and bring back the bytes this rename replaced).  Waited
-                # for once the new buffer holds the name, so opens meanwhile
+                # a store of the file this one replaces began meanwhile (a
+                # sync, while the new file was made): its PUT lands first,
+                # then this one (both out at once, the older could land last
+                # and bring back the bytes this rename replaced).  Waited for
+                # once the new buffer holds the name, so opens meanwhile
                 # share the new file, not the old one
                 async with held_by_deadline(replaced.storing, replaced.key or replaced.path, "a store of it"):
                     pass
+            if existing is not None and not existing.is_chunk:
+                # its writers go on with the old file only now, after every
+                # wait: a rename given up at its deadline changes nothing
+                # (the old buffer is put back below, its writers still on it)
+                self._detach_writers(existing.path, keep=handle)
+                if replaced is not None:
+                    was_dirty, replaced.dirty = replaced.dirty, False  # (a close queued to store it stores nothing)
             if existing is not None and not existing.is_chunk and handle.buffer is not None:
                 # the name holds a file already, perhaps stored: the new one is no
                 # new file, and its unlink must remove what storage holds there
@@ -1747,6 +1756,7 @@ class View:
             if made is not None and not made.maybe_stored and self.buffers.get(made.path) in (made, None):
                 if replaced is not None:
                     self.buffers[made.path] = replaced
+                    replaced.dirty = replaced.dirty or was_dirty
                 else:
                     self.buffers.pop(made.path, None)
             raise
@@ -1845,14 +1855,22 @@ class View:
             raise ViewError(errno.ENOENT, f"{new_name}: gone as soon as linked")
         return made
 
-    def _detach_writers(self, path: str) -> None:
+    def _detach_writers(self, path: str, keep: Handle | None = None) -> None:
         """Handles still open for writing on a file that is being unlinked or
         replaced by a rename write to that old file from now on, as on POSIX:
         what they write afterwards is lost with it, and never overwrites or
-        brings back the name."""
+        brings back the name.  ``keep``: a handle of the new file at the name
+        (a rename detaches the old one's writers once its new file holds the
+        name), which stays, with the handles sharing its file."""
+        handles = self.writers.pop(path, ())
+        if keep is not None:
+            stay = {h for h in handles if h is keep or (keep.buffer is not None and h.buffer is keep.buffer)}
+            if stay:
+                self.writers[path] = stay
+            handles = [h for h in handles if h not in stay]
         # handles that shared one file go on sharing one (the old file)
         old_files: dict[int, tuple[object, FileBuffer | DirtyChunk]] = {}  # id of the shared -> it, its copy
-        for h in self.writers.pop(path, ()):
+        for h in handles:
             if h.buffer is not None:
                 shared = h.buffer
                 shared.handles -= 1
