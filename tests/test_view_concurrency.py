@@ -1005,3 +1005,43 @@ def test_a_rename_onto_a_chunk_whose_shard_is_being_flushed_lands_last(held_stor
 
     trio.run(main, "chunk")
     trio.run(main, "tmp")
+
+
+def test_directories_made_on_s3_are_remembered_within_a_bound_once_storage_holds_them(tmp_path):
+    """(S3) Directories made through the mount where no one lists their
+    parent: those a file was stored below exist in storage, and past
+    NEW_DIRS_MAX the oldest are forgotten (storage answers for them); an
+    empty one exists only in memory and stays.  Every one stays a directory
+    to lookups and listings.  Before, every mkdir stayed for the life of
+    the mount: 200 made, 200 entries."""
+    root = tmp_path / "store"
+    root.mkdir()
+    view = build_view(MountConfig(source=str(root), mountpoint=str(root) + "-mnt", read_only=False,
+                                  metadata_ttl=0), S3LikeStore(str(root)))
+    view.NEW_DIRS_MAX = 50
+
+    async def main():
+        runs = await view.mkdir(view.root(), "runs")
+        for i in range(200):
+            d = await view.mkdir(runs, f"r{i}")
+            h = await view.create(d, "log.txt")
+            await view.write(h, 0, b"run %d" % i)
+            await view.flush(h)  # (stored at close: storage now holds r<i>)
+            await view.release(h)
+        for i in range(20):
+            await view.mkdir(runs, f"empty{i}")
+        held = view.table_sizes()["new_dirs"]
+        assert held <= 50 + 20, held
+        for i in range(20):
+            assert "empty%d" % i in view.new_dirs["runs"]  # (only memory holds them)
+        for i in range(200):
+            node = await view.resolve(f"runs/r{i}")
+            assert node is not None and node.is_dir, i
+            assert await view.read(await view.resolve(f"runs/r{i}/log.txt"), 0, 100) == b"run %d" % i
+        for i in range(20):
+            node = await view.resolve(f"runs/empty{i}")
+            assert node is not None and node.is_dir, i
+        names = sorted([c.name async for c in view.listdir(runs)])
+        assert names == sorted([f"r{i}" for i in range(200)] + [f"empty{i}" for i in range(20)])
+
+    trio.run(main)

@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -1568,6 +1569,26 @@ def test_made_directories_are_remembered_only_while_empty(store, mount):
         assert (m / "top" / "d3").is_dir() and (store.root / "top" / "d3").is_dir()
 
 
+def test_directories_made_where_no_one_lists_are_remembered_within_a_bound(mount, tmp_path):
+    """A service making a directory per run, where nothing lists: a local
+    store holds each directory made, so the mount remembers at most
+    View.NEW_DIRS_MAX of them (4096; the least recently made or looked up
+    go first, and storage answers for them), and every one is still there
+    to stat and listings.  Before, each mkdir stayed in memory for the life
+    of the mount: 5000 made, 5000 entries."""
+    (tmp_path / "src").mkdir()
+    m = mount(tmp_path / "src")
+    (m / "runs").mkdir()
+    for i in range(5000):
+        os.mkdir(m / "runs" / f"r{i}")
+    held = m.stats()["tables"]["new_dirs"]
+    assert held <= 4096, held
+    for i in range(5000):
+        assert stat.S_ISDIR(os.stat(m / "runs" / f"r{i}").st_mode), i
+    assert sorted(os.listdir(m / "runs")) == sorted(f"r{i}" for i in range(5000))
+    assert sorted(os.listdir(tmp_path / "src" / "runs")) == sorted(f"r{i}" for i in range(5000))
+
+
 def test_rename_moves_the_open_file_with_it(store, mount, tmp_path):
     """As on POSIX, a file renamed while open for writing keeps receiving
     that handle's writes under its new name: a plain file, a temporary
@@ -1964,6 +1985,7 @@ def test_readers_of_a_file_replaced_by_rename_get_one_whole_version(mount, tmp_p
     finally:
         writer.kill()
         writer.wait(30)
+    print(f"{whole} whole reads, {stale} ESTALE, {len(torn)} torn")
     assert whole > 1000, (whole, stale, len(torn))
     assert not torn, f"{len(torn)} of {whole + len(torn)} reads torn: {torn[:5]}"
     assert stale <= whole // 100, (stale, whole)

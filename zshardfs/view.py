@@ -270,6 +270,15 @@ class View:
         # directory of new_chunks per listing made ``find`` quadratic)
         self._new_chunk_dirs: dict[str, set[str]] = {}
         self.new_dirs: dict[str, set[str]] = {}  # dir -> names of directories made here
+        # ...the paths of those storage holds too (a local directory made,
+        # an S3 one a file was stored below), least recently made first:
+        # past NEW_DIRS_MAX the oldest are forgotten (storage answers for
+        # them).  Held, not forgotten at once: a lookup answered from memory
+        # is quicker than a stat in a worker thread, and without them readers
+        # of a file replaced by rename over and over met ESTALE ten times as
+        # often (the kernel's lookups again after one, slower, let the next
+        # rename land inside them)
+        self._new_dirs_stored: OrderedDict[str, None] = OrderedDict()
         # (S3) directories whose last file or subdirectory this mount just
         # removed: path -> when.  Storage has nothing left to show them by;
         # they stay for the rmdir that follows (rm -r), briefly
@@ -555,6 +564,8 @@ class View:
         if buf is not None:
             return self._buffer_node(buf)
         made = name in self.new_dirs.get(parent.path, ()) or self._still_emptied(path)
+        if made and path in self._new_dirs_stored:
+            self._new_dirs_stored.move_to_end(path)  # (used: the last to be forgotten)
         if made and self._in_dataset(parent):
             return Node(path, True, 0, time.time(), dataset=parent.dataset, rel=parent.rel + (name,))
         if self._in_dataset(parent):
@@ -1281,6 +1292,8 @@ class View:
         if buf.version == version:  # else a write came in meanwhile: still dirty
             buf.dirty = False
         buf.in_store = True
+        if self.new_dirs and buf.path == buf.key and not self.store.keeps_empty_dirs:
+            self._stored_below(buf.key)
         self.datasets.pop(_parent(buf.key))
         self.datasets.pop(buf.key)
 
@@ -1578,7 +1591,7 @@ class View:
         """Something was made in ``path`` (a directory, a file not stored
         yet): directories kept only a moment (``emptied``) become made here."""
         while path and self.emptied.pop(path, None) is not None:
-            self.new_dirs.setdefault(_parent(path), set()).add(path.rsplit("/", 1)[-1])
+            self._made_dir(_parent(path), path.rsplit("/", 1)[-1], False)
             path = _parent(path)
 
     def _still_emptied(self, path: str) -> bool:
@@ -1599,7 +1612,7 @@ class View:
         if self._in_dataset(parent) and parent.dataset.outside(parent.rel + (name,)):
             path = join_key(parent.path, name)
             raise self._outside(parent.dataset, path, path)
-        dataset = parent.dataset
+        dataset, stored = parent.dataset, False
         if not self._in_dataset(parent):
             dataset = await self.dataset_at(parent.key)  # (the array's own directory: its dataset)
             if dataset is not None and dataset.outside((name,)):
@@ -1608,7 +1621,8 @@ class View:
                 raise self._outside(dataset, path, path)
             if dataset is None or not dataset.claims((name,)):
                 await self.store.make_dir(join_key(parent.key, name))
-        self.new_dirs.setdefault(parent.path, set()).add(name)
+                stored = self.store.keeps_empty_dirs
+        self._made_dir(parent.path, name, stored)
         self.removed_dirs.discard(join_key(parent.path, name))
         self._made_in(parent.path)
         if dataset is not None and dataset.root in self.born_here:
@@ -1618,6 +1632,41 @@ class View:
             self.new_dirs[parent.path].discard(name)
             raise ViewError(errno.EINVAL, f"{name}: cannot be a directory here")
         return node
+
+    #: directories made here that storage holds too, remembered at most (the
+    #: least recently made or looked up are forgotten first; storage answers
+    #: for them then).  Those storage does not hold (an empty S3 directory, a
+    #: chunk directory of an array made here) are not counted, nor forgotten
+    NEW_DIRS_MAX = 4096
+
+    def _made_dir(self, parent_path: str, name: str, stored: bool) -> None:
+        """Remember the directory ``name`` made in ``parent_path``; ``stored``:
+        storage holds it too (see _new_dirs_stored)."""
+        self.new_dirs.setdefault(parent_path, set()).add(name)
+        path = _prefix(parent_path) + name
+        if not stored:
+            self._new_dirs_stored.pop(path, None)
+            return
+        self._new_dirs_stored[path] = None
+        self._new_dirs_stored.move_to_end(path)
+        while len(self._new_dirs_stored) > self.NEW_DIRS_MAX:
+            old, _ = self._new_dirs_stored.popitem(last=False)
+            made = self.new_dirs.get(_parent(old))
+            if made is not None:  # (else forgotten already: a listing, an rmdir)
+                made.discard(old.rsplit("/", 1)[-1])
+                if not made:
+                    del self.new_dirs[_parent(old)]
+
+    def _stored_below(self, key: str) -> None:
+        """(S3) A file was stored at ``key`` (a path of the view as well): the
+        directories made here above it exist in storage now, and may be
+        forgotten (see _made_dir); empty, only memory held them."""
+        path = _parent(key)
+        while path:
+            parent, name = _parent(path), path.rsplit("/", 1)[-1]
+            if name in self.new_dirs.get(parent, ()):
+                self._made_dir(parent, name, True)
+            path = parent
 
     async def rmdir(self, parent: Node, name: str) -> None:
         self._check_writable()
@@ -1643,6 +1692,7 @@ class View:
             if not made:
                 del self.new_dirs[parent.path]
         self.new_dirs.pop(node.path, None)
+        self._new_dirs_stored.pop(node.path, None)
         self.emptied.pop(node.path, None)
         self._keep_emptied(parent)
         self.written_dirs.discard(node.path)
