@@ -514,6 +514,39 @@ def test_volume_writes(source, mount, peers_tree, case, tmp_path):
     assert tree_diff(mount(src, "ro", extra=extra).path / key, twin / key) == []
 
 
+def test_a_scale_directory_whose_last_shard_was_deleted_stays(source, mount, peers_tree, tmp_path):
+    """Every chunk of a sharded scale unlinked, its shards deleted: the scale
+    directory its ``info`` names is still there, empty, to list and to write
+    chunks into (``cp``, an open for create), also for a mount that comes
+    later, as on a local store, which keeps the directory.  Before, on S3
+    (no directories there: the last key gone, the directory went with it)
+    it was ENOENT, and so was every chunk written into it, until a mkdir."""
+    twins = peers_tree[1]["img_u8_identity_raw"]
+    info = twins.info("sharded")
+    scale = info["scales"][0]
+    key = scale["key"]
+    src, extra, prefix = source.publish(twins.sharded)
+    m = mount(src, "flush_delay=60", extra=extra)
+    for n in os.listdir(m.path / key):
+        os.unlink(m.path / key / n)
+    subprocess.run([*ZSHARDFS, "sync", str(m.path)], check=True, capture_output=True, timeout=60)
+    stored_tree = source.fetch(prefix)
+    assert not (stored_tree / key).exists() or not os.listdir(stored_tree / key)
+    later = mount(src, "flush_delay=60", extra=extra)  # (its kernel has not seen the scale)
+    assert key in os.listdir(later.path)
+    assert (later.path / key).is_dir()
+    assert os.listdir(later.path / key) == []
+    g = ScaleGeometry.from_json(scale)
+    name = g.chunk_name(next(iter(np.ndindex(*g.grid_shape))))
+    chunk = tmp_path / "chunk"
+    chunk.write_bytes(_random_chunk(scale, info["data_type"], name, 1))
+    result = subprocess.run(["cp", str(chunk), str(later.path / key / name)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert (later.path / key / name).read_bytes() == chunk.read_bytes()
+    later.umount()
+    assert (source.fetch(prefix) / key).is_dir()
+
+
 @pytest.mark.parametrize("name", KV_NAMES)
 def test_kv_writes(source, mount, peers_tree, name):
     kv = peers_tree[2][name]

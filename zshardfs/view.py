@@ -46,7 +46,7 @@ import trio
 from .backends.base import (AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed,
                             StoreError, TooLarge, Unavailable, held_by_deadline, join_key,
                             waited_within_deadline)
-from .layouts import LAYOUTS
+from .layouts import LAYOUTS, precomputed
 from .layouts.base import ChunkEntry, ChunkTarget, Dataset, DirEntry, LayoutContext
 from .shards import ShardCache
 from .logonce import log_once
@@ -583,10 +583,41 @@ class View:
             return self._link_node(path, info)
         if info is not None and not (info.size == 0 and await self.store.is_dir(key)):
             return await self._stored_file(path, info)
-        if info is not None or await self.store.is_dir(key):
+        if info is not None or await self.store.is_dir(key) or await self._named_by_info(parent.key, name):
             # (an empty object named like a directory, as some S3 tools leave: the directory wins)
             return Node(path, True, 0, self.started, key=key)
         return None
+
+    async def _named_by_listed_info(self, dir_key: str, listing) -> list[str]:
+        """(S3) The directories of _named_by_info that the listing of
+        ``dir_key`` lacks (gone with their last shard), by name."""
+        if self.store.keeps_empty_dirs or not any(f.key.rsplit("/", 1)[-1] == "info" for f in listing.files):
+            return []
+        key = join_key(dir_key, "info")
+        try:
+            blob = await self.store.get_document(key)
+        except (NotFound, TooLarge):
+            return []
+        listed, prefix = set(listing.dirs), _prefix(dir_key)
+        names = {d[len(prefix):] for d in precomputed.dataset_dirs(key, blob.data) if d.startswith(prefix)}
+        return sorted(n for n in names if n and "/" not in n and n not in listed)  # ("": its own)
+
+    async def _named_by_info(self, dir_key: str, name: str) -> bool:
+        """(S3) Is ``name`` a sharded scale (or annotation index) directory
+        that the precomputed ``info`` in ``dir_key`` names?  It holds only
+        shards: with the last one deleted, S3 has nothing left to show it by,
+        yet the document still names it, and a chunk written there (``cp``,
+        an open for create) needs it, as a local store, which keeps the
+        directory, has it.  The document is the one the probe of ``dir_key``
+        has just asked for: within ``metadata_ttl`` it costs no request."""
+        if self.store.keeps_empty_dirs:
+            return False
+        key = join_key(dir_key, "info")
+        try:
+            blob = await self.store.get_document(key)
+        except (NotFound, TooLarge):
+            return False
+        return join_key(dir_key, name) in precomputed.dataset_dirs(key, blob.data)
 
     async def refresh(self, node: Node) -> Node | None:
         """The node as it is now (None: it is gone), for getattr after a TTL."""
@@ -673,7 +704,7 @@ class View:
             both = {name: info.size for info in listing.files
                     if (name := info.key.rsplit("/", 1)[-1]) in dirs} if dirs else {}
             links = self._shown_links(listing, dataset)
-            for name in listing.dirs:
+            for name in [*listing.dirs, *await self._named_by_listed_info(node.key, listing)]:
                 if both.get(name) or name in links:
                     continue
                 if dataset is None or not dataset.claims((name,)):
