@@ -578,9 +578,13 @@ def test_open_fills_the_page_cache_so_reads_cost_no_request(small, mount):
 
 def test_pages_the_kernel_dropped_are_filled_again_at_the_next_open(small, mount):
     """The kernel may drop a filled file's pages (memory pressure; here
-    ``drop_caches``) while keeping its inode.  The first open after that
-    cannot know: its reads come as READ requests.  Those READs show it, so
-    the open after fills the page cache again, and its reads cost nothing."""
+    ``posix_fadvise(DONTNEED)``) while keeping its inode.  The first open
+    after that cannot know: its reads come as READ requests.  A READ that
+    gives the kernel the whole file puts its pages back, so the next open
+    neither fills nor reads (it used to fill every such file again: a
+    second copy of what the kernel already held).  (After a READ of part of
+    a file the next open fills it, as before: these files are too small to
+    be read in part.)"""
     m = mount(small.root, "ro", "attr_timeout=60")
     names = sorted(small.chunks)
 
@@ -589,19 +593,27 @@ def test_pages_the_kernel_dropped_are_filled_again_at_the_next_open(small, mount
             assert (m / name).read_bytes() == small.chunks[name]
         return m.stats()["kernel"]
 
-    def drop_pages() -> None:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")  # pages only: the inodes (and their marks) stay
+    def drop_pages(name: str) -> None:  # the pages only: the inode (and its mark) stays
+        fd = os.open(m / name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
     first = read_all()
     assert first == {"reads": 0, "open_fills": len(names)}, first
-    drop_pages()
+    for name in names:
+        drop_pages(name)
     second = read_all()  # the marks still said "filled": reads asked the daemon
     assert second["open_fills"] == first["open_fills"] and second["reads"] >= len(names), second
-    drop_pages()
     third = read_all()
-    assert third["reads"] == second["reads"], f"pages dropped again were not filled again: {third}"
-    assert third["open_fills"] == second["open_fills"] + len(names), third
+    assert third == second, f"pages the READs gave back were filled again, or read again: {third}"
+
+    for name in names:  # dropped again: the marks say "filled" again, so reads ask again (and mark again)
+        drop_pages(name)
+    fourth = read_all()
+    assert fourth["open_fills"] == first["open_fills"] and fourth["reads"] >= second["reads"] + len(names), fourth
+    assert read_all() == fourth
 
 
 def test_open_fill_under_concurrent_opens_and_forgets(small, mount):

@@ -574,14 +574,14 @@ class Operations(pyfuse3.Operations):
             # A filled file's reads are answered by the page cache: a READ
             # means the kernel dropped (some of) those pages, so the next
             # open fills them again instead of leaving every read of that
-            # open to a request.
+            # open to a request (unless this READ gives it all back: below).
             ino.filled = None
         # the size the kernel holds for a chunk it reads: another client may
         # have replaced the shard since (writes of our own change the table)
         expect = (ino.node.size if ino is not None and handle.node.is_chunk and not handle.writable
                   and ino.node.created != _STALE else None)
         try:
-            return await self.view.read(handle, off, size, expect)
+            data = await self.view.read(handle, off, size, expect)
         except Changed:
             # Better EIO than the new bytes cut to the old size.  The kernel
             # forgets the attributes (no page lock involved: safe while this
@@ -593,6 +593,15 @@ class Operations(pyfuse3.Operations):
             except OSError as exc:
                 log.debug("invalidate_inode(%d): %s", inode, exc)
             raise
+        if (off == 0 and ino is not None and not handle.writable and self.inodes.get(inode) is ino
+                and ino.node.created != _STALE and len(data) == ino.node.size > 0
+                and (handle.node.size, handle.node.mtime) == (ino.node.size, ino.node.mtime)):
+            # This one READ gave the kernel the whole file, which it keeps
+            # (keep_cache): the next open need not fill it again.  Marking it
+            # unfilled made every open after a page drop refill (a copy and
+            # notify_store per file, a third of a warm scan's daemon CPU).
+            ino.filled = (ino.node.size, ino.node.mtime)
+        return data
 
     async def release(self, fh):
         entry = self._handles.pop(fh, None)
