@@ -12,7 +12,7 @@ uploads it.  Then, --repeat times (medians are printed):
    ``find MNT -type f -print0 | xargs -0 cat`` (one reader), and the same
    with ``xargs -P 8`` (eight readers), and zarr-python reading the view
    (the unsharded array) through the mount as a local store; and a second scan of one mount after
-   the kernel dropped its pages (``drop_caches``), which the daemon's chunk
+   the kernel dropped its pages (``posix_fadvise(DONTNEED)`` of every file), which the daemon's chunk
    cache answers as far as it holds the store, and a third with the kernel's
    caches warm (the floor of a scan through FUSE on this machine);
    zarr-python: ``zarr.open_array(...)[:]`` straight from S3, the open
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -148,15 +149,27 @@ def fuse_scan(workdir: Path, endpoint: str, parallel: int, reader: str = "cat") 
             "client_bytes": after["bytes"]["read"] - before["bytes"]["read"], "lists": d["list"], "heads": d["head"]}
 
 
+def drop_pages(root: Path) -> None:
+    """The kernel drops its pages of every file below ``root`` (it keeps the inodes)."""
+    for p in root.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def fuse_rescan(server: MotoServer, workdir: Path, endpoint: str) -> dict:
-    """A scan, then the kernel drops its pages (``drop_caches``), then the
+    """A scan, then the kernel drops its pages of the view
+    (``posix_fadvise(DONTNEED)`` of every file: not the whole machine's
+    caches, as ``drop_caches`` would, which other work here shares), then the
     same scan again, timed and counted: the daemon's chunk cache (the default
     64 MiB, the store's size) answers what it can.  Long TTLs, so that the
     second pass re-validates nothing."""
     with Mount(workdir, endpoint, ",index_ttl=600,metadata_ttl=600,attr_timeout=600") as m:
         cat_all(m.path / "arr")
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
+        drop_pages(m.path / "arr")
         mark = server.mark()
         t0 = time.perf_counter()
         cat_all(m.path / "arr")
