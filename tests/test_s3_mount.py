@@ -323,6 +323,73 @@ def test_read_ahead_follows_the_reader(mount, moto_server, bucket, array):
     assert m.stats()["read_aheads"] >= len(expected) - 2
 
 
+def test_a_walk_that_lists_starts_read_ahead_before_its_first_read(mount, moto_server, bucket, array):
+    """``find`` lists every chunk directory in order before ``xargs cat``
+    reads anything: read-ahead takes those listings for a walk and starts
+    fetching the first shards' data while the walk still lists, instead of
+    at its first read.  Before anything is read, at most LIST_AHEAD shards
+    (one GET each here), once: a walk that only lists (``du``, a second
+    ``find``) costs no more GETs of data, and random reads are not changed
+    (test_random_single_chunks)."""
+    from zshardfs.shards import LIST_AHEAD, scan_order
+
+    m = s3_mount(mount, moto_server, bucket)
+    mark = moto_server.mark()
+    root = m.path / "arr"
+    files = subprocess.run(["find", str(root), "-type", "f", "-print0"], capture_output=True, check=True).stdout
+    started = m.stats()["read_aheads"]
+    assert 1 <= started <= LIST_AHEAD, started  # (started while the READDIRs were answered)
+
+    def data_gets() -> Counter:  # a shard's second GET is of its data (the first: its index)
+        return Counter({k: c - 1 for k, c in shard_gets(server_requests(moto_server, bucket, mark)).items() if c > 1})
+
+    deadline = time.monotonic() + 30  # (background GETs of a few KiB; not a timing)
+    while sum(data_gets().values()) < LIST_AHEAD and time.monotonic() < deadline:
+        time.sleep(0.05)
+    fetched = data_gets()
+    expected = sorted(array.shards, key=scan_order)
+    assert set(fetched) == set(expected[:LIST_AHEAD]) and max(fetched.values()) == 1, fetched
+
+    subprocess.run(["find", str(root), "-type", "f"], capture_output=True, check=True)  # lists again: nothing more
+    subprocess.run(["du", "-s", str(root)], capture_output=True, check=True)
+    assert m.stats()["read_aheads"] == LIST_AHEAD
+    assert data_gets() == fetched
+
+    out = subprocess.run(["xargs", "-0", "cat"], input=files, capture_output=True, check=True).stdout
+    assert len(out) == sum(map(len, array.chunks.values())) + len((root / "zarr.json").read_bytes())
+    assert sum(data_gets().values()) <= 1.1 * len(expected), data_gets()
+
+
+def test_a_scan_of_large_shards_fetches_each_whole_in_one_get(mount, moto_server, s3_bucket, tmp_path):
+    """Shards of 2 MiB (32 chunks of 64 KiB), larger than read-ahead's first
+    GET (PIECE_FIRST, before any GET has been timed): only one shard is
+    fetched in such pieces; the others wait for that first timing and come
+    in one GET each.  (Four shards fetched at once, each in pieces of
+    PIECE_FIRST, cost two GETs each: 12 for 8 shards.)"""
+    import zarr
+
+    from zshardfs.shards import PIECE_FIRST
+
+    _, bucket = s3_bucket
+    n_shards, per, chunk = 8, 32, 64 << 10
+    assert per * chunk > PIECE_FIRST
+    data = np.random.default_rng(6).integers(0, 256, size=(n_shards * per, chunk), dtype=np.uint8)
+    zarr.create_array(tmp_path / "big", shape=data.shape, dtype="uint8", chunks=(1, chunk), shards=(per, chunk),
+                      compressors=None, fill_value=0)[:] = data
+    moto_server.put_many(bucket, {f"{PREFIX}/{p.relative_to(tmp_path)}": p.read_bytes()
+                                  for p in (tmp_path / "big").rglob("*") if p.is_file()})
+    m = s3_mount(mount, moto_server, bucket)
+    mark = moto_server.mark()
+    files = subprocess.run(["find", str(m.path / "big" / "c"), "-type", "f", "-print0"], capture_output=True,
+                           check=True).stdout
+    out = subprocess.run(["xargs", "-0", "cat"], input=files, capture_output=True, check=True).stdout
+    assert len(out) == data.nbytes
+    gets = shard_gets(server_requests(moto_server, bucket, mark))
+    assert len(gets) == n_shards
+    data_gets = sum(gets.values()) - n_shards  # (each shard's first GET: its index)
+    assert data_gets <= n_shards + 2, gets
+
+
 def test_chunk_cache_budget(mount, moto_server, bucket, array):
     """The chunk cache stays within ``-o chunk_cache`` during a scan that
     would need more; the bytes are still right."""
@@ -926,7 +993,8 @@ def test_walk_lists_and_loads_indexes_ahead(mount, moto_server, bucket, array, s
     directories below it and loads their shards' indexes in the background,
     all at once, so the walk waits for a few round trips instead of one per
     directory.  Same requests either way (every index once, every shard
-    directory listed once); with 80 ms per request the walk takes well under
+    directory listed once) but for the data of the first LIST_AHEAD shards,
+    which read-ahead fetches for a walk that lists; with 80 ms per request the walk takes well under
     the time it takes with ``prefetch_ahead=0``, and the server sees many
     requests at once."""
     proxy = slow_endpoint
@@ -958,7 +1026,14 @@ def _walk_with_and_without_listing_ahead(mount, moto_server, bucket, array, prox
         if not opts:
             assert proxy.max_inflight >= 8, proxy.max_inflight
         m.umount()
-    assert gets[()] == gets[("prefetch_ahead=0",)] and len(set(gets[()])) == len(gets[()])  # every index once
+    # every index once; with read-ahead, a walk that lists also has the data of its
+    # first LIST_AHEAD shards fetched (test_a_walk_that_lists_starts_read_ahead_before_its_first_read)
+    from zshardfs.shards import LIST_AHEAD
+
+    data = Counter(gets[()]) - Counter(set(gets[()]))
+    assert sorted(set(gets[()])) == gets[("prefetch_ahead=0",)], "not every index once, or other GETs"
+    assert len(set(gets[()])) == len(gets[("prefetch_ahead=0",)]) and max(data.values(), default=0) <= 1
+    assert sum(data.values()) <= LIST_AHEAD, data
     print(f"\nwalk: {times[('prefetch_ahead=0',)]:.2f}s without listing ahead, {times[()]:.2f}s with")
     return times
 

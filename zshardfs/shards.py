@@ -198,6 +198,13 @@ PRELOAD_MAX = 64
 #: distant store's pipe full, few enough that the shard the reader needs
 #: next is not slowed by a dozen others sharing the bandwidth
 AHEAD_PARALLEL = 4
+#: shards a walk that lists (see ShardCache.listed) has fetched ahead before
+#: it reads anything: a walk that only lists (``du``, ``find -name``) costs
+#: at most these GETs of data, once, however long it lists
+LIST_AHEAD = AHEAD_PARALLEL
+#: chunk directories listed in a row in walk order that make a walk (fewer:
+#: someone looking at a few directories, who reads nothing ahead)
+LIST_WALK = 4
 #: read-ahead is speculative: each of its GETs is sized, by the throughput
 #: storage has shown, to take about this long (at most; and at most an
 #: eighth of ``-o timeout``), so a reader waiting for the piece that holds
@@ -277,6 +284,10 @@ class ShardCache:
         self._walk = 0
         #: the last miss that had a predecessor in its shard did not continue it
         self._strayed = False
+        # listings of chunk directories in walk order in a row (see listed),
+        # and the last one's coordinates
+        self._list_walk, self._listed = 0, ()
+        self._list_granted = 0  # shards read ahead for a listing walk since the last read (at most LIST_AHEAD)
         # chunks read-ahead is fetching, by shard version: chunk id -> set
         # once that chunk is cached (or its fetch given up)
         self._coming: dict[tuple[str, str], dict[int, trio.Event]] = {}
@@ -432,6 +443,7 @@ class ShardCache:
         """The whole stored chunk as the view shows it, or None if absent."""
         if self.prefetch_ahead:
             self._unread.pop(key, None)
+            self._list_granted = 0
             if key != self._reading_key:  # (runs of reads in one shard: parse its key once)
                 self._reading_key, self._reading = key, scan_order(key)
             if self._ahead.pop(key, None) is not None or self._walk >= 2:
@@ -536,7 +548,7 @@ class ShardCache:
             self._walk += 1
             chance, self._strayed = self._strayed, False
             return not chance or self._walk >= 2
-        self._walk = 0
+        self._walk = self._list_walk = 0
         self._strayed = True
         return False
 
@@ -570,6 +582,19 @@ class ShardCache:
             for key, ctx in todo:
                 await slots.acquire()
                 nursery.start_soon(one, key, ctx)
+
+    def listed(self, where: tuple, keys: list[str]) -> None:
+        """A listing of the chunk directory at ``where`` (its coordinates)
+        loaded the indexes of its shards ``keys``.  LIST_WALK listings in a
+        row, each of a directory after the last (C order: how a walk meets
+        them), are a walk (``find``, ``cp -r``) that lists before it reads:
+        read-ahead starts with the first shards now, while the walk lists
+        on, instead of at its first reads."""
+        if not keys or not self.prefetch_ahead:
+            return
+        self._list_walk = self._list_walk + 1 if where > self._listed else 0
+        self._listed = where
+        self._read_ahead()
 
     def soon(self, fn, *args) -> None:
         """Run ``fn(*args)`` in the background, when read-ahead is on: work
@@ -611,7 +636,9 @@ class ShardCache:
         is read, or for AHEAD_STALE seconds), so read-ahead cannot evict
         what the reader is about to use.  Best effort: failures are left to
         the real reads."""
-        if self._nursery is None or self._walk < 2 or self._ahead_running >= AHEAD_PARALLEL or not self._unread:
+        listing = self._walk < 2  # (else reads walk)
+        if (self._nursery is None or (listing and (self._list_walk < LIST_WALK or self._list_granted >= LIST_AHEAD))
+                or self._ahead_running >= AHEAD_PARALLEL or not self._unread):
             return
         now = time.monotonic()
         for key in [k for k, (t, _) in self._ahead.items() if now - t > AHEAD_STALE]:
@@ -622,6 +649,14 @@ class ShardCache:
         while self._unread and next(iter(self._unread.values()))[3] < now - AHEAD_STALE:
             self._unread.popitem(last=False)  # listed long ago: not what this scan follows
         slots = AHEAD_PARALLEL - self._ahead_running
+        if self._rate is None:
+            # no GET timed yet: every shard's GETs would be PIECE_FIRST
+            # each (two or more per shard); one shard until the first is
+            slots = 1 - self._ahead_running
+            if slots <= 0:
+                return
+        if listing:
+            slots = min(slots, LIST_AHEAD - self._list_granted)
         ahead = [(v[4], k) for k, v in self._unread.items() if v[4] > self._reading]
         behind = [(v[4], k) for k, v in self._unread.items() if v[4] <= self._reading] if len(ahead) < slots else []
         for _, key in heapq.nsmallest(slots, ahead) + heapq.nsmallest(slots - min(len(ahead), slots), behind):
@@ -632,6 +667,7 @@ class ShardCache:
             self._ahead[key] = (now, nbytes)
             pending += nbytes
             self._ahead_running += 1
+            self._list_granted += listing
             self.read_aheads += 1
             self._nursery.start_soon(_guarded, self._fetch_ahead, fmt, key, ctx)
 

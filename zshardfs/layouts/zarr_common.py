@@ -575,6 +575,8 @@ class GridDataset(Dataset):
             )
         if last:
             await self._preload([shard_prefix + (s,) for s in shard_coords])
+            self.ctx.shards.listed(fixed, [self._shard_where(shard_prefix + (s,))[0] for s in shard_coords
+                                    if grid.shard_contains(shard_prefix + (s,))])
         elif self.ctx.shards.prefetch_ahead and grid.shard_count(grid.ndim - 1) <= DIRECT_SHARDS:
             # Work ahead of a walk (S3: read-ahead on), so that its listings
             # find what they need instead of asking for it one at a time:
