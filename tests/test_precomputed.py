@@ -777,6 +777,26 @@ def test_multilod_inconsistent_pairs_are_refused(source, mount, peers_tree, tmp_
     check_multilod_shards(stored_tree, sharding, expect)
 
 
+def test_a_mesh_removed_through_its_manifest_is_gone_at_once(source, mount, peers_tree, tmp_path):
+    """``rm <id>.index`` removes the mesh, its fragment data ``<id>`` too: right after it,
+    ``<id>`` is gone for a path lookup as for a listing, though the kernel had looked it
+    up and read it just before (it kept that entry for entry_timeout: stat found a file
+    that a read then said did not exist, for seconds, after listings too)."""
+    root, _, meshes = write_multilod_twins(tmp_path / "multilod")
+    m, _ = publish_and_mount(source, mount, root)
+    assert (m.path / "1").read_bytes() == meshes[1][1] and os.stat(m.path / "1").st_size == len(meshes[1][1])
+    os.unlink(m.path / "1.index")
+    assert not os.path.lexists(m.path / "1")
+    assert "1" not in os.listdir(m.path) and not os.path.lexists(m.path / "1")
+    with pytest.raises(FileNotFoundError):
+        open(m.path / "1", "rb")
+    # a new mesh (fragments, then manifest) under that id shows both files at once
+    (m.path / "1").write_bytes(meshes[5][1])
+    (m.path / "1.index").write_bytes(meshes[5][0])
+    assert (m.path / "1").read_bytes() == meshes[5][1]
+    assert os.stat(m.path / "1").st_size == len(meshes[5][1])
+
+
 def test_info_written_through_the_view_keeps_sharding(source, mount, peers_tree):
     """A tool rewriting ``info`` through the view (view form, no sharding)
     must not orphan the shards; a grid change of a sharded scale is refused."""

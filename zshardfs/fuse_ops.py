@@ -282,7 +282,10 @@ class Operations(pyfuse3.Operations):
             return entry.attrs
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
-        a.entry_timeout = self.entry_timeout
+        # (a file another's unlink removes, a mesh's fragment data: looked up
+        # again at each use, else the kernel shows it for entry_timeout after
+        # that unlink, stat finding a file whose open is ENOENT)
+        a.entry_timeout = 0 if node.target is not None and self.view.goes_with_another(node) else self.entry_timeout
         a.attr_timeout = self.attr_timeout
         if node.is_dir:
             a.st_mode = self._dir_mode

@@ -636,6 +636,13 @@ class View:
             return None  # a scratch file gone (unlinked, or dropped): only memory held it
         return node
 
+    @staticmethod
+    def goes_with_another(node: Node) -> bool:
+        """Can an unlink of another file remove ``node`` (a mesh's fragment
+        data, with its manifest)?  The kernel must then not keep its entry:
+        no I/O."""
+        return node.is_chunk and node.dataset is not None and node.dataset.removed_with(node.rel) is not None
+
     def in_memory(self, node: Node) -> Node | None:
         """The node as it is now if its content lives in memory (a write
         buffer, a scratch file, an unflushed chunk); None otherwise.  No I/O."""

@@ -144,6 +144,12 @@ class Dataset(ABC):
         yet; None if ``rel`` is not a valid chunk file name.  No I/O."""
         return None
 
+    def removed_with(self, rel: tuple[str, ...]) -> tuple[str, ...] | None:
+        """The other file whose unlink removes the file ``rel`` too (a
+        multi-resolution mesh's manifest, for its fragment data); None if
+        none.  No I/O."""
+        return None
+
     def stored_as_is(self, rel: tuple[str, ...]) -> str | None:
         """The storage key under which a file created at ``rel`` is stored
         as written, where a name of the namespace is the storage form itself

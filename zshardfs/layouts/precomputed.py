@@ -566,6 +566,12 @@ class PrecomputedDataset(Dataset):
             return None
         return ChunkTarget(self._shard_key(cid), cid, None, None, writable=self.writable)
 
+    def removed_with(self, rel) -> tuple[str, ...] | None:
+        """A mesh's fragment data ``<id>`` goes with its manifest ``<id>.index``."""
+        if isinstance(self.naming, MeshNames) and len(rel) == 1 and not rel[0].endswith(".index"):
+            return (rel[0] + ".index",)
+        return None
+
     def stored_as_is(self, rel) -> str | None:
         """``<hex>.shard``: what tensorstore writes for a sharded scale
         (``cp -r`` of a sharded volume, a new scale written through the
