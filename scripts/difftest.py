@@ -6,7 +6,7 @@ sequences of file operations (writes, truncates, renames, links, held-open handl
 temporary-then-rename, fsync, sync, remounts, kill -9 of the daemon; metadata edits,
 consolidation and resizes in variable shard grids and hierarchies) to a zshardfs mount
 of a sharded store (Zarr: regular and variable shard grids, consolidated hierarchies;
-Neuroglancer precomputed: the pc_* layouts) and to a directory holding its unsharded
+Neuroglancer precomputed: the pc_* layouts, pc_mesh_* with multi-resolution meshes) and to a directory holding its unsharded
 twin, and compares them after every step. tests/test_differential.py runs a few fixed seeds;
 run more seeds and steps here after changing the write path.
 

@@ -5,7 +5,8 @@ The same random sequence of file operations is applied to
   (a) a zshardfs mount of a sharded store (local directory or moto S3): a Zarr array
       (regular, ZEP 3 ``rectangular`` or ``rectilinear`` shard grid), a consolidated Zarr
       hierarchy of groups and arrays (``HIERARCHIES``), or Neuroglancer precomputed
-      (``pc_*``: a volume's scales and a skeleton directory), and
+      (``pc_*``: a volume's scales and a skeleton directory; ``pc_mesh_*``: a skeleton
+      and a multi-resolution mesh directory), and
   (b) the *twin*: an ordinary directory holding the equivalent unsharded store,
 and both trees (names, sizes, bytes, listings outside chunk directories, the result or
 errno of every op) are compared after every step, after remounts, and after ``kill -9`` of
@@ -31,7 +32,13 @@ The documented differences (docs/SEMANTICS.md, Limits) are emulated on the twin:
   - (empty) directories below the array's chunk directories are not compared;
   - an editor's save or ``rm`` and put back of the ``zarr.json`` of a sharded array none of
     whose chunks is left makes a new array, stored as written (unsharded; SEMANTICS 4.15):
-    not emulated, so such a metadata op is drawn as a rewrite in place instead.
+    not emulated, so such a metadata op is drawn as a rewrite in place instead;
+  - a multi-resolution mesh (``pc_mesh_*``: ``<id>.index`` manifest, ``<id>`` fragment
+    data) is changed as a pair only (the mesh ops: written whole, either file first or
+    through temporaries, the manifest alone with the same fragment sizes, removed by
+    ``rm <id>.index``, renamed ``<id>`` first), never by the other ops: a lone file of a
+    pair fails its shard's flush (SEMANTICS, Limits). ``meshbad`` writes an inconsistent
+    pair on purpose: the twin answers its fsync with EIO while the pair is inconsistent.
 Metadata ops (Zarr variable grids and hierarchies, ``LAYOUT_WEIGHTS``; :class:`ZarrNames`
 follows a resize): documents edited through the mount (attributes, fill value,
 consolidated members; SEMANTICS 4.9, 4.11, 4.15), zarr-python's consolidation, and
@@ -117,6 +124,12 @@ class Names:
     #: does storage make a chunk's parent directory when it is written (Zarr: chunk
     #: directories are looked up leniently)?  Else a removed scale directory stays gone.
     lenient_parents = True
+    #: (precomputed) the multi-resolution mesh directory, its ids (stored and new) and the
+    #: names of its files: written, renamed and removed as pairs only (the mesh ops), never
+    #: by the other ops (a lone file of a pair fails its shard's flush: SEMANTICS, Limits)
+    mesh_root: str | None = None
+    mesh_ids: list[int] = []
+    units: set = set()
     #: (Zarr) the arrays, each at its own path (resize: their shapes now, and the largest each
     #: had); a hierarchy's group documents' neighbours, its consolidated members; the chunks
     #: of unsharded arrays (plain files) and, on S3, the directories below those arrays
@@ -132,6 +145,7 @@ class Names:
         self.out_dirs = sorted(self.chunkdirs - set(self.inner_dirs))
         self.leaf_dirs = sorted({k.rsplit("/", 1)[0] for k in self.chunks if k.rsplit("/", 1)[0] in self.chunkdirs})
         self.arr_plain = [f"{r}/{n}" for r in self.roots for n in ("extra.txt", ".tmp-arr")]
+        self.free_chunks = sorted(k for k in self.chunks if k not in self.units)  # (what the other ops draw)
 
     def _in_grid_dir(self, d: str) -> bool:
         return any(k.startswith(d + "/") for k in self.chunks)
@@ -454,6 +468,8 @@ LAYOUT_WEIGHTS: dict[str, dict[str, float]] = {
     **{k: {"meta": 3, "resize": 3} for k, c in ZARR_CASES.items() if c.grid != "regular"},
     **{k: {"meta": 6, "consolidate": 2, "resize": 3} for k in HIERARCHIES},
 }
+#: (the mesh ops: precomputed layouts with a mesh directory, filled in below PRECOMPUTED_CASES)
+MESH_WEIGHTS = {"mesh": 12, "meshrm": 3, "meshmv": 3, "meshbad": 2}
 
 
 # ------------------------------------------------------------------ Neuroglancer precomputed
@@ -466,12 +482,18 @@ class PrecomputedCase:
 
     volume: pp.VolumeCase | None
     kv: dict | None = None  # the skeleton directory's sharding
+    mesh: dict | None = None  # the multi-resolution mesh directory's sharding
 
 
 #: a few stored skeletons (the uint64 edges, an empty one) and ids not stored yet
 KV_STORED = {0: b"s0" * 20, 7: b"seven", 2**32: bytes(range(200)), 12345: b"", 2**64 - 1: b"last" * 30,
              2**40 + 3: b"x" * 77}
 KV_NEW = [1, 2, 8, 99, 2**63, 2**64 - 2]
+#: stored meshes (id: fragments per level of detail; [] none: an empty ``<id>``) and ids not stored yet
+MESH_STORED = {0: [1], 1: [3, 1], 5: [], 6: [2], 77: [2, 2, 1], 2**40 + 9: [4], 2**64 - 1: [1, 1]}
+MESH_NEW = [2, 9, 12, 2**63]
+#: fragments per level of detail the mesh ops draw
+MESH_FRAGS = [[], [1], [3], [3, 1], [2, 2, 1]]
 
 
 class PrecomputedNames(Names):
@@ -513,6 +535,18 @@ class PrecomputedNames(Names):
                 self.chunks[f"skel/{i}"] = i
             for name in (str(2**64), "017", "-1", "5.index", "0-8_0-8_0-8"):
                 self.outside[f"skel/{name}"] = None
+        if case.mesh is not None:
+            self.meta.append("mesh/info")
+            self.roots.append("mesh")
+            self.mesh_root = "mesh"
+            self.mesh_ids = sorted(MESH_STORED) + MESH_NEW
+            self.units = set()
+            for i in self.mesh_ids:
+                for name in (f"mesh/{i}", f"mesh/{i}.index"):
+                    self.chunks[name] = i
+                    self.units.add(name)
+            for name in (str(2**64), f"{2**64}.index", "017", "017.index", "-1", "0-8_0-8_0-8", "5.index.index"):
+                self.outside[f"mesh/{name}"] = None
         self.arr = self.roots[0]
         self.keep_dirs = [r for r in self.roots if f"{r}/info" not in self.meta]  # (scales)
         self.extra_dirs = list(self.keep_dirs)
@@ -526,7 +560,10 @@ class PrecomputedLayout(Layout):
     A raw volume's chunk is valid when it has the size of its (clipped) box; any bytes are
     a valid skeleton.  Other files in a scale or key-value directory are plain files stored
     at fsync/sync/unmount (as in a Zarr array's own directory); ``<hex>.shard`` names
-    (stored as written: SEMANTICS 4.9) are not drawn."""
+    (stored as written: SEMANTICS 4.9) are not drawn.  A multi-resolution mesh directory
+    (``mesh``) holds pairs ``<id>.index`` (manifest) and ``<id>`` (fragment data), changed
+    by the mesh ops only; the final check reads every stored mesh from the shards (the
+    fragment data just before its manifest) and tensorstore reads the manifests."""
 
     def __init__(self, case: PrecomputedCase):
         self.case = case
@@ -542,9 +579,14 @@ class PrecomputedLayout(Layout):
                 t = pp.write_kv_twins(Path(tmp), "skel", self.case.kv, dict(KV_STORED))
                 shutil.move(t.sharded, src / "skel")
                 shutil.move(t.unsharded, twin / "skel")
+            if self.case.mesh is not None:
+                meshes = {i: pp.make_mesh(k, f) for k, (i, f) in enumerate(sorted(MESH_STORED.items()))}
+                t = pp.write_mesh_twins(Path(tmp) / "mesh", self.case.mesh, meshes)
+                shutil.move(t.sharded, src / "mesh")
+                shutil.move(t.unsharded, twin / "mesh")
 
     def pool(self, twin):
-        pool = [(twin / rel).read_bytes() for rel in sorted(self.names.chunks) if (twin / rel).is_file()]
+        pool = [(twin / rel).read_bytes() for rel in self.names.free_chunks if (twin / rel).is_file()]
         for i, n in enumerate(sorted(set(self.names.sizes.values()))):
             pool.append(random.Random(i).randbytes(n))
         self._pool = pool
@@ -578,6 +620,21 @@ class PrecomputedLayout(Layout):
             if got != want:
                 diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
                 out.append(f"[final] tensorstore: skeletons differ at ids {diff[:5]}")
+        if self.case.mesh is not None:
+            twin = env.twin / "mesh"
+            want = {i: ((twin / f"{i}.index").read_bytes(), (twin / str(i)).read_bytes())
+                    for i in self.names.mesh_ids if (twin / f"{i}.index").is_file()}
+            got = pp.read_mesh_shards(src / "mesh", self.case.mesh)
+            if got != want:
+                diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
+                out.append(f"[final] stored meshes differ at ids {diff[:5]}: "
+                           f"{[got.get(k) if isinstance(got.get(k), str) else None for k in diff[:3]]}")
+            try:
+                manifests = pp.read_kvstore(src / "mesh", self.case.mesh)
+                if manifests != {i: m for i, (m, _) in want.items()}:
+                    out.append("[final] tensorstore: mesh manifests differ")
+            except Exception as e:
+                out.append(f"[final] tensorstore failed on mesh: {e!r}"[:500])
         return out
 
 
@@ -604,7 +661,13 @@ PRECOMPUTED_CASES: dict[str, PrecomputedCase] = {
     "pc_idxgzip_single_3scales": PrecomputedCase(
         _vol("v", "uint16", S("murmurhash3_x86_128", 0, 0, 0, "gzip", "raw"), (20, 20, 12), (8, 8, 8), scales=3),
         S("identity", 0, 1, 1, "gzip", "raw")),
+    # multi-resolution meshes (and a skeleton directory, for the other ops' chunks)
+    "pc_mesh_identity_datagzip": PrecomputedCase(None, S("identity", 0, 1, 1), S("identity", 0, 1, 1, "raw", "gzip")),
+    "pc_mesh_murmur_idxgzip_single": PrecomputedCase(None, S("murmurhash3_x86_128", 0, 0, 1, "raw", "gzip"),
+                                                     S("murmurhash3_x86_128", 1, 2, 0, "gzip", "raw")),
 }
+
+LAYOUT_WEIGHTS.update({k: MESH_WEIGHTS for k, c in PRECOMPUTED_CASES.items() if c.mesh is not None})
 
 #: every layout the tester runs, by name
 LAYOUTS: dict = {
@@ -1015,6 +1078,91 @@ class Applier:
             return f"{type(e).__name__}: {str(e).replace(str(self.root), 'ROOT')[:200]}"
         return "ok"
 
+    # -- multi-resolution meshes: a pair of files, changed whole (SEMANTICS 4.10, Limits)
+
+    def _mesh(self, i) -> tuple[Path, Path]:
+        d = self.root / self.names.mesh_root
+        return d / f"{i}.index", d / str(i)
+
+    def _mesh_fsync(self, i, which: int) -> str:
+        """fsync(2) of one file of mesh ``i`` (its shard's flush): the twin's answer is EIO
+        while the pair is inconsistent, as the view refuses such a shard (the other meshes
+        of that shard are consistent: every other op keeps them so)."""
+        path = self._mesh(i)[which]
+        if self.twin:
+            manifest, frags = (p.read_bytes() if p.is_file() else None for p in self._mesh(i))
+            if manifest is None:
+                ok = not frags
+            else:
+                ok = pp.manifest_fragment_bytes(manifest) == len(frags or b"")
+            return "ok" if ok else "EIO"
+        try:
+            self._on_fd(str(path.relative_to(self.root)), os.O_RDONLY, os.fsync)
+        except OSError as e:
+            return errname(e)
+        return "ok"
+
+    def _write_file(self, path: Path, data: bytes, tmp: str | None = None) -> None:
+        if tmp is None:
+            path.write_bytes(data)
+            return
+        t = path.parent / tmp
+        t.write_bytes(data)
+        os.rename(t, path)
+
+    def op_mesh(self, op):
+        """A mesh written whole: ``put`` fragment data, then manifest (``put_rev`` the other
+        way round; ``tmp`` each through a temporary renamed over it), or ``manifest``: the
+        manifest alone, rewritten with another chunk shape (same fragment sizes); then
+        (``fsync``) an fsync of the manifest."""
+        index, frags = self._mesh(op["id"])
+        manifest, data = pp.make_mesh(op["seed"], op["frags"])
+        how = op["how"]
+        if how == "manifest":
+            old = bytearray(index.read_bytes())
+            old[:12] = np.array([op["seed"] % 7 + 1] * 3, "<f4").tobytes()
+            index.write_bytes(bytes(old))
+        elif how == "put_rev":
+            index.write_bytes(manifest)
+            frags.write_bytes(data)
+        else:
+            tmp = f".mesh-tmp.{op['seed']}" if how == "tmp" else None
+            self._write_file(frags, data, tmp)
+            self._write_file(index, manifest, tmp)
+        return self._mesh_fsync(op["id"], 0) if op.get("fsync") else "ok"
+
+    def op_meshrm(self, op):
+        """``rm <id>.index``: the mesh goes (its fragment data too)."""
+        index, frags = self._mesh(op["id"])
+        os.unlink(index)
+        if self.twin and frags.exists():
+            frags.unlink()
+        return "ok" if not frags.exists() else "fragments left"
+
+    def op_meshmv(self, op):
+        """A mesh renamed onto another id (which it replaces): ``<id>`` first, then
+        ``<id>.index`` (SEMANTICS, Limits)."""
+        (si, sf), (di, df) = self._mesh(op["src"]), self._mesh(op["dst"])
+        if self.twin and not si.exists():
+            return "ENOENT"
+        os.rename(sf, df)
+        os.rename(si, di)
+        return "ok" if not sf.exists() else "fragments left"
+
+    def op_meshbad(self, op):
+        """An inconsistent pair: a manifest whose fragment sizes the fragment data does not
+        match, fsynced (EIO: its shard is not stored), then mended by writing the fragment
+        data it describes, fsynced (ok)."""
+        index, frags = self._mesh(op["id"])
+        manifest, data = pp.make_mesh(op["seed"], op["frags"])
+        out = []
+        with open(index, "wb") as f:
+            f.write(manifest)
+        out.append(self._mesh_fsync(op["id"], 0))
+        frags.write_bytes(data)
+        out.append(self._mesh_fsync(op["id"], 1))
+        return out
+
     def op_fsync(self, op):
         return self._on_fd(op["path"], os.O_RDONLY, os.fsync)
 
@@ -1155,7 +1303,8 @@ def compare(env: Env, where: str) -> list[str]:
 WEIGHTS = {"write": 18, "pwrite": 10, "append": 5, "otrunc": 3, "truncate": 6, "ftruncate": 2, "unlink": 8,
            "rename": 9, "link": 3, "mkdir": 3, "rmdir": 3, "hold": 6, "readopen": 3, "tmprename": 7, "fsync": 3,
            "dirfsync": 2, "sync": 3, "remount": 2, "read": 2, "kill9": 1.5, "conc": 3,
-           "meta": 0, "consolidate": 0, "resize": 0}  # (the last three: LAYOUT_WEIGHTS)
+           "meta": 0, "consolidate": 0, "resize": 0,  # (these and the mesh ops: LAYOUT_WEIGHTS)
+           "mesh": 0, "meshrm": 0, "meshmv": 0, "meshbad": 0}
 
 
 class Gen:
@@ -1171,7 +1320,7 @@ class Gen:
         for p in self.env.twin.rglob("*"):
             if p.is_file():
                 rel = str(p.relative_to(self.env.twin))
-                if rel not in self.n.meta and not rel.endswith(".keep"):
+                if rel not in self.n.meta and not rel.endswith(".keep") and rel not in self.n.units:
                     out.append(rel)
         return sorted(out)
 
@@ -1197,7 +1346,7 @@ class Gen:
             return r.choice(ex)
         x = r.random()
         if x < 0.65:
-            return r.choice(sorted(self.n.chunks))
+            return r.choice(self.n.free_chunks)
         if x < 0.72:
             return r.choice(sorted(self.n.outside))
         if x < 0.85:
@@ -1245,7 +1394,7 @@ class Gen:
             return {"op": "readopen", "path": self.any_file(0.95), "then": r.choice(["unlink", "write"]),
                     "data": self.data()}
         if kind == "tmprename":
-            dst = r.choice(sorted(self.n.chunks)) if r.random() < 0.85 else self.any_file(0.3)
+            dst = r.choice(self.n.free_chunks) if r.random() < 0.85 else self.any_file(0.3)
             parent = dst.rsplit("/", 1)[0] if "/" in dst else ""
             self.tmpn += 1
             tmp = f"{parent}/.zarr-tmp.{self.tmpn}" if parent else f".zarr-tmp.{self.tmpn}"
@@ -1258,7 +1407,7 @@ class Gen:
         if kind == "read":
             return {"op": "read", "path": self.any_file(0.8)}
         if kind == "conc":
-            files = r.sample(sorted(self.n.chunks), min(6, len(self.n.chunks)))
+            files = r.sample(self.n.free_chunks, min(6, len(self.n.free_chunks)))
             jobs = [[], []]
             if r.random() < 0.5:  # disjoint files
                 for i, f in enumerate(files):
@@ -1287,9 +1436,27 @@ class Gen:
             shape = json.loads((self.env.twin / case.path / "zarr.json").read_bytes())["shape"]
             return {"op": "resize", "path": case.path,
                     "shape": [max(1, s + r.choice([-7, -4, -1, 0, 0, 1, 3, 5, 9])) for s in shape]}
+        if kind in ("mesh", "meshrm", "meshmv", "meshbad"):
+            return self.mesh_op(kind)
         if kind == "kill9" and r.random() < 0.6:
             return {"op": "kill9", "delay": r.choice([0, 0.001, 0.005, 0.01, 0.02, 0.05])}
         return {"op": kind}
+
+
+    def mesh_op(self, kind: str) -> dict:
+        """A mesh op: on a pair of files, whole (see :meth:`Applier.op_mesh`)."""
+        r, ids = self.rng, self.n.mesh_ids
+        stored = [i for i in ids if (self.env.twin / self.n.mesh_root / f"{i}.index").is_file()]
+        pick = lambda: r.choice(stored) if stored and r.random() < 0.7 else r.choice(ids)  # noqa: E731
+        if kind == "mesh":
+            return {"op": "mesh", "id": pick(), "how": r.choice(["put", "put", "put_rev", "tmp", "manifest"]),
+                    "seed": r.randrange(1 << 30), "frags": r.choice(MESH_FRAGS), "fsync": r.random() < 0.3}
+        if kind == "meshrm":
+            return {"op": "meshrm", "id": pick()}
+        if kind == "meshmv":
+            src = pick()
+            return {"op": "meshmv", "src": src, "dst": r.choice([i for i in ids if i != src])}
+        return {"op": "meshbad", "id": pick(), "seed": r.randrange(1 << 30), "frags": r.choice(MESH_FRAGS[1:])}
 
 
 # ------------------------------------------------------------------ the run

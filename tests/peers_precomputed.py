@@ -350,3 +350,130 @@ def cloudvolume_python() -> str:
     assert importlib.util.find_spec("cloudvolume") is not None, (
         "cloud-volume is required by the tests: pip install -e '.[test]' (scripts/setup.sh does)")
     return sys.executable
+
+
+# --------------------------------------------------------------------------- multi-resolution meshes
+
+
+def make_manifest(frags_per_lod: list[int], rng) -> tuple[bytes, int]:
+    """A multi-resolution mesh manifest (``neuroglancer_multilod_draco``) with small
+    random fragment sizes, and the bytes of fragment data those sizes add up to."""
+    n = len(frags_per_lod)
+    parts = [np.array([16, 16, 16], "<f4").tobytes(), np.zeros(3, "<f4").tobytes(), struct.pack("<I", n),
+             (2.0 ** np.arange(n)).astype("<f4").tobytes(), np.zeros(3 * n, "<f4").tobytes(),
+             np.array(frags_per_lod, "<u4").tobytes()]
+    total = 0
+    for k in frags_per_lod:
+        parts.append(rng.integers(0, 50, size=3 * k).astype("<u4").tobytes())
+        sizes = rng.integers(0, 200, size=k).astype("<u4")
+        total += int(sizes.sum())
+        parts.append(sizes.tobytes())
+    return b"".join(parts), total
+
+
+def make_mesh(seed: int, frags_per_lod: list[int]) -> tuple[bytes, bytes]:
+    """(manifest, fragment data) of one consistent mesh, drawn with ``seed``."""
+    rng = np.random.default_rng(seed)
+    manifest, total = make_manifest(frags_per_lod, rng)
+    return manifest, rng.integers(0, 256, size=total, dtype=np.uint8).tobytes()
+
+
+def manifest_fragment_bytes(manifest: bytes) -> int | None:
+    """The bytes of fragment data a manifest describes (None: not a manifest).
+    Written from the format's description, independently of zshardfs's parser."""
+    if len(manifest) < 28:
+        return None
+    (lods,) = struct.unpack_from("<I", manifest, 24)
+    pos = 28 + 20 * lods  # (lod scales, vertex offsets, fragments per lod)
+    if pos > len(manifest):
+        return None
+    counts = struct.unpack_from(f"<{lods}I", manifest, 28 + 16 * lods)
+    total = 0
+    for n in counts:
+        if pos + 16 * n > len(manifest):
+            return None
+        total += sum(struct.unpack_from(f"<{n}I", manifest, pos + 12 * n))
+        pos += 16 * n
+    return total if pos == len(manifest) else None
+
+
+def write_mesh_twins(root: Path, sharding_json: dict, meshes: dict[int, tuple[bytes, bytes]]) -> KvTwins:
+    """A sharded multi-resolution mesh directory as Neuroglancer and cloud-volume read it
+    (each mesh's fragment data, raw, immediately before its manifest, the chunk, in
+    ``data_encoding``; minishard indexes sorted, delta-encoded, after the data) and its
+    unsharded twin (``<id>.index`` the manifest, ``<id>`` the fragment data)."""
+    import gzip
+
+    from zshardfs.layouts.precomputed_format import ShardingSpec  # (shard and minishard of an id, both hashes)
+    spec = ShardingSpec.from_json(sharding_json)
+    info = {"@type": "neuroglancer_multilod_draco", "vertex_quantization_bits": 10,
+            "transform": [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0], "lod_scale_multiplier": 1.0}
+    sharded, twin = Path(root) / "sharded", Path(root) / "unsharded"
+    sharded.mkdir(parents=True)
+    twin.mkdir(parents=True)
+    (sharded / "info").write_text(json.dumps({**info, "sharding": sharding_json}))
+    (twin / "info").write_text(json.dumps(info))
+    gz = lambda b: gzip.compress(b, mtime=0)  # noqa: E731
+    by_shard: dict[int, dict[int, list[int]]] = {}
+    for cid in sorted(meshes):
+        shard, mini = spec.shard_and_minishard(cid)
+        by_shard.setdefault(shard, {}).setdefault(mini, []).append(cid)
+        (twin / f"{cid}.index").write_bytes(meshes[cid][0])
+        (twin / str(cid)).write_bytes(meshes[cid][1])
+    for shard, minis in by_shard.items():
+        body, table = bytearray(), np.zeros((spec.num_minishards, 2), np.uint64)
+        for mini, ids in sorted(minis.items()):
+            starts, sizes = [], []
+            for cid in ids:
+                body += meshes[cid][1]
+                encoded = gz(meshes[cid][0]) if sharding_json["data_encoding"] == "gzip" else meshes[cid][0]
+                starts.append(len(body))
+                sizes.append(len(encoded))
+                body += encoded
+            prev_end = [0] + [s + n for s, n in zip(starts, sizes)][:-1]
+            index = np.array([np.diff(np.array(ids, np.uint64), prepend=np.uint64(0)),
+                              np.array(starts, np.uint64) - np.array(prev_end, np.uint64), sizes], "<u8").tobytes()
+            if sharding_json["minishard_index_encoding"] == "gzip":
+                index = gz(index)
+            table[mini] = (len(body), len(body) + len(index))
+            body += index
+        (sharded / spec.shard_key(shard)).write_bytes(table.astype("<u8").tobytes() + bytes(body))
+    return KvTwins(sharding_json, dict(meshes), sharded, twin)
+
+
+def read_mesh_shards(directory: Path, sharding_json: dict) -> dict[int, tuple[bytes, bytes] | str]:
+    """(manifest, fragment data) of every mesh stored in ``directory``'s shards, read
+    from the format's description (every minishard of every shard file; the fragment
+    data is the bytes just before the manifest, as many as it describes), or a string
+    saying what is wrong with that mesh."""
+    import gzip
+    n = 1 << sharding_json["minishard_bits"]
+    head = 16 * n
+    out: dict[int, tuple[bytes, bytes] | str] = {}
+    for shard in sorted(Path(directory).glob("*.shard")):
+        data = shard.read_bytes()
+        table = struct.unpack_from(f"<{2 * n}Q", data, 0)
+        for m in range(n):
+            start, end = table[2 * m], table[2 * m + 1]
+            if start == end:
+                continue
+            raw = data[head + start: head + end]
+            if sharding_json["minishard_index_encoding"] == "gzip":
+                raw = gzip.decompress(raw)
+            k = len(raw) // 24
+            vals = struct.unpack(f"<{3 * k}Q", raw)
+            cid, pos = 0, 0
+            for i in range(k):
+                cid = (cid + vals[i]) % 2**64
+                off = pos + vals[k + i]
+                size = vals[2 * k + i]
+                pos = off + size
+                manifest = data[head + off: head + off + size]
+                if sharding_json["data_encoding"] == "gzip":
+                    manifest = gzip.decompress(manifest)
+                total = manifest_fragment_bytes(manifest)
+                if total is None or total > off:
+                    out[cid] = f"{shard.name}: mesh {cid}: manifest of {len(manifest)} bytes describes {total}"
+                    continue
+                out[cid] = (manifest, data[head + off - total: head + off])
+    return out
