@@ -797,6 +797,24 @@ def test_a_mesh_removed_through_its_manifest_is_gone_at_once(source, mount, peer
     assert os.stat(m.path / "1").st_size == len(meshes[5][1])
 
 
+def test_a_new_mesh_without_fragments_shows_its_empty_fragment_file(source, mount, peers_tree, tmp_path):
+    """A new mesh without fragments (``<id>`` written empty, then ``<id>.index``) shows
+    both files while its manifest is not stored yet, also once the empty fragment data
+    was flushed alone (it stores nothing: ``<id>`` then vanished until the manifest was
+    stored, for as long as its shard's flush waited or failed; found by the
+    differential tester on S3 with flush_delay=0, where that flush ran between them)."""
+    root, _, meshes = write_multilod_twins(tmp_path / "multilod")
+    m, _ = publish_and_mount(source, mount, root, "flush_delay=600")
+    manifest, total = make_manifest([], np.random.default_rng(4))
+    assert total == 0
+    with open(m.path / "9", "wb") as f:
+        os.fsync(f.fileno())  # (its shard flushed: the empty fragment data alone)
+    (m.path / "9.index").write_bytes(manifest)
+    assert {"9", "9.index"} <= set(os.listdir(m.path))
+    assert (m.path / "9").read_bytes() == b"" and (m.path / "9.index").read_bytes() == manifest
+    m.umount()
+
+
 def test_info_written_through_the_view_keeps_sharding(source, mount, peers_tree):
     """A tool rewriting ``info`` through the view (view form, no sharding)
     must not orphan the shards; a grid change of a sharded scale is refused."""

@@ -536,6 +536,8 @@ class View:
             return self._chunk_node(path, dataset, rel, None, target)
         entry = await dataset.lookup(rel)
         if entry is None:
+            if target is not None and self._empty_with_pending(dataset, rel):
+                return Node(path, False, 0, time.time(), dataset=dataset, rel=rel, target=target)
             return None
         if isinstance(entry, DirEntry):
             if (dataset.root in self.born_here and path not in self.written_dirs
@@ -635,6 +637,16 @@ class View:
         if node.key is None and not node.is_dir:
             return None  # a scratch file gone (unlinked, or dropped): only memory held it
         return node
+
+    def _empty_with_pending(self, dataset: Dataset, rel: tuple) -> bool:
+        """Is ``rel`` a file stored with another (a mesh's fragment data, with
+        its manifest) that storage does not hold, while that other is written
+        and not stored yet?  It is then empty, not absent: a new mesh's empty
+        fragment data, flushed before its manifest, stores nothing."""
+        other = dataset.removed_with(rel)
+        t = dataset.target(other) if other is not None else None
+        pending = self.writeback.pending(t.shard_key, t.chunk_id) if t is not None else None
+        return pending is not None and pending.data is not None
 
     @staticmethod
     def goes_with_another(node: Node) -> bool:
@@ -797,7 +809,12 @@ class View:
             if dirty.data is None:
                 raise NotFound(f"{node.path}: deleted", node.path)
             return bytes(dirty.data)
-        return await node.dataset.read(t)
+        try:
+            return await node.dataset.read(t)
+        except NotFound:
+            if self._empty_with_pending(node.dataset, node.rel):
+                return b""
+            raise
 
     def _chunk_version(self, t: ChunkTarget) -> tuple:
         return self._chunk_epoch, self._chunk_changes.get((t.shard_key, t.chunk_id), 0)
