@@ -1,6 +1,6 @@
 """Random file operations through a mount behave as on a directory store (SEMANTICS 4.17),
 for sharded Zarr arrays (regular and variable shard grids, consolidated hierarchies) and
-Neuroglancer precomputed volumes and skeleton directories.
+Neuroglancer precomputed volumes, skeleton directories and multi-resolution meshes.
 
 Fixed seeds of the randomized differential tester (tests/difftest.py): each applies
 random ops (writes, pwrites past the end, truncates, renames, links, handles held open
@@ -46,6 +46,9 @@ CASES = [
     ("pc_murmur_gzip_preshift", "local", 2, 80),  # murmurhash3, preshift, gzip index and data; identity, shard_bits 0
     ("pc_idxgzip_single_3scales", "local", 2, 60),  # one shard of one minishard, gzip index, 3 scales
     ("pc_u64_datagzip_shard0", "s3", 6, 50),      # identity, shard_bits 0, uint64, gzip data; murmurhash3, preshift 5
+    # multi-resolution meshes, changed as pairs (and a skeleton directory)
+    ("pc_mesh_identity_datagzip", "local", 1, 120),  # identity, gzip data: two shards of two minishards
+    ("pc_mesh_identity_datagzip", "s3", 3, 120),
 ]
 
 
