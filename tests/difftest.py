@@ -545,7 +545,8 @@ class PrecomputedNames(Names):
                 for name in (f"mesh/{i}", f"mesh/{i}.index"):
                     self.chunks[name] = i
                     self.units.add(name)
-            for name in (str(2**64), f"{2**64}.index", "017", "017.index", "-1", "0-8_0-8_0-8", "5.index.index"):
+            # (``5.index.index`` is no chunk's spelling: a plain file there, stored at fsync)
+            for name in (str(2**64), f"{2**64}.index", "017", "017.index", "-1", "0-8_0-8_0-8"):
                 self.outside[f"mesh/{name}"] = None
         self.arr = self.roots[0]
         self.keep_dirs = [r for r in self.roots if f"{r}/info" not in self.meta]  # (scales)
