@@ -163,7 +163,7 @@ class _Inode:
 @dataclass
 class _DirHandle:
     inode: int
-    source: object  # async iterator of Nodes
+    source: object  # async iterator of lists of Nodes (View.listdir_batches)
     entries: list = field(default_factory=list)
     done: bool = False
     # the listing failed: later readdirs on this handle fail alike (a listing
@@ -369,7 +369,7 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = _DirHandle(inode, self.view.listdir(node).__aiter__())
+        self._handles[fh] = _DirHandle(inode, self.view.listdir_batches(node).__aiter__())
         self.inodes[inode].handles += 1
         return fh
 
@@ -384,7 +384,7 @@ class Operations(pyfuse3.Operations):
                     raise pyfuse3.FUSEError(getattr(handle.failed, "errno", None) or errno.EIO)
                 try:
                     asked = time.monotonic()
-                    entries.append((await handle.source.__anext__(), asked))
+                    entries.extend([(child, asked) for child in await handle.source.__anext__()])
                 except StopAsyncIteration:
                     handle.done = True
                 except Exception as exc:

@@ -682,30 +682,40 @@ class View:
 
     async def listdir(self, node: Node) -> AsyncIterator[Node]:
         """Children of a directory, in a stable order, lazily."""
+        async for batch in self.listdir_batches(node):
+            for child in batch:
+                yield child
+
+    async def listdir_batches(self, node: Node) -> AsyncIterator[list[Node]]:
+        """:meth:`listdir` in lists (a shard's chunks, a storage listing's
+        entries): READDIR takes an async step per list, not per entry (two
+        nested generator steps per entry were a good part of a warm
+        listing's cost)."""
         node = await self._fresh(node)
         extra = self._pending_children(node.path)
         seen: set[str] | None = set() if extra else None
         mark = self.writeback.store_seq
-
-        def fresh(child: Node | None) -> bool:
-            if child is None or child.path in self.buffers:
-                return False
-            if seen is not None:
-                seen.add(child.name)
-            return True
+        buffers = self.buffers
 
         if self._in_dataset(node):
             prefix, dataset, rel = _prefix(node.path), node.dataset, node.rel
             stored_since = self.writeback.stored_since
-            async for name, entry in dataset.listdir(rel):
-                # (_listed_child, inlined: a coroutine per entry was a good
-                # part of a warm listing's cost)
-                if isinstance(entry, ChunkEntry) and stored_since(entry.shard_key, mark):
-                    child = await self._dataset_child(prefix + name, dataset, rel + (name,))
-                else:
-                    child = self._virtual(prefix + name, dataset, rel + (name,), entry)
-                if fresh(child):
-                    yield child
+            virtual = self._virtual
+            async for batch in dataset.listdir_batches(rel):
+                out = []
+                for name, entry in batch:
+                    # (_listed_child, inlined: a coroutine per entry was a good
+                    # part of a warm listing's cost)
+                    if isinstance(entry, ChunkEntry) and stored_since(entry.shard_key, mark):
+                        child = await self._dataset_child(prefix + name, dataset, rel + (name,))
+                    else:
+                        child = virtual(prefix + name, dataset, rel + (name,), entry)
+                    if child is not None and child.path not in buffers:
+                        out.append(child)
+                if out:
+                    if seen is not None:
+                        seen.update(child.name for child in out)
+                    yield out
         else:
             # listed first: the probes for metadata documents are then
             # answered from the listing, with no request for those it lacks
@@ -723,39 +733,45 @@ class View:
             both = {name: info.size for info in listing.files
                     if (name := info.key.rsplit("/", 1)[-1]) in dirs} if dirs else {}
             links = self._shown_links(listing, dataset)
+            out = []
             for name in [*listing.dirs, *await self._named_by_listed_info(node.key, listing)]:
                 if both.get(name) or name in links:
                     continue
                 if dataset is None or not dataset.claims((name,)):
-                    child = Node(join_key(node.path, name), True, 0, self.started, key=join_key(node.key, name))
-                    if fresh(child):
-                        yield child
+                    out.append(Node(join_key(node.path, name), True, 0, self.started, key=join_key(node.key, name)))
             for info in listing.files:
                 name = info.key.rsplit("/", 1)[-1]
                 if both.get(name) == 0 or name in links:
                     continue
                 if dataset is None or not dataset.claims((name,)):
                     try:
-                        child = await self._stored_file(join_key(node.path, name), info)
+                        out.append(await self._stored_file(join_key(node.path, name), info))
                     except NotFound:
                         continue
-                    if fresh(child):
-                        yield child
             for name, info in links.items():
-                child = self._link_node(join_key(node.path, name), info)
-                if child is not None and fresh(child):
-                    yield child
+                out.append(self._link_node(join_key(node.path, name), info))
+            out = [child for child in out if child is not None and child.path not in buffers]
+            if out:
+                if seen is not None:
+                    seen.update(child.name for child in out)
+                yield out
             if dataset is not None:
                 prefix = _prefix(node.path)
-                async for name, entry in dataset.listdir(()):
-                    child = await self._listed_child(prefix + name, dataset, (name,), entry, mark)
-                    if fresh(child):
-                        yield child
+                async for batch in dataset.listdir_batches(()):
+                    out = []
+                    for name, entry in batch:
+                        child = await self._listed_child(prefix + name, dataset, (name,), entry, mark)
+                        if child is not None and child.path not in buffers:
+                            out.append(child)
+                    if out:
+                        if seen is not None:
+                            seen.update(child.name for child in out)
+                        yield out
         for name in extra:
             if name not in seen:
                 child = await self.lookup(node, name)
                 if child is not None:
-                    yield child
+                    yield [child]
 
     def _shown_links(self, listing, dataset: Dataset | None) -> dict[str, ObjectInfo]:
         """The links of a pass-through directory's listing that the view shows

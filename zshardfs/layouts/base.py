@@ -139,6 +139,13 @@ class Dataset(ABC):
         entries, which the view merges with the stored ones), in a stable
         order; lazily, so huge directories stream."""
 
+    async def listdir_batches(self, rel: tuple[str, ...]) -> AsyncIterator[list[tuple[str, Entry]]]:
+        """:meth:`listdir` in lists, each the entries a layout has at once (a
+        shard's): the view and the kernel's READDIR then take an async step
+        per list, not per entry.  The caller must not change a list."""
+        async for item in self.listdir(rel):
+            yield [item]
+
     def target(self, rel: tuple[str, ...]) -> ChunkTarget | None:
         """Where the chunk file ``rel`` lives, whether or not it is stored
         yet; None if ``rel`` is not a valid chunk file name.  No I/O."""

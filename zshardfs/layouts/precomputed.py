@@ -640,6 +640,11 @@ class PrecomputedDataset(Dataset):
         return await self._pinned(key, entry)
 
     async def listdir(self, rel):
+        async for batch in self.listdir_batches(rel):
+            for item in batch:
+                yield item
+
+    async def listdir_batches(self, rel):
         if rel != ():
             return
         listing = await self.ctx.store.list(self.root)
@@ -655,8 +660,8 @@ class PrecomputedDataset(Dataset):
             except AccessDenied as exc:  # left out like a damaged shard: the rest stays listable
                 warn_once(log, f"{exc}; its chunks are not listed")
                 continue
-            for name, entry in entries or ():
-                yield name, entry
+            if entries:
+                yield entries
 
     async def _shard_listing(self, index: PrecomputedShardIndex) -> list[tuple[str, ChunkEntry]]:
         """Every readable chunk file of one shard, from its indexes only."""

@@ -421,10 +421,11 @@ class GridDataset(Dataset):
 
     # -- listing ------------------------------------------------------------
 
-    async def _shard_chunks(self, shard, fixed, since: float | None = None) -> list[tuple[tuple[int, ...], ChunkEntry]]:
-        """Stored chunks of one shard whose leading coordinates are ``fixed``
-        (a list: one shard's slice is bounded, and a listing entry then
-        costs no async generator step of its own).  The caller must not
+    async def _shard_chunks(self, shard, fixed, since: float | None = None) -> list[tuple[str, ChunkEntry]]:
+        """Stored chunks of one shard whose leading coordinates are ``fixed``,
+        named as the listing shows them (a list: one shard's slice is
+        bounded, and :meth:`listdir_batches` hands it on whole, so that a
+        listing entry costs no async step of its own).  The caller must not
         change it: a small one is kept for the next listing of the same
         index version.
 
@@ -458,6 +459,7 @@ class GridDataset(Dataset):
         small = self.grid.chunks_in_shard_list(shard, fixed, SMALL_LISTING)
         if small is None:
             return self._large_slice(key, extent, index, shard, fixed)
+        name = self._namer(len(fixed))
         # a chunk directory's slice of a shard (a few chunks): plain Python
         # beats the vectorised path's fixed cost many times over
         out, damaged = [], False
@@ -468,7 +470,7 @@ class GridDataset(Dataset):
                 damaged = True
                 continue
             if where is not None:
-                out.append((c, ChunkEntry(key, cid, where[1], mtime, extent)))
+                out.append((name(c), ChunkEntry(key, cid, where[1], mtime, extent)))
         if damaged:
             _report_shard_damage(key, index)
         # (weak references: an index the cache evicts must not live on here,
@@ -486,8 +488,17 @@ class GridDataset(Dataset):
         keep &= ~damaged
         sizes = index.table[linear[keep], 1].tolist()
         mtime = index.info.mtime
-        return [(tuple(c), ChunkEntry(key, cid, size, mtime, extent))
+        name = self._namer(len(fixed))
+        return [(name(tuple(c)), ChunkEntry(key, cid, size, mtime, extent))
                 for c, cid, size in zip(coords[keep].tolist(), linear[keep].tolist(), sizes)]
+
+    def _namer(self, m: int):
+        """The name a listing gives a chunk from its coordinates: its whole
+        key in a flat ('.'-separated) array, else its last level's name."""
+        keys = self.keys
+        if keys.sep != "/":
+            return keys.format
+        return lambda coords: keys.level_name(m, coords[-1])
 
     async def _preload(self, shards) -> None:
         """The indexes a listing is about to need, loaded at once."""
@@ -526,13 +537,18 @@ class GridDataset(Dataset):
         await self.ctx.shards.preload(self.shard_format, shards)
 
     async def listdir(self, rel) -> AsyncIterator[tuple[str, Entry]]:
+        async for batch in self.listdir_batches(rel):
+            for item in batch:
+                yield item
+
+    async def listdir_batches(self, rel) -> AsyncIterator[list[tuple[str, Entry]]]:
         keys, grid = self.keys, self.grid
         started = time.monotonic()  # (indexes this listing loads are current for it)
         if keys.ndim == 0:
             if rel == ():
                 entry = await self.chunk_entry(())
                 if entry is not None:
-                    yield keys.zero_d_key, entry
+                    yield [(keys.zero_d_key, entry)]
             return
         if keys.sep != "/":
             if rel != ():
@@ -542,14 +558,15 @@ class GridDataset(Dataset):
                 p[0] for f in listing.files if (p := keys.parse((f.key.rsplit("/", 1)[-1],))) is not None
             )
             for shard in shards:  # streamed: a flat listing may span thousands of shards
-                for coords, entry in await self._shard_chunks(shard, (), started):
-                    yield keys.format(coords), entry
+                batch = await self._shard_chunks(shard, (), started)
+                if batch:
+                    yield batch
             return
         if rel == ():
             if keys.prefix == "c/":
                 # the array's directory was just listed (by the view): ask that listing
                 if "c" in (await self.ctx.store.list(self.data_root)).dirs:
-                    yield "c", DirEntry()
+                    yield [("c", DirEntry())]
                 return
             fixed: tuple[int, ...] = ()
         else:
@@ -589,11 +606,11 @@ class GridDataset(Dataset):
                 self.ctx.shards.soon(self._warm_below, shard_prefix, shard_coords[:WARM_DIRS])
         for s in shard_coords:
             if not last:
-                for c in grid.shard_range(m, s):
-                    yield keys.level_name(m, c), DirEntry()
+                yield [(keys.level_name(m, c), DirEntry()) for c in grid.shard_range(m, s)]
                 continue
-            for coords, entry in await self._shard_chunks(shard_prefix + (s,), fixed, started):
-                yield keys.level_name(m, coords[-1]), entry
+            batch = await self._shard_chunks(shard_prefix + (s,), fixed, started)
+            if batch:
+                yield batch
 
 
 #: a chunk directory spanning at most this many shards is listed from their
