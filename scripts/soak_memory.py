@@ -198,7 +198,7 @@ def caps() -> dict[str, int]:
     from zshardfs.backends import base, local
 
     return {"datasets": 4096, "documents": 4096, "own_versions": 4096, "chunk_changes": 65536 + 1,
-            "removed_dirs": 65536 + 1, "fresh_nodes": 4096 + 1, "orphans": 1024, "probed": 256,
+            "removed_dirs": 65536 + 1, "fresh_nodes": 4096 + 1, "listed_nodes": view.LISTED_NODES, "orphans": 1024, "probed": 256,
             "forgotten": fuse_ops.REMEMBERED_INODES, "positions": shards.SCAN_SHARDS, "unread": shards.SCAN_SHARDS,
             "stored": writeback.WriteBack.STORED_KEPT, "emptied": view.View.EMPTIED_MAX,
             "listings": base.AsyncStore.LIST_CACHE_ITEMS, "store_documents": base.AsyncStore.LIST_CACHE_ITEMS,

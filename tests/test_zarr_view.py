@@ -1090,3 +1090,43 @@ def test_a_chunk_directory_is_listed_a_shard_at_a_time(tmp_path):
         assert [[c.name for c in b] async for b in view.listdir_batches(await view.resolve("a/c"))] == [["0", "1"]]
 
     trio.run(main)
+
+
+def test_listing_an_unchanged_chunk_directory_again_makes_no_nodes(tmp_path):
+    """A warm walk lists every directory again after the TTLs; where a
+    shard's index is the same version (validated, not reloaded) the view
+    gives the very nodes of the last listing instead of making them again,
+    and a shard another client replaced is listed as it is now."""
+    import trio
+
+    from tests.handmade_zarr import array_doc, write_array_doc, write_shard
+    from zshardfs.backends.local import LocalBackend
+    from zshardfs.config import MountConfig
+    from zshardfs.daemon import build_view
+
+    root = tmp_path / "a"
+    write_array_doc(root, array_doc((2, 16), (2, 8), (1, 1)))
+    write_shard(root, (0, 0), (2, 8), {i: bytes([i]) for i in range(16)})
+    shard = write_shard(root, (0, 1), (2, 8), {i: bytes([i]) for i in range(16)})
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", metadata_ttl=0.05,
+                                 index_ttl=0.05),
+                      LocalBackend(str(tmp_path)))
+
+    async def main():
+        row = await view.resolve("a/c/1")
+        first = [c async for c in view.listdir(row)]
+        await trio.sleep(0.1)  # (past the TTLs: the indexes are validated again)
+        again = [c async for c in view.listdir(row)]
+        assert [c.name for c in again] == [str(i) for i in range(16)]
+        assert all(a is b for a, b in zip(first, again))
+        # another client stores the second shard anew, with fewer chunks
+        mtime = shard.stat().st_mtime_ns
+        write_shard(root, (0, 1), (2, 8), {i: b"xy" for i in range(8, 16, 2)})
+        os.utime(shard, ns=(mtime + 10**9, mtime + 10**9))
+        await trio.sleep(0.1)
+        now = [c async for c in view.listdir(row)]
+        assert [c.name for c in now] == [str(i) for i in range(8)] + [str(i) for i in range(8, 16, 2)]
+        assert all(a is b for a, b in zip(first[:8], now[:8]))
+        assert [c.size for c in now[8:]] == [2, 2, 2, 2]
+
+    trio.run(main)

@@ -193,6 +193,10 @@ REMOVED_DOCUMENTS_BYTES = 64 << 20
 #: what parsing a malformed metadata document can raise, beyond the layouts'
 #: own checks (a list where an object belongs, a document nested 100000
 #: deep, ...): the document is then shown as stored, with one warning
+#: chunk nodes a listing keeps for the next listing of the same shard slice
+#: (see View.listdir_batches); all are dropped once more are kept
+LISTED_NODES = 1 << 14
+
 METADATA_ERRORS = (TypeError, AttributeError, KeyError, IndexError, ValueError, RecursionError, OverflowError)
 
 
@@ -325,6 +329,11 @@ class View:
         # (:meth:`_fresh`), once per path and change
         self._documents_changed_at = float("-inf")
         self._fresh_nodes: dict[str, Node] = {}
+        # id(a layout's listed slice) -> (that slice, its directory, dataset,
+        # nodes): listing an unchanged directory again (a warm walk after
+        # metadata_ttl) makes no node again (bounded: LISTED_NODES)
+        self._listed_slices: dict[int, tuple[list, str, Dataset, list[Node]]] = {}
+        self._listed_count = 0
         # Datasets whose metadata document this mount removed (unlink, or a
         # rename away): dir key -> (dataset, the document's key), and that
         # document's stored bytes by key.  As on a directory store, the chunk
@@ -346,7 +355,8 @@ class View:
                 "born_here": len(self.born_here), "written_dirs": len(self.written_dirs),
                 "removed_dirs": len(self.removed_dirs), "own_versions": len(self.own_versions),
                 "renaming": len(self._renaming), "chunk_changes": len(self._chunk_changes),
-                "fresh_nodes": len(self._fresh_nodes), "orphans": len(self.orphans),
+                "fresh_nodes": len(self._fresh_nodes), "listed_nodes": self._listed_count,
+                "orphans": len(self.orphans),
                 "removed_documents": len(self.removed_documents), "probed": len(self.ctx.probed)}
 
     # -- datasets -----------------------------------------------------------
@@ -385,6 +395,8 @@ class View:
         self.document_writes += 1
         self._documents_changed_at = time.monotonic()
         self._fresh_nodes.clear()
+        self._listed_slices.clear()
+        self._listed_count = 0
         for dir_key, (dataset, _) in list(self.datasets._d.items()):
             if dataset is None or any(k == key for k, _ in dataset.version):
                 self.datasets.pop(dir_key)
@@ -702,6 +714,17 @@ class View:
             stored_since = self.writeback.stored_since
             virtual = self._virtual
             async for batch in dataset.listdir_batches(rel):
+                kept = self._listed_slices.get(id(batch))
+                if (kept is not None and kept[0] is batch and kept[1] == prefix and kept[2] is dataset
+                        and not self.writeback.dirty and not stored_since(batch[0][1].shard_key, mark)):
+                    # the very slice listed before (the same index version),
+                    # nothing of this mount's pending: the same nodes
+                    out = [c for c in kept[3] if c.path not in buffers] if buffers else kept[3]
+                    if out:
+                        if seen is not None:
+                            seen.update(child.name for child in out)
+                        yield out
+                    continue
                 out = []
                 for name, entry in batch:
                     # (_listed_child, inlined: a coroutine per entry was a good
@@ -712,6 +735,9 @@ class View:
                         child = virtual(prefix + name, dataset, rel + (name,), entry)
                     if child is not None and child.path not in buffers:
                         out.append(child)
+                if (out and len(out) == len(batch) and isinstance(batch[0][1], ChunkEntry)
+                        and not self.writeback.dirty and not stored_since(batch[0][1].shard_key, mark)):
+                    self._keep_listed(batch, prefix, dataset, out)
                 if out:
                     if seen is not None:
                         seen.update(child.name for child in out)
@@ -772,6 +798,21 @@ class View:
                 child = await self.lookup(node, name)
                 if child is not None:
                     yield [child]
+
+    def _keep_listed(self, batch: list, prefix: str, dataset: Dataset, nodes: list[Node]) -> None:
+        """Keep the nodes made of a layout's listed slice of chunks (a list
+        the layout keeps while its index version is current) for the next
+        listing of it.  The slice is held here, so its id names no other."""
+        if self._listed_count + len(nodes) > LISTED_NODES:
+            self._listed_slices.clear()
+            self._listed_count = 0
+            if len(nodes) > LISTED_NODES:
+                return
+        old = self._listed_slices.get(id(batch))
+        if old is not None:
+            self._listed_count -= len(old[3])
+        self._listed_slices[id(batch)] = (batch, prefix, dataset, nodes)
+        self._listed_count += len(nodes)
 
     def _shown_links(self, listing, dataset: Dataset | None) -> dict[str, ObjectInfo]:
         """The links of a pass-through directory's listing that the view shows
