@@ -154,6 +154,9 @@ class _Inode:
     #: after they are made, so sharing them is safe)
     attrs: pyfuse3.EntryAttributes | None = None
     attrs_of: tuple | None = None
+    #: the chunk node they were last given for (a listing giving that very
+    #: node again, View._listed_slices, is answered without looking further)
+    attrs_for: Node | None = None
     #: monotonic time a change made through this mount (rename, create) set
     #: ``node``: a lookup or listing begun before then brings older news,
     #: which must not replace it (see _inode_for)
@@ -279,6 +282,8 @@ class Operations(pyfuse3.Operations):
         entry = self.inodes.get(ino)
         made_of = (node.is_dir, node.size, node.mtime, node.link is not None)
         if entry is not None and entry.attrs_of == made_of:
+            if node.target is not None:  # (a chunk node: its attributes' fields never change)
+                entry.attrs_for = node
             return entry.attrs
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
@@ -305,6 +310,7 @@ class Operations(pyfuse3.Operations):
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = int(node.mtime * 1e9)
         if entry is not None:
             entry.attrs, entry.attrs_of = a, made_of
+            entry.attrs_for = node if node.target is not None else None
         return a
 
     # -- lookups ------------------------------------------------------------
@@ -377,6 +383,7 @@ class Operations(pyfuse3.Operations):
     async def readdir(self, fh, start_id, token):
         handle = self._handles[fh]
         entries = handle.entries
+        inodes, by_path = self.inodes, self.by_path
         i = start_id
         while True:
             while i >= len(entries) and not handle.done:
@@ -393,12 +400,20 @@ class Operations(pyfuse3.Operations):
             if i >= len(entries):
                 return
             listed, asked = entries[i]
-            ino = self._inode_for(listed, since=asked)
-            entry = self.inodes[ino]
-            node = entry.node
+            ino = by_path.get(listed.path)
+            entry = inodes.get(ino) if ino is not None else None
+            if entry is not None and entry.attrs_for is listed and entry.node is listed:
+                # the node the kernel was last given for this inode, listed
+                # again (a warm walk): nothing to update, attributes as given
+                node, attrs = listed, entry.attrs
+            else:
+                ino = self._inode_for(listed, since=asked)
+                entry = inodes[ino]
+                node = entry.node
+                attrs = self._attrs(ino, node)
             # (os.fsencode(node.name), without its two Python calls: every entry of every listing)
             name = node.path.rpartition("/")[2].encode(_FS_ENCODING, _FS_ERRORS)
-            if not pyfuse3.readdir_reply(token, name, self._attrs(ino, node), i + 1):
+            if not pyfuse3.readdir_reply(token, name, attrs, i + 1):
                 self._drop_if_unused(ino)
                 return
             entry.lookups += 1
