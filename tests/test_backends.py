@@ -1833,3 +1833,40 @@ def test_local_conditional_writes_of_the_longest_names_need_no_lock_file(tmp_pat
         backend.delete(key, if_match=again.etag)
         assert not (tmp_path / key).exists()
     assert os.listdir(tmp_path / "arr") == []
+
+
+def test_a_document_a_fresh_listing_shows_unchanged_is_not_read_again(tmp_path):
+    """A metadata document read longer ago than ``list_ttl`` is not read
+    again (a GET per array per warm walk on S3) when a listing made within
+    it shows the version read; a listing showing another version, or none
+    made lately, has it read again."""
+    class Counting(LocalBackend):
+        gets = 0
+
+        def get(self, *args, **kwargs):
+            Counting.gets += 1
+            return super().get(*args, **kwargs)
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "zarr.json").write_bytes(b"{}")
+    backend = Counting(str(tmp_path))
+    store = AsyncStore(backend, timeout=30, list_ttl=0.05)
+
+    async def main():
+        await store.list("d")
+        assert (await store.get_document("d/zarr.json")).data == b"{}"
+        await trio.sleep(0.06)
+        await store.list("d")
+        gets = backend.gets
+        assert (await store.get_document("d/zarr.json")).data == b"{}"
+        assert backend.gets == gets  # (the listing shows the version read)
+        (tmp_path / "d" / "zarr.json").write_bytes(b'{"a": 1}')  # another client's
+        await trio.sleep(0.06)
+        await store.list("d")
+        assert (await store.get_document("d/zarr.json")).data == b'{"a": 1}'
+        assert backend.gets == gets + 1
+        await trio.sleep(0.06)  # no listing lately: read again
+        assert (await store.get_document("d/zarr.json")).data == b'{"a": 1}'
+        assert backend.gets == gets + 2
+
+    trio.run(main)

@@ -720,7 +720,8 @@ class AsyncStore:
     async def get_document(self, key: str, etag: str | None = None) -> Blob:
         """The whole object ``key`` (a metadata document), from a read made
         within the last ``list_ttl`` seconds if there was one (and it was of
-        version ``etag``, when given); else read now.  Without ``etag``,
+        version ``etag``, when given), or from an older read of the version
+        a listing made within ``list_ttl`` shows; else read now.  Without ``etag``,
         NotFound without a request when, within ``list_ttl``, a read found it
         missing or a listing of its directory did not show it (most
         directories are not datasets, and a probe asks for several documents
@@ -741,6 +742,12 @@ class AsyncStore:
                 raise NotFound(f"{key}: not in the listing of its directory", key)
             if listed is not None and listed.size > self.DOCUMENT_LIMIT:
                 raise self.too_large(key, listed.size)
+            if (listed is not None and cached is not None and cached[0] is not None
+                    and cached[0].info.etag == listed.etag and key not in listing.unconfirmed):
+                # read longer ago than list_ttl, but a listing made within it
+                # shows that very version: still current (a warm walk lists an
+                # array's directory, then probes its document: no GET again)
+                return cached[0]
         generation = self._list_generation
         try:
             blob = await self.get(key, max_size=self.DOCUMENT_LIMIT)
