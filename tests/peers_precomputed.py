@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -451,6 +452,8 @@ def read_mesh_shards(directory: Path, sharding_json: dict) -> dict[int, tuple[by
     head = 16 * n
     out: dict[int, tuple[bytes, bytes] | str] = {}
     for shard in sorted(Path(directory).glob("*.shard")):
+        if not re.fullmatch(r"[0-9a-f]+\.shard", shard.name):
+            continue  # (a killed daemon's temporary, ``.zshardfs-tmp-...``: not a shard)
         data = shard.read_bytes()
         table = struct.unpack_from(f"<{2 * n}Q", data, 0)
         for m in range(n):
