@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import copy
 import errno
-import gzip
 import json
 import os
 import shutil
-import struct
 import subprocess
 import time
 from pathlib import Path
@@ -52,62 +50,20 @@ KV_NAMES = list(peers.KV_SHARDINGS)
 # --------------------------------------------------------------------------- hand-made twins
 
 
-def make_manifest(frags_per_lod: list[int], rng) -> tuple[bytes, int]:
-    """A multi-resolution mesh manifest with small random fragment sizes."""
-    n = len(frags_per_lod)
-    parts = [np.array([16, 16, 16], "<f4").tobytes(), np.zeros(3, "<f4").tobytes(), struct.pack("<I", n),
-             (2.0 ** np.arange(n)).astype("<f4").tobytes(), np.zeros(3 * n, "<f4").tobytes(),
-             np.array(frags_per_lod, "<u4").tobytes()]
-    total = 0
-    for k in frags_per_lod:
-        parts.append(rng.integers(0, 50, size=3 * k).astype("<u4").tobytes())
-        sizes = rng.integers(0, 200, size=k).astype("<u4")
-        total += int(sizes.sum())
-        parts.append(sizes.tobytes())
-    return b"".join(parts), total
+make_manifest = peers.make_manifest
 
 
 def write_multilod_twins(base: Path) -> tuple[Path, Path, dict]:
     """Sharded multi-resolution meshes laid out as Neuroglancer reads them: each
     mesh's fragment data (raw) immediately before its manifest (gzip), which is
     the chunk; plus the unsharded twin (``<id>.index`` + ``<id>``)."""
-    sharding = peers.sharding("identity", 0, 1, 1, "raw", "gzip")
-    spec = ShardingSpec.from_json(sharding)
     rng = np.random.default_rng(3)
     meshes = {}
     for i, cid in enumerate([0, 1, 5, 6, 77, 2**40 + 9, 2**64 - 1]):
         manifest, total = make_manifest([] if i == 3 else [4, 2, 1][: 1 + i % 3], rng)
         meshes[cid] = (manifest, rng.integers(0, 256, size=total, dtype=np.uint8).tobytes())
-    info = {"@type": "neuroglancer_multilod_draco", "vertex_quantization_bits": 10,
-            "transform": [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0], "lod_scale_multiplier": 1.0}
-    sharded, twin = base / "sharded", base / "unsharded"
-    sharded.mkdir(parents=True)
-    twin.mkdir(parents=True)
-    (sharded / "info").write_text(json.dumps({**info, "sharding": sharding}))
-    (twin / "info").write_text(json.dumps(info))
-    by_shard: dict[int, dict[int, list[int]]] = {}
-    for cid in sorted(meshes):
-        shard, mini = spec.shard_and_minishard(cid)
-        by_shard.setdefault(shard, {}).setdefault(mini, []).append(cid)
-        (twin / f"{cid}.index").write_bytes(meshes[cid][0])
-        (twin / str(cid)).write_bytes(meshes[cid][1])
-    for shard, minis in by_shard.items():
-        body, table = bytearray(), np.zeros((spec.num_minishards, 2), np.uint64)
-        for mini, ids in sorted(minis.items()):
-            starts, sizes = [], []
-            for cid in ids:
-                body += meshes[cid][1]
-                encoded = gzip.compress(meshes[cid][0], mtime=0)
-                starts.append(len(body))
-                sizes.append(len(encoded))
-                body += encoded
-            prev_end = [0] + [s + n for s, n in zip(starts, sizes)][:-1]
-            index = np.array([np.diff(np.array(ids, np.uint64), prepend=np.uint64(0)),
-                              np.array(starts, np.uint64) - np.array(prev_end, np.uint64), sizes], "<u8").tobytes()
-            table[mini] = (len(body), len(body) + len(index))
-            body += index
-        (sharded / spec.shard_key(shard)).write_bytes(table.astype("<u8").tobytes() + bytes(body))
-    return sharded, twin, meshes
+    twins = peers.write_mesh_twins(base, peers.sharding("identity", 0, 1, 1, "raw", "gzip"), meshes)
+    return twins.sharded, twins.unsharded, meshes
 
 
 ANN_BY_ID = peers.sharding("murmurhash3_x86_128", 0, 1, 1, "gzip", "gzip")
