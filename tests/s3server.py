@@ -361,6 +361,11 @@ class TcpProxy:
     ``rate``: bytes per second at which the server's answers are passed on,
     per connection (0: as fast as they come), i.e. a slow link.
 
+    :meth:`hold`: the server's answer to the next request whose first bytes
+    (its request line) a predicate accepts is kept back until :meth:`go`;
+    the server has answered it already, so it tells of the store as it was
+    (a client whose answer is late, as over a congested link).
+
     Counters, since the start or :meth:`reset`: ``bytes`` the server sent back
     (HTTP headers included), ``requests``, ``inflight`` (requests forwarded or
     waiting to be, not yet answered) and its maximum ``max_inflight``.
@@ -374,6 +379,9 @@ class TcpProxy:
         self.lock = threading.Lock()
         self.bytes = self.requests = self.inflight = self.max_inflight = 0
         self._conns: set[socket.socket] = set()
+        self._hold = None  # predicate on a request's first bytes, until one matched
+        self.holding = threading.Event()  # an answer is kept back
+        self._go = threading.Event()
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(256)
@@ -389,6 +397,20 @@ class TcpProxy:
         with self.lock:
             self.bytes = self.requests = 0
             self.max_inflight = self.inflight
+
+    def hold(self, predicate) -> None:
+        """Keep back the answer to the next request ``predicate(first_bytes)``
+        accepts, until :meth:`go` (or 30 s)."""
+        with self.lock:
+            self._hold = predicate
+            self.holding.clear()
+            self._go.clear()
+
+    def go(self) -> None:
+        """Pass on the answer kept back (and stop looking for one)."""
+        with self.lock:
+            self._hold = None
+        self._go.set()
 
     def close(self) -> None:
         """Stop accepting and cut every open connection."""
@@ -443,6 +465,9 @@ class TcpProxy:
                         self.requests += 1
                         self.inflight += 1
                         self.max_inflight = max(self.max_inflight, self.inflight)
+                        if self._hold is not None and self._hold(data):
+                            self._hold = None
+                            state["held"] = True
                     if self.delay > 0:
                         time.sleep(self.delay)
                 server.sendall(data)
@@ -453,6 +478,10 @@ class TcpProxy:
     def _responses(self, server: socket.socket, client: socket.socket, state: dict) -> None:
         try:
             while data := server.recv(1 << 18):
+                if state.get("held"):  # (set before its request was forwarded)
+                    state["held"] = False
+                    self.holding.set()
+                    self._go.wait(30)
                 with self.lock:
                     self.bytes += len(data)
                     if state["waiting"]:

@@ -574,6 +574,53 @@ def test_shard_deleted_behind_the_mount(mount, moto_server, bucket, array):
     assert m.stats()["errors"] == 0  # an absent object is an answer, not an error
 
 
+@pytest.mark.parametrize("asked_by", ["getattr", "lookup"])
+def test_a_truncate_during_a_slow_revalidation_is_not_undone(mount, moto_server, bucket, array, asked_by):
+    """A ``stat`` whose re-validation of a chunk's shard (a HEAD, once
+    ``attr_timeout`` has passed) is answered late, after a truncate through
+    the mount: the size it brings is older news than the truncate's.  It used
+    to replace the truncated file's size in the daemon's table (getattr
+    installed whatever its refresh brought; a truncate did not mark the
+    inode changed, so a lookup begun before it did the same), the kernel was
+    told the old size on its next question, and the read then failed with
+    EIO ("replaced by another client (now 100 bytes, not 512)", the
+    differential tester's seed 32).  ``asked_by``: the late question is an
+    fstat of an open descriptor (GETATTR) or a stat of the path (LOOKUP)."""
+    ttl = 3.0
+    with TcpProxy(moto_server.port) as proxy:
+        m = mount(f"s3://{bucket}/{PREFIX}", f"attr_timeout={ttl:g}", "flush_delay=inf", "open_fill=0",
+                  extra=["--endpoint-url", proxy.endpoint_url])
+        rel = "c/1/2/3"
+        path, shard = m.path / "arr" / rel, Array.shard_of(rel)
+        old = array.chunks[rel]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert os.fstat(fd).st_size == len(old)
+            time.sleep(ttl + 0.1)  # the kernel's attributes and the daemon's node are due for a check
+            proxy.hold(lambda first: first.startswith(f"HEAD /{bucket}/{shard} ".encode()))
+            with ThreadPoolExecutor(1) as pool:
+                late = pool.submit(os.fstat if asked_by == "getattr" else os.stat, fd if asked_by == "getattr" else path)
+                assert proxy.holding.wait(10), "the question did not re-validate the shard"
+                os.truncate(path, 100)
+                truncated = time.monotonic()
+                subprocess.run([*ZSHARDFS, "sync", str(m.path)], check=True, timeout=30)
+                time.sleep(max(0.0, truncated + 0.8 - time.monotonic()))  # (late news, well after it)
+                proxy.go()
+                answered = time.monotonic()
+                late.result(timeout=10)
+            # past the kernel's attributes from the truncate, within the
+            # daemon's time for the late answer's node (had it been taken)
+            time.sleep(max(0.0, truncated + ttl + 0.2 - time.monotonic()))
+            assert time.monotonic() - answered < ttl - 0.3, "too slow to tell"
+            assert os.fstat(fd).st_size == 100  # (a GETATTR: no lookup to bring the news)
+            assert os.pread(fd, 4096, 0) == old[:100]
+            assert os.stat(path).st_size == 100
+            assert read_file(path) == old[:100]
+        finally:
+            os.close(fd)
+    assert not re.search(r"Traceback|replaced by another client", m.log_text())
+
+
 # --------------------------------------------------------------------------
 # the server stops
 

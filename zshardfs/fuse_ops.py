@@ -362,8 +362,14 @@ class Operations(pyfuse3.Operations):
                 return self._attrs(inode, live)
             if time.monotonic() - node.created > self.attr_timeout:
                 fresh = await self.view.refresh(node)
-                if fresh is not None:
-                    node = self.inodes[inode].node = fresh
+                entry = self.inodes.get(inode)
+                if entry is not None and entry.node is not node:
+                    # the inode took another node while the refresh was out
+                    # (a truncate, a rename, a lookup): newer news than what
+                    # the refresh began with, which must not replace it
+                    return await self.getattr(inode)
+                if fresh is not None and entry is not None:
+                    node = entry.node = fresh
         return self._attrs(inode, node)
 
     # -- directories --------------------------------------------------------
@@ -481,7 +487,10 @@ class Operations(pyfuse3.Operations):
             # system would open the old file, which no longer exists here.
             raise pyfuse3.FUSEError(errno.ESTALE)
         if node.created == _STALE:  # written through a handle since: what is it now?
-            node = self.inodes[inode].node = (await self.view.refresh(node)) or node
+            fresh = await self.view.refresh(node)
+            if entry.node is node:  # (else newer news came meanwhile: see getattr)
+                entry.node = fresh or node
+            node = entry.node
         elif not flags & _WRITING:
             # The common open (a warm `cat` is OPEN and RELEASE per file):
             # nothing was awaited since the checks above, and open_reader
@@ -736,7 +745,8 @@ class Operations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.EISDIR)
             handle = self._handle(fh) if fh is not None and fh in self._handles else None
             node = await self.view.truncate(node, attr.st_size, handle)
-            self.inodes[inode].node = node
+            entry = self.inodes[inode]
+            entry.node, entry.changed = node, time.monotonic()  # (see _inode_for and getattr)
             return self._attrs(inode, node)
         # modes, owners and times are the mount's: accepted and ignored (cp -p,
         # rsync, install, vim); the answer is the file's attributes as they
