@@ -172,7 +172,7 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     sharded, twin, shape = build(workdir, args.chunks)
-    files = count_files(twin / "a") - 0
+    files = count_files(twin / "a")
     print(f"store: shape {shape}, 32 KiB chunks, {files} files incl. zarr.json, shards of 512 chunks")
 
     pinned = pin(sharded, twin) if args.pin else []

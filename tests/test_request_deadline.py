@@ -92,6 +92,14 @@ class Gated(LocalBackend):
         return super().put(key, *args, **kwargs)
 
 
+def _gated_view(root, timeout: float) -> tuple[Gated, object]:
+    """A writable view (the stack a mount uses) of ``root`` over a ``Gated``
+    local store, with ``timeout`` as the deadline of one request."""
+    backend = Gated(str(root))
+    return backend, build_view(MountConfig(source=str(root), mountpoint=str(root) + "-mnt", read_only=False,
+                                           timeout=timeout), backend)
+
+
 async def _until(predicate, timeout: float = 10.0) -> None:
     """Wait until ``predicate()`` holds (a state other tasks reach)."""
     with trio.fail_after(timeout):
@@ -244,9 +252,7 @@ def test_a_request_waiting_for_the_store_of_a_plain_file_ends_at_its_deadline(tm
     Before, each waited for the whole store.  Once the store ends, the same
     request works."""
     timeout = 1.0
-    backend = Gated(str(tmp_path))
-    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=False,
-                                  timeout=timeout), backend)
+    backend, view = _gated_view(tmp_path, timeout)
     (tmp_path / "other.txt").write_bytes(b"other")
     (tmp_path / "link").symlink_to("other.txt")
 
@@ -318,9 +324,7 @@ def test_a_rename_whose_wait_for_a_store_of_its_target_ends_at_the_deadline_keep
     failed rename put ``f``'s buffer back but not its writer, whose later
     writes then went to a copy no one stores (``f`` stayed ``WRITTEN``)."""
     timeout = 1.0
-    backend = Gated(str(tmp_path))
-    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=False,
-                                  timeout=timeout), backend)
+    backend, view = _gated_view(tmp_path, timeout)
     (tmp_path / "other.txt").write_bytes(b"other")
 
     async def main():
@@ -381,9 +385,7 @@ def test_a_request_waiting_for_a_rename_of_its_file_ends_at_its_deadline(tmp_pat
     each waited for the whole rename.  The rename lands whole, and the
     same request works afterwards, on the new name."""
     timeout = 1.0
-    backend = Gated(str(tmp_path))
-    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=False,
-                                  timeout=timeout), backend)
+    backend, view = _gated_view(tmp_path, timeout)
     (tmp_path / "f.txt").write_bytes(b"0123456789")
 
     async def main():
