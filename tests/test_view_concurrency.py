@@ -19,7 +19,7 @@ import time
 import pytest
 import trio
 
-from zshardfs.backends.base import NotFound
+from zshardfs.backends.base import NotFound, Unavailable
 from zshardfs.backends.local import LocalBackend
 from zshardfs.config import MountConfig
 from zshardfs.daemon import build_view
@@ -1043,5 +1043,47 @@ def test_directories_made_on_s3_are_remembered_within_a_bound_once_storage_holds
             assert node is not None and node.is_dir, i
         names = sorted([c.name async for c in view.listdir(runs)])
         assert names == sorted([f"r{i}" for i in range(200)] + [f"empty{i}" for i in range(20)])
+
+    trio.run(main)
+
+
+def test_writers_of_a_chunk_a_failed_rename_would_have_replaced_write_on_to_it(tmp_path):
+    """A chunk open for writing, another renamed onto it, and the rename
+    fails after the target was opened anew (its write refused for want of
+    room: a flush's error, as a real full disk gives it once the room
+    waited for at the start is taken by other writers meanwhile): the
+    rename changes nothing, so the open chunk is still the one at the name,
+    with its bytes, and what is written through it afterwards lands there.
+    Before, the writers stayed on the detached copy (their later writes were
+    lost) and the name kept what the failed rename's create emptied it to.
+    (In-process: no mount can time the refusal between the two.)"""
+    _small_array(tmp_path)
+    view, _ = _view(tmp_path)
+
+    async def main():
+        d = await view.resolve("arr/c/0")
+        w = await view.open(await view.resolve("arr/c/0/1"), write=True, truncate=False)
+        await view.write(w, 0, b"WW")
+        real, calls = view.writeback.wait_for_room, []
+
+        async def refused_the_second_time():
+            calls.append(None)
+            if len(calls) == 2:  # (the first: the rename's own, before it changes anything)
+                raise Unavailable("no room (the test's)", "arr/c/0/1")
+            await real()
+
+        view.writeback.wait_for_room = refused_the_second_time
+        with pytest.raises(Unavailable):
+            await view.rename(d, "0", d, "1")
+        assert len(calls) == 2
+        view.writeback.wait_for_room = real
+        await view.write(w, 3, b"X")
+        await view.release(w)
+        assert await view.content(await view.resolve("arr/c/0/1")) == b"WW\x02X"
+        assert await view.content(await view.resolve("arr/c/0/0")) == b"\x01" * 4
+        assert not await view.sync()
+        check, _ = _view(tmp_path)
+        assert await check.content(await check.resolve("arr/c/0/1")) == b"WW\x02X"
+        assert await check.content(await check.resolve("arr/c/0/0")) == b"\x01" * 4
 
     trio.run(main)

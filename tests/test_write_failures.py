@@ -591,6 +591,33 @@ def test_a_rename_storage_refuses_changes_nothing(small_fs, mount):
     assert (small_fs / "a").read_bytes() == b"AAAA"
 
 
+def test_writers_of_the_target_of_a_failed_rename_write_on_to_it(small_fs, mount):
+    """A file open for writing, another renamed onto it while the disk is
+    full: the rename fails (ENOSPC) and changes nothing, so the open file is
+    still the one at the name, and what is written through it afterwards is
+    stored there at close.  Before, the failed rename put the file back but
+    left its writers on a detached copy (as if it had been replaced): their
+    later writes went to memory no one stores, lost at close."""
+    (small_fs / "a").write_bytes(b"AAAA")
+    (small_fs / "b").write_bytes(b"OLD")
+    m = mount(small_fs)
+    fd = os.open(m / "b", os.O_WRONLY)
+    try:
+        os.write(fd, b"NEW")
+        filler = fill(small_fs, 0)
+        with pytest.raises(OSError) as exc:
+            os.rename(m / "a", m / "b")
+        assert exc.value.errno == errno.ENOSPC
+        filler.unlink()
+        os.write(fd, b"MORE")
+    finally:
+        os.close(fd)
+    assert (m / "b").read_bytes() == b"NEWMORE" and (m / "a").read_bytes() == b"AAAA"
+    assert (small_fs / "b").read_bytes() == b"NEWMORE"
+    m.umount()
+    assert (small_fs / "b").read_bytes() == b"NEWMORE" and (small_fs / "a").read_bytes() == b"AAAA"
+
+
 # ---------------------------------------------------------------------------
 # E. the source itself gone
 

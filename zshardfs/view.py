@@ -1873,12 +1873,17 @@ class View:
         if existing is not None:
             async with self._no_store_of(existing.path):
                 pass  # (a store of the target out: waited for before anything changes)
-            if existing.is_chunk:
-                self._detach_writers(existing.path)
+        detached: list = []  # the target's writers moved to the old file (put back if this fails)
+        try:
+            if existing is not None and existing.is_chunk:
+                detached = self._detach_writers(existing.path)
                 await self._keep_for_readers(existing)
-        replaced = self.buffers.get(existing.path) if existing is not None else None
-        was_dirty = False
-        handle = await self.create(new_parent, new_name)
+            replaced = self.buffers.get(existing.path) if existing is not None else None
+            was_dirty = False
+            handle = await self.create(new_parent, new_name)
+        except BaseException:
+            self._reattach_writers(detached)
+            raise
         try:
             if replaced is not None and replaced.storing.locked():
                 # a store of the file this one replaces began meanwhile (a
@@ -1893,7 +1898,7 @@ class View:
                 # its writers go on with the old file only now, after every
                 # wait: a rename given up at its deadline changes nothing
                 # (the old buffer is put back below, its writers still on it)
-                self._detach_writers(existing.path, keep=handle)
+                detached = self._detach_writers(existing.path, keep=handle)
                 if replaced is not None:
                     was_dirty, replaced.dirty = replaced.dirty, False  # (a close queued to store it stores nothing)
             if existing is not None and not existing.is_chunk and handle.buffer is not None:
@@ -1913,7 +1918,8 @@ class View:
                 await self.flush(handle, held_by_renames=False)
         except BaseException:
             # a rename that fails changes nothing: the new name holds what it
-            # held (unless the new bytes may have been stored there after all)
+            # held (unless the new bytes may have been stored there after all),
+            # and its writers write on to it
             made = handle.buffer
             if made is not None and not made.maybe_stored and self.buffers.get(made.path) in (made, None):
                 if replaced is not None:
@@ -1921,6 +1927,9 @@ class View:
                     replaced.dirty = replaced.dirty or was_dirty
                 else:
                     self.buffers.pop(made.path, None)
+                self._reattach_writers(detached)
+            elif made is None:  # (a chunk: the name's buffer is its shard's, see _reattach_writers)
+                self._reattach_writers(detached)
             raise
         finally:
             await self.release(handle)
@@ -2017,13 +2026,15 @@ class View:
             raise ViewError(errno.ENOENT, f"{new_name}: gone as soon as linked")
         return made
 
-    def _detach_writers(self, path: str, keep: Handle | None = None) -> None:
+    def _detach_writers(self, path: str, keep: Handle | None = None) -> list[tuple[Handle, object, object]]:
         """Handles still open for writing on a file that is being unlinked or
         replaced by a rename write to that old file from now on, as on POSIX:
         what they write afterwards is lost with it, and never overwrites or
         brings back the name.  ``keep``: a handle of the new file at the name
         (a rename detaches the old one's writers once its new file holds the
-        name), which stays, with the handles sharing its file."""
+        name), which stays, with the handles sharing its file.  Returns what
+        it did, (handle, its file before, the old file's copy) each, for
+        :meth:`_reattach_writers` to undo if the change then fails."""
         handles = self.writers.pop(path, ())
         if keep is not None:
             stay = {h for h in handles if h is keep or (keep.buffer is not None and h.buffer is keep.buffer)}
@@ -2032,6 +2043,7 @@ class View:
             handles = [h for h in handles if h not in stay]
         # handles that shared one file go on sharing one (the old file)
         old_files: dict[int, tuple[object, FileBuffer | DirtyChunk]] = {}  # id of the shared -> it, its copy
+        done = []
         for h in handles:
             if h.buffer is not None:
                 shared = h.buffer
@@ -2039,10 +2051,41 @@ class View:
                 h.buffer = old_files.setdefault(id(shared), (shared, FileBuffer(
                     shared.path, None, bytearray(shared.data), handles=0)))[1]
                 h.buffer.handles += 1
+                done.append((h, shared, h.buffer))
             elif h.chunk is not None:
                 t, shared = h.node.target, h.chunk
                 self.writeback.close_chunk(t.shard_key, t.chunk_id, shared)
                 h.chunk = old_files.setdefault(id(shared), (shared, DirtyChunk(bytearray(shared.data or b""), 0)))[1]
+                done.append((h, shared, h.chunk))
+        return done
+
+    def _reattach_writers(self, detached: list[tuple[Handle, object, object]]) -> None:
+        """Undo :meth:`_detach_writers` (the unlink or rename failed, so the
+        file is still the one at its name): its handles write to it again,
+        with what they wrote meanwhile to the old file.  A plain
+        file's buffer must be the name's again (the caller puts it back); a
+        chunk's is its shard's pending chunk, opened again (a failed
+        rename's create may have emptied it: it gets the old file's bytes)."""
+        for h, shared, old in detached:
+            if h.buffer is old:
+                old.handles -= 1
+                h.buffer = shared
+                shared.handles += 1
+                if old.version and shared.data != old.data:  # (written meanwhile)
+                    shared.data[:] = old.data
+                    shared.changed()
+            elif h.chunk is old:
+                t, dataset = h.node.target, h.node.dataset
+                chunk = self.writeback.open_chunk(t.shard_key, dataset.shard_format, t.shard_ctx, t.chunk_id,
+                                                  bytes(old.data), t.capacity, dataset.shard_home)
+                if chunk.data != old.data:
+                    chunk.data[:] = old.data
+                    self.writeback.changed(t.shard_key, chunk)
+                    self._chunk_changed(t)
+                h.chunk = chunk
+            else:
+                continue  # (moved on since: not the detached one's)
+            self._writer(h)
 
     async def _move_writers(self, path: str, new_parent: Node, new_name: str) -> None:
         """Handles still open for writing on a renamed file write to its new
