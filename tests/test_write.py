@@ -2053,6 +2053,33 @@ def test_a_failed_rename_leaves_its_target_as_it_was(tmp_path, mount):
         os.close(w)
     assert (d / "b").read_bytes() == b"B" * 10 + b"1" * 10 + b"2" * 10 + b"3" * 10
 
+def test_a_failed_rename_of_a_link_leaves_its_target_open_as_it_was(tmp_path, mount):
+    """A symbolic link renamed over a file open for writing, and the rename
+    fails (here: another client made the link a file, which the mount,
+    trusting a fresh listing, learns only when moving it): the file keeps
+    its name, its bytes and its writers, whose later writes are stored at
+    their close.  Before, the failed rename had taken the file's buffer and
+    writers off the name: what was written was lost, the bytes stored
+    before stayed."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "b").write_bytes(b"OLD")
+    os.symlink("b", src / "l")
+    m = mount(src, "metadata_ttl=60")
+    assert sorted(os.listdir(m.path)) == ["b", "l"]  # (the listing the rename's lookup trusts)
+    fd = os.open(m.path / "b", os.O_WRONLY)
+    try:
+        os.write(fd, b"NEW")
+        (src / "l").unlink()  # another client
+        (src / "l").write_bytes(b"a file now")
+        with pytest.raises(OSError):
+            os.rename(m.path / "l", m.path / "b")
+        os.write(fd, b"MORE")
+    finally:
+        os.close(fd)
+    assert (m.path / "b").read_bytes() == b"NEWMORE"
+    assert (src / "b").read_bytes() == b"NEWMORE" and (src / "l").read_bytes() == b"a file now"
+
 
 def test_a_plain_file_replaced_while_open_reads_one_version(tmp_path, mount):
     """A plain file replaced by temp + rename while a descriptor is open on

@@ -1947,13 +1947,25 @@ class View:
         existing = await self.lookup(new_parent, new_name)
         if existing is not None and existing.is_dir:
             raise ViewError(errno.EISDIR, f"{new_name}: is a directory")
+        detached, buf, was_dirty = [], None, False
         if existing is not None:
             async with self._no_store_of(existing.path):  # (its PUT lands first, then the link replaces it)
-                self._detach_writers(existing.path)
+                detached = self._detach_writers(existing.path)
                 buf = self.buffers.pop(existing.path, None)
                 if buf is not None:
-                    buf.dirty = False  # (replaced: a close queued to store it stores nothing)
-        await self.store.move_link(node.key, new_key)
+                    # (replaced: a close queued to store it stores nothing)
+                    was_dirty, buf.dirty = buf.dirty, False
+        try:
+            await self.store.move_link(node.key, new_key)
+        except BaseException as exc:
+            # a rename that fails changes nothing: the file keeps its name, its
+            # bytes and its writers (unless the move, given up at the deadline,
+            # may land after all)
+            if buf is not None and not isinstance(exc, Unavailable) and existing.path not in self.buffers:
+                self.buffers[existing.path] = buf
+                buf.dirty = buf.dirty or was_dirty
+                self._reattach_writers(detached)
+            raise
 
     async def _link_key(self, parent: Node, name: str, target: str | None) -> str:
         """The store key a symbolic link named ``name`` in ``parent``, holding
