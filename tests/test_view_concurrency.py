@@ -1087,3 +1087,45 @@ def test_writers_of_a_chunk_a_failed_rename_would_have_replaced_write_on_to_it(t
         assert await check.content(await check.resolve("arr/c/0/0")) == b"\x01" * 4
 
     trio.run(main)
+
+
+def _volume_info(size: int, pad: int = 0) -> bytes:
+    """A precomputed volume's ``info``: one sharded scale ``s0``."""
+    sharding = {"@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity",
+                "minishard_bits": 0, "shard_bits": 0, "minishard_index_encoding": "raw", "data_encoding": "raw"}
+    return json.dumps({"@type": "neuroglancer_multiscale_volume", "type": "image", "data_type": "uint8",
+                       "num_channels": 1, "pad": "x" * pad,
+                       "scales": [{"key": "s0", "size": [size] * 3, "resolution": [1, 1, 1],
+                                   "voxel_offset": [0, 0, 0], "chunk_sizes": [[32, 32, 32]], "encoding": "raw",
+                                   "sharding": sharding}]}).encode()
+
+
+def test_a_failed_lookup_in_a_volume_directory_parses_its_info_once_per_version(tmp_path, monkeypatch):
+    """(S3) A lookup of a name a volume directory lacks asks whether its
+    ``info`` names it (a sharded scale whose last shard is gone): that
+    document is parsed once per version, not again for every such lookup
+    (a shell's or a tool's probes of missing names cost about 10 ms per MiB
+    of info each, on the loop).  A changed ``info`` is parsed anew."""
+    from zshardfs.layouts import precomputed
+
+    root = tmp_path / "store"
+    (root / "vol").mkdir(parents=True)
+    (root / "vol" / "info").write_bytes(_volume_info(64))
+    view = build_view(MountConfig(source=str(root), mountpoint=str(root) + "-mnt", read_only=False,
+                                  metadata_ttl=0), S3LikeStore(str(root)))
+    parses = []
+    real = precomputed.dataset_dirs
+    monkeypatch.setattr(precomputed, "dataset_dirs", lambda *a: parses.append(a[0]) or real(*a))
+
+    async def main():
+        vol = await view.resolve("vol")
+        assert (await view.lookup(vol, "s0")).is_dir  # (named by the info: no shard stored)
+        for name in ("missing", "nope", ".hidden", "s1"):
+            assert await view.lookup(vol, name) is None
+        assert parses == ["vol/info"]
+        (root / "vol" / "info").write_bytes(_volume_info(128, pad=100))  # another client
+        assert await view.lookup(vol, "missing") is None
+        assert await view.lookup(vol, "nope") is None
+        assert parses == ["vol/info"] * 2
+
+    trio.run(main)

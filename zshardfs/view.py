@@ -345,6 +345,8 @@ class View:
         # datasets, REMOVED_DOCUMENTS_BYTES of documents.
         self.orphans: OrderedDict[str, tuple[Dataset, str]] = OrderedDict()
         self.removed_documents: OrderedDict[str, bytes] = OrderedDict()
+        # (S3) info key -> (etag, the directories it names): see _info_dirs
+        self._info_dirs_kept: OrderedDict[str, tuple[str, frozenset[str]]] = OrderedDict()
 
     def table_sizes(self) -> dict[str, int]:
         """Entries of this layer's tables (see Operations.table_sizes)."""
@@ -357,7 +359,8 @@ class View:
                 "renaming": len(self._renaming), "chunk_changes": len(self._chunk_changes),
                 "fresh_nodes": len(self._fresh_nodes), "listed_nodes": self._listed_count,
                 "orphans": len(self.orphans),
-                "removed_documents": len(self.removed_documents), "probed": len(self.ctx.probed)}
+                "removed_documents": len(self.removed_documents), "probed": len(self.ctx.probed),
+                "info_dirs": len(self._info_dirs_kept)}
 
     # -- datasets -----------------------------------------------------------
 
@@ -613,7 +616,7 @@ class View:
         except (NotFound, TooLarge):
             return []
         listed, prefix = set(listing.dirs), _prefix(dir_key)
-        names = {d[len(prefix):] for d in precomputed.dataset_dirs(key, blob.data) if d.startswith(prefix)}
+        names = {d[len(prefix):] for d in await self._info_dirs(key, blob) if d.startswith(prefix)}
         return sorted(n for n in names if n and "/" not in n and n not in listed)  # ("": its own)
 
     async def _named_by_info(self, dir_key: str, name: str) -> bool:
@@ -631,7 +634,29 @@ class View:
             blob = await self.store.get_document(key)
         except (NotFound, TooLarge):
             return False
-        return join_key(dir_key, name) in precomputed.dataset_dirs(key, blob.data)
+        return join_key(dir_key, name) in await self._info_dirs(key, blob)
+
+    #: parsed ``info`` documents kept by _info_dirs (the least recently used go first)
+    INFO_DIRS_KEPT = 256
+
+    async def _info_dirs(self, key: str, blob) -> frozenset[str]:
+        """``precomputed.dataset_dirs`` of the ``info`` at ``key`` read as
+        ``blob``, parsed once per version (etag): every failed lookup in an
+        S3 volume directory asks, and parsing costs about 10 ms per MiB of
+        info (off the loop when large, as a document's rewrite)."""
+        version = blob.info.etag
+        kept = self._info_dirs_kept.get(key)
+        if kept is not None and version is not None and kept[0] == version:
+            self._info_dirs_kept.move_to_end(key)
+            return kept[1]
+        dirs = frozenset(await off_loop(functools.partial(precomputed.dataset_dirs, key, blob.data),
+                                        len(blob.data)))
+        if version is not None:
+            self._info_dirs_kept[key] = (version, dirs)
+            self._info_dirs_kept.move_to_end(key)
+            while len(self._info_dirs_kept) > self.INFO_DIRS_KEPT:
+                self._info_dirs_kept.popitem(last=False)
+        return dirs
 
     async def refresh(self, node: Node) -> Node | None:
         """The node as it is now (None: it is gone), for getattr after a TTL."""
