@@ -1129,3 +1129,28 @@ def test_a_failed_lookup_in_a_volume_directory_parses_its_info_once_per_version(
         assert parses == ["vol/info"] * 2
 
     trio.run(main)
+
+
+def test_directories_made_here_and_listed_since_leave_the_bounded_memory_of_them(tmp_path):
+    """Directories made through the mount that storage holds are remembered
+    up to NEW_DIRS_MAX (the oldest forgotten first); one listed since
+    (storage shows it now) is forgotten at once, and leaves that count.
+    Before, a listed one went on counting until it was the oldest, so
+    directories made earlier and never listed were forgotten first: here
+    those of ``a``, with only half the bound in use."""
+    view, _ = _view(tmp_path)
+    view.NEW_DIRS_MAX = 50
+
+    async def main():
+        root = await view.resolve("")
+        for parent in ("a", "b", "c"):
+            d = await view.mkdir(root, parent)
+            for i in range(20):
+                await view.mkdir(d, f"{parent}{i}")
+            if parent == "b":
+                assert len([c async for c in view.listdir(d)]) == 20  # (storage shows them: forgotten)
+        assert sorted(view.new_dirs["a"]) == sorted(f"a{i}" for i in range(20))
+        assert sorted(view.new_dirs["c"]) == sorted(f"c{i}" for i in range(20))
+        assert "b" not in view.new_dirs and len(view._new_dirs_stored) == 43  # (a, b, c and their 40)
+
+    trio.run(main)

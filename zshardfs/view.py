@@ -772,11 +772,9 @@ class View:
             # answered from the listing, with no request for those it lacks
             listing = await self.store.list(node.key)
             dataset = await self.dataset_at(node.key)
-            made = self.new_dirs.get(node.path)
-            if made:  # stored now (local: at once; S3: once a file is below): no longer ours to remember
-                made.difference_update(listing.dirs)
-                if not made:
-                    del self.new_dirs[node.path]
+            if self.new_dirs.get(node.path):
+                # stored now (local: at once; S3: once a file is below): no longer ours to remember
+                self._forget_made_dirs(node.path, listing.dirs)
             # a name that is both an object and a directory is shown once,
             # as lookup answers: the directory if the object is empty (a
             # marker some S3 tools leave), else the file
@@ -1766,7 +1764,7 @@ class View:
             self.born_here[dataset.root] = time.monotonic()  # (a copy into it goes on: not quiet)
         node = await self.lookup(parent, name)
         if node is None:  # e.g. a name the dataset claims but that cannot be a directory
-            self.new_dirs[parent.path].discard(name)
+            self._forget_made_dirs(parent.path, (name,))
             raise ViewError(errno.EINVAL, f"{name}: cannot be a directory here")
         return node
 
@@ -1793,6 +1791,21 @@ class View:
                 made.discard(old.rsplit("/", 1)[-1])
                 if not made:
                     del self.new_dirs[_parent(old)]
+
+    def _forget_made_dirs(self, parent_path: str, names) -> None:
+        """Forget the directories ``names`` (those made here) of
+        ``parent_path``: storage shows them (listed), or they are gone; the
+        count that bounds _new_dirs_stored is of those remembered only."""
+        made = self.new_dirs.get(parent_path)
+        if made is None:
+            return
+        prefix = _prefix(parent_path)
+        for name in names:
+            if name in made:
+                made.discard(name)
+                self._new_dirs_stored.pop(prefix + name, None)
+        if not made:
+            del self.new_dirs[parent_path]
 
     def _stored_below(self, key: str) -> None:
         """(S3) A file was stored at ``key`` (a path of the view as well): the
@@ -1823,12 +1836,8 @@ class View:
             await self.writeback.flush_below(node.key)
             await self.store.remove_dir(node.key)
             self._forget_orphan(node.key)
-        made = self.new_dirs.get(parent.path)
-        if made is not None:
-            made.discard(name)
-            if not made:
-                del self.new_dirs[parent.path]
-        self.new_dirs.pop(node.path, None)
+        self._forget_made_dirs(parent.path, (name,))
+        self._forget_made_dirs(node.path, list(self.new_dirs.get(node.path, ())))
         self._new_dirs_stored.pop(node.path, None)
         self.emptied.pop(node.path, None)
         self._keep_emptied(parent)
@@ -2226,4 +2235,4 @@ class View:
             self.written_dirs = {p for p in self.written_dirs if not p.startswith(below)}
             self.removed_dirs = {p for p in self.removed_dirs if not p.startswith(below)}
             for d in [d for d in self.new_dirs if d.startswith(below)]:
-                del self.new_dirs[d]
+                self._forget_made_dirs(d, list(self.new_dirs[d]))
