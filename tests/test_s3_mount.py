@@ -512,6 +512,42 @@ def test_listing_costs(mount, moto_server, bucket, array):
     assert sorted(reqs) == [("GET", Array.shard_key((1, 1, s)), status) for s, status in ((0, 206), (1, 404), (2, 206))], reqs
 
 
+def _forced_stat(path: Path) -> None:
+    """statx(AT_STATX_FORCE_SYNC): a GETATTR even while the kernel holds
+    the attributes (as tools that must see another client's changes ask)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(256)
+    if libc.statx(-100, os.fsencode(str(path)), 0x2000, 0x7ff, buf):  # AT_FDCWD, FORCE_SYNC, BASIC_STATS
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
+
+
+def test_a_chunk_listed_again_is_as_fresh_as_one_listed_first(mount, moto_server, bucket, array):
+    """A chunk directory listed again once the TTLs passed (a warm walk:
+    the view gives the nodes it kept for the unchanged shard slice,
+    View._listed_slices): a getattr within ``attr_timeout`` of that listing
+    asks storage nothing, as after a first listing.  Before, a kept node
+    stayed as old as the first listing, so that getattr re-validated its
+    shard (a request per chunk file asked about)."""
+    opts = ("attr_timeout=3", "metadata_ttl=1", "index_ttl=1")
+    for again in (False, True):
+        m = s3_mount(mount, moto_server, bucket, *opts)
+        d = m.path / "arr" / "c" / "1" / "2"
+        names = sorted(os.listdir(d))
+        if again:
+            time.sleep(3.2)  # past every TTL: the nodes are older than attr_timeout
+            assert sorted(os.listdir(d)) == names  # (re-validates the indexes: unchanged)
+        listed = time.monotonic()
+        time.sleep(1.2)  # past metadata_ttl and index_ttl, within attr_timeout
+        mark = moto_server.mark()
+        for name in names[:3]:
+            _forced_stat(d / name)
+        assert time.monotonic() - listed < 2.5, "too slow to tell"
+        assert server_requests(moto_server, bucket, mark) == [], again
+        m.umount()
+
 # --------------------------------------------------------------------------
 # a shard replaced or deleted by another client
 

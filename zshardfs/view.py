@@ -743,7 +743,13 @@ class View:
                 if (kept is not None and kept[0] is batch and kept[1] == prefix and kept[2] is dataset
                         and not self.writeback.dirty and not stored_since(batch[0][1].shard_key, mark)):
                     # the very slice listed before (the same index version),
-                    # nothing of this mount's pending: the same nodes
+                    # nothing of this mount's pending: the same nodes, as
+                    # current now as nodes made anew (else the next getattr
+                    # past attr_timeout since the first listing would
+                    # re-validate each, which a node made now would not)
+                    now = time.monotonic()
+                    for c in kept[3]:
+                        c.created = now
                     out = [c for c in kept[3] if c.path not in buffers] if buffers else kept[3]
                     if out:
                         if seen is not None:
