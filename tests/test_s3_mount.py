@@ -657,6 +657,40 @@ def test_a_truncate_during_a_slow_revalidation_is_not_undone(mount, moto_server,
     assert not re.search(r"Traceback|replaced by another client", m.log_text())
 
 
+def test_a_truncate_during_an_open_that_finds_a_new_version_is_not_undone(mount, moto_server, bucket):
+    """An open that fills the page cache (``open_fill``) finds the file
+    replaced by another client since the kernel learned its size, and asks
+    storage what it is now (a HEAD, answered late); meanwhile a truncate
+    goes through the mount.  The open's answer is older news than the
+    truncate: the file is the truncated one.  Before, the open installed
+    the version it had been told of (getattr then gave its size, and the
+    read, pinned to it, failed with EIO), as getattr did before
+    test_a_truncate_during_a_slow_revalidation_is_not_undone's fix."""
+    key = f"{PREFIX}/renew-{uuid.uuid4().hex}.bin"
+    client = moto_server.client()
+    client.put_object(Bucket=bucket, Key=key, Body=b"1" * 512)
+    with TcpProxy(moto_server.port) as proxy:
+        m = mount(f"s3://{bucket}/{PREFIX}", "attr_timeout=60", "flush_delay=inf", "open_fill=64k",
+                  extra=["--endpoint-url", proxy.endpoint_url])
+        path = m.path / key[len(PREFIX) + 1:]
+        assert os.stat(path).st_size == 512
+        new = bytes(range(256)) + b"2" * 44
+        client.put_object(Bucket=bucket, Key=key, Body=new)  # another client
+        proxy.hold(lambda first: first.startswith(f"HEAD /{bucket}/{key} ".encode()))
+        with ThreadPoolExecutor(1) as pool:
+            opened = pool.submit(os.open, path, os.O_RDONLY)
+            assert proxy.holding.wait(10), "the open did not ask what the file is now"
+            os.truncate(path, 100)
+            proxy.go()
+            fd = opened.result(timeout=10)
+        try:
+            assert os.fstat(fd).st_size == 100
+            assert os.pread(fd, 4096, 0) == new[:100]
+        finally:
+            os.close(fd)
+        assert os.stat(path).st_size == 100 and read_file(path) == new[:100]
+    assert "Traceback" not in m.log_text()
+
 # --------------------------------------------------------------------------
 # the server stops
 

@@ -570,12 +570,13 @@ class Operations(pyfuse3.Operations):
         since the kernel learned its size: the table and the handle take it,
         the kernel forgets its attributes and pages; its bytes if small
         enough to fill the page cache with (None otherwise)."""
+        began = entry.node
         try:
             fresh = await self.view.refresh(handle.node)
         except StoreError:
             return None
-        if fresh is None or entry.handles or self.inodes.get(inode) is not entry:
-            return None
+        if fresh is None or entry.handles or self.inodes.get(inode) is not entry or entry.node is not began:
+            return None  # (the inode took another node meanwhile, a truncate's: newer news, see getattr)
         entry.node = handle.node = fresh
         entry.filled = None
         try:
