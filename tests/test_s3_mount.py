@@ -902,9 +902,13 @@ class IAMServer:
                             aws_secret_access_key=key["SecretAccessKey"] if key else DUMMY_SECRET_KEY)
 
     def allow_reads(self, allow: bool, iam=None) -> None:
+        self.deny([] if allow else ["s3:GetObject"], iam)
+
+    def deny(self, actions: list[str], iam=None) -> None:
+        """Allow everything but ``actions``."""
         statements = [{"Effect": "Allow", "Action": ["s3:*", "iam:*"], "Resource": "*"}]
-        if not allow:
-            statements.append({"Effect": "Deny", "Action": ["s3:GetObject"], "Resource": "*"})
+        if actions:
+            statements.append({"Effect": "Deny", "Action": actions, "Resource": "*"})
         iam = iam or self.server_client("iam", self.key)
         iam.put_user_policy(UserName="reader", PolicyName="reads",
                             PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": statements}))
@@ -1011,6 +1015,38 @@ def test_access_denied_is_eacces(mount, iam_server, array, monkeypatch):
         os.close(fd)
     assert read_file(root / "c/10/10/10") == array.chunks["c/10/10/10"]
 
+
+def test_an_unlink_storage_refuses_keeps_the_file_and_its_writers(mount, iam_server, monkeypatch):
+    """An unlink of a file open for writing that storage refuses (a key
+    allowed to write but not to delete): EACCES, and the file is still
+    there as it was, with its writers, whose later writes are stored at
+    their close.  Before, the unlink had taken its unstored bytes and its
+    writers off the name first and put back neither: the name showed the
+    bytes stored before, and what was written was lost."""
+    key = iam_server.key
+    s3 = iam_server.server_client("s3", key)
+    bucket = f"zs-iam-{uuid.uuid4().hex[:12]}"
+    s3.create_bucket(Bucket=bucket)
+    s3.put_object(Bucket=bucket, Key=f"{PREFIX}/f.txt", Body=b"OLD")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+    m = mount(f"s3://{bucket}/{PREFIX}", extra=["--endpoint-url", iam_server.endpoint_url])
+    path = m.path / "f.txt"
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, b"NEW")
+        iam_server.deny(["s3:DeleteObject"])
+        try:
+            with pytest.raises(PermissionError):
+                os.unlink(path)
+        finally:
+            iam_server.deny([])
+        assert read_file(path) == b"NEW"
+        os.write(fd, b"MORE")
+    finally:
+        os.close(fd)
+    assert read_file(path) == b"NEWMORE"
+    assert s3.get_object(Bucket=bucket, Key=f"{PREFIX}/f.txt")["Body"].read() == b"NEWMORE"
 
 # --------------------------------------------------------------------------
 # many readers at once

@@ -1666,14 +1666,16 @@ class View:
         """``moving``: a rename's unlink of its source, whose open handles
         move to the new name (see rename) instead of being detached."""
         node = await self._file_to_change(parent, name, errno.EISDIR)
+        detached, was_dirty = [], False
         async with self._no_store_of(node.path):
             # a store of it lands first, then this delete (else its PUT would
             # bring the file back after it)
             if not moving:
-                self._detach_writers(node.path)
+                detached = self._detach_writers(node.path)
             buf = self.buffers.pop(node.path, None)
             if buf is not None:
-                buf.dirty = False  # (its bytes go with its name: a close queued to store it stores nothing)
+                # (its bytes go with its name: a close queued to store it stores nothing)
+                was_dirty, buf.dirty = buf.dirty, False
         if node.is_chunk:
             await self._keep_for_readers(node)
             t = node.target
@@ -1687,14 +1689,24 @@ class View:
             dir_key = _parent(node.key)
             made_of: list[tuple[str, Dataset]] = []  # the datasets this document describes
             stored = b""
-            if self._is_dataset_document(node.key):
-                stored = await self._stored_document(node.key)
-                made_of = await self._datasets_made_of(node.key, stored) if stored else []
             try:
-                await self.store.delete(node.key)
-            except NotFound:
-                if buf is None:
-                    raise
+                if self._is_dataset_document(node.key):
+                    stored = await self._stored_document(node.key)
+                    made_of = await self._datasets_made_of(node.key, stored) if stored else []
+                try:
+                    await self.store.delete(node.key)
+                except NotFound:
+                    if buf is None:
+                        raise
+            except BaseException as exc:
+                # an unlink that fails changes nothing: the file keeps its name,
+                # its bytes and its writers (unless the delete, given up at the
+                # deadline, may land after all)
+                if buf is not None and not isinstance(exc, Unavailable) and node.path not in self.buffers:
+                    self.buffers[node.path] = buf
+                    buf.dirty = buf.dirty or was_dirty
+                    self._reattach_writers(detached)
+                raise
             if self._is_dataset_document(node.key):
                 # (no await from here on: a lookup in between would find
                 # neither the document nor the orphan, and cache that)
