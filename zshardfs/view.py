@@ -1699,13 +1699,7 @@ class View:
                     if buf is None:
                         raise
             except BaseException as exc:
-                # an unlink that fails changes nothing: the file keeps its name,
-                # its bytes and its writers (unless the delete, given up at the
-                # deadline, may land after all)
-                if buf is not None and not isinstance(exc, Unavailable) and node.path not in self.buffers:
-                    self.buffers[node.path] = buf
-                    buf.dirty = buf.dirty or was_dirty
-                    self._reattach_writers(detached)
+                self._put_back(node.path, buf, was_dirty, detached, exc)
                 raise
             if self._is_dataset_document(node.key):
                 # (no await from here on: a lookup in between would find
@@ -2010,13 +2004,7 @@ class View:
         try:
             await self.store.move_link(node.key, new_key)
         except BaseException as exc:
-            # a rename that fails changes nothing: the file keeps its name, its
-            # bytes and its writers (unless the move, given up at the deadline,
-            # may land after all)
-            if buf is not None and not isinstance(exc, Unavailable) and existing.path not in self.buffers:
-                self.buffers[existing.path] = buf
-                buf.dirty = buf.dirty or was_dirty
-                self._reattach_writers(detached)
+            self._put_back(existing.path, buf, was_dirty, detached, exc)
             raise
 
     async def _link_key(self, parent: Node, name: str, target: str | None) -> str:
@@ -2122,6 +2110,18 @@ class View:
                 h.chunk = old_files.setdefault(id(shared), (shared, DirtyChunk(bytearray(shared.data or b""), 0)))[1]
                 done.append((h, shared, h.chunk))
         return done
+
+    def _put_back(self, path: str, buf: FileBuffer | None, was_dirty: bool,
+                  detached: list[tuple[Handle, object, object]], exc: BaseException) -> None:
+        """An unlink or a rename onto ``path`` that failed changes nothing: the
+        file keeps its name, its unstored bytes (``buf``, taken off the name
+        with its dirty state ``was_dirty``) and its writers (``detached``) --
+        unless the request was given up at its deadline (Unavailable) and may
+        land after all, or the name holds another file meanwhile."""
+        if buf is not None and not isinstance(exc, Unavailable) and path not in self.buffers:
+            self.buffers[path] = buf
+            buf.dirty = buf.dirty or was_dirty
+            self._reattach_writers(detached)
 
     def _reattach_writers(self, detached: list[tuple[Handle, object, object]]) -> None:
         """Undo :meth:`_detach_writers` (the unlink or rename failed, so the
