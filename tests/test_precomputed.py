@@ -728,6 +728,7 @@ def test_multilod_inconsistent_pairs_are_refused(source, mount, peers_tree, tmp_
     assert "mesh 12: 28 bytes of fragment data (12) without a manifest (12.index)" in log_text
     assert "mesh 1: manifest 1.index describes" in log_text
     assert "mesh 5: manifest 5.index describes" in log_text and "5 holds 0" in log_text
+    assert "damaged data" not in log_text  # (what was written is refused; nothing stored is damaged)
     m.umount()
     stored_tree = source.fetch(prefix)
     check_multilod_shards(stored_tree, sharding, expect)

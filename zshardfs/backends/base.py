@@ -177,6 +177,15 @@ class CorruptData(StoreError):
     errno = errno.EIO
 
 
+class Unstorable(StoreError):
+    """Bytes written through the view that their format cannot store as they
+    are (a mesh's manifest and fragment data that disagree): nothing stored is
+    damaged, so it is not logged as damage; the flush fails with EIO and keeps
+    the writes, for the writer to mend."""
+
+    errno = errno.EIO
+
+
 # --------------------------------------------------------------------------
 # values
 

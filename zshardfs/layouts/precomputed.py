@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..backends.base import (AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, join_key,
-                             shared_within_deadline)
+                             Unstorable, shared_within_deadline)
 from ..logonce import report_damage
 from ..shards import ByteLRU
 from ..singleflight import SingleFlight
@@ -418,7 +418,7 @@ class PrecomputedShardFormat:
                                 f"{c} holds {len(data)}")
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-            raise CorruptData("inconsistent multi-resolution mesh(es), not written: " + "; ".join(problems[:3]) + more)
+            raise Unstorable("inconsistent multi-resolution mesh(es), not written: " + "; ".join(problems[:3]) + more)
         return manifests, {c: d for c, d in fragments.items() if c in manifests and len(d)}
 
     def encode_chunk_for(self, chunk_id: int, data: bytes) -> bytes:
