@@ -590,7 +590,7 @@ def test_pages_the_kernel_dropped_are_filled_again_at_the_next_open(small, mount
     neither fills nor reads (it used to fill every such file again: a
     second copy of what the kernel already held).  (After a READ of part of
     a file the next open fills it, as before: these files are too small to
-    be read in part.)"""
+    be read in part; see test_a_file_read_in_part_is_filled_again_at_the_next_open.)"""
     m = mount(small.root, "ro", "attr_timeout=60")
     names = sorted(small.chunks)
 
@@ -620,6 +620,43 @@ def test_pages_the_kernel_dropped_are_filled_again_at_the_next_open(small, mount
     fourth = read_all()
     assert fourth["open_fills"] == first["open_fills"] and fourth["reads"] >= second["reads"] + len(names), fourth
     assert read_all() == fourth
+
+
+def test_a_file_read_in_part_is_filled_again_at_the_next_open(tmp_path, mount):
+    """A READ that gives the kernel only part of a file (its pages dropped,
+    then one ``pread`` in the middle: the kernel asks for that part and its
+    read-ahead, not the whole file) must not mark the file filled: the next
+    open fills it again, and every byte read after that is the chunk's, with
+    no READ at all."""
+    import numpy as np
+    import zarr
+
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, (1024, 1024), dtype=np.uint8)
+    zarr.create_array(tmp_path / "s" / "a", shape=data.shape, dtype="uint8", chunks=(512, 512),
+                      shards=(1024, 1024), compressors=None, fill_value=0)[:] = data
+    m = mount(tmp_path / "s", "ro", "attr_timeout=60")
+    path = m / "a/c/1/0"
+    want = data[512:, :512].tobytes()  # 256 KiB: under open_fill (1 MiB), above one READ (128 KiB)
+    assert path.read_bytes() == want
+    first = m.stats()["kernel"]
+    assert first == {"reads": 0, "open_fills": 1}, first
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # (the pages only: the inode and its mark stay)
+        assert os.pread(fd, 4096, 200_000) == want[200_000:204_096]
+    finally:
+        os.close(fd)
+    parts = m.stats()["kernel"]
+    assert parts["reads"] >= 1 and parts["open_fills"] == 1, parts
+
+    with open(path, "rb") as f:  # filled again at this open: its reads ask nothing
+        assert f.read() == want
+        for off in (0, 100_000, len(want) - 10):
+            assert os.pread(f.fileno(), 10_000, off) == want[off:off + 10_000]
+    after = m.stats()["kernel"]
+    assert after == {"reads": parts["reads"], "open_fills": 2}, after
 
 
 def test_open_fill_under_concurrent_opens_and_forgets(small, mount):
