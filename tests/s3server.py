@@ -30,6 +30,7 @@ child process.
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -41,6 +42,7 @@ import urllib.error
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import parse_qs
@@ -366,6 +368,15 @@ class TcpProxy:
     the server has answered it already, so it tells of the store as it was
     (a client whose answer is late, as over a congested link).
 
+    ``faults``: network faults, a :class:`Faults` (None: none).  Each request
+    is drawn for at its first bytes: with probability ``p`` it gets one of
+    ``kinds``: ``reset`` (the connection cut before the request reaches the
+    server: it never happened), ``cut`` (forwarded, so the server acts on it,
+    and the connection cut after none or part of the answer: a PUT or DELETE
+    that may have landed though the client saw no answer), ``503`` (SlowDown)
+    or ``500`` (InternalError) answered by the proxy itself, not forwarded.
+    ``fault_counts`` counts what was injected, by kind.
+
     Counters, since the start or :meth:`reset`: ``bytes`` the server sent back
     (HTTP headers included), ``requests``, ``inflight`` (requests forwarded or
     waiting to be, not yet answered) and its maximum ``max_inflight``.
@@ -382,6 +393,8 @@ class TcpProxy:
         self._hold = None  # predicate on a request's first bytes, until one matched
         self.holding = threading.Event()  # an answer is kept back
         self._go = threading.Event()
+        self.faults: Faults | None = None
+        self.fault_counts: dict[str, int] = {}
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(256)
@@ -458,6 +471,7 @@ class TcpProxy:
         try:
             while data := client.recv(1 << 18):
                 if not state["waiting"]:  # the first bytes of a request
+                    fault = None
                     with self.lock:
                         if state["done"]:
                             break
@@ -468,6 +482,17 @@ class TcpProxy:
                         if self._hold is not None and self._hold(data):
                             self._hold = None
                             state["held"] = True
+                        if self.faults is not None and (fault := self.faults.draw(data)) is not None:
+                            self.fault_counts[fault] = self.fault_counts.get(fault, 0) + 1
+                            if fault == "cut":
+                                state["cut"] = self.faults.cut_at()
+                    if fault == "reset":
+                        break
+                    if fault in ("503", "500"):
+                        client.sendall(_error_answer(fault, data))
+                        while client.recv(1 << 18):  # (the body, if any, until the client closes)
+                            pass
+                        break
                     if self.delay > 0:
                         time.sleep(self.delay)
                 server.sendall(data)
@@ -487,6 +512,9 @@ class TcpProxy:
                     if state["waiting"]:
                         state["waiting"] = False
                         self.inflight -= 1
+                if state.get("cut") is not None:  # the server acted; the client sees part of its answer
+                    client.sendall(data[:state["cut"]])
+                    break
                 step = 1 << 14 if self.rate > 0 else len(data)  # a slow link: 16 KiB at a time
                 for i in range(0, len(data), step):
                     if self.rate > 0:
@@ -500,6 +528,44 @@ class TcpProxy:
                 state["waiting"] = False
                 self.inflight -= 1
         _shutdown(client, server)
+
+
+@dataclass
+class Faults:
+    """What :attr:`TcpProxy.faults` injects: each request gets a fault of ``kinds`` with
+    probability ``p`` (drawn with ``seed``, in the order requests arrive: the threads
+    of a client make that order, and so which request gets which fault, vary from run
+    to run), if ``methods`` (e.g. ``{"PUT", "DELETE"}``) is None or holds its method."""
+
+    p: float
+    kinds: tuple = ("reset", "cut", "503", "500")
+    seed: int = 0
+    methods: frozenset | None = None
+
+    def __post_init__(self):
+        self.rng = random.Random(self.seed)
+
+    def draw(self, first: bytes) -> str | None:
+        """The fault for a request whose first bytes are ``first`` (under the proxy's lock)."""
+        if self.methods is not None and first.split(b" ", 1)[0].decode("latin-1") not in self.methods:
+            return None
+        if self.rng.random() >= self.p:
+            return None
+        return self.rng.choice(self.kinds)
+
+    def cut_at(self) -> int:
+        """How many bytes of the answer pass before the cut: none, or some of its head."""
+        return self.rng.choice([0, 0, 1, 12, 40, 200])
+
+
+def _error_answer(kind: str, first: bytes) -> bytes:
+    """The proxy's own answer: 503 SlowDown or 500 InternalError, as S3 gives them."""
+    code, status = ("SlowDown", "503 Slow Down") if kind == "503" else ("InternalError", "500 Internal Server Error")
+    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+            f"<Message>injected by the test proxy</Message></Error>").encode()
+    head = (f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n").encode()
+    return head + (b"" if first.startswith(b"HEAD ") else body)
 
 
 def _shutdown(*socks: socket.socket) -> None:
