@@ -745,7 +745,11 @@ class Operations(pyfuse3.Operations):
             if node.is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)
             handle = self._handle(fh) if fh is not None and fh in self._handles else None
-            node = await self.view.truncate(node, attr.st_size, handle)
+            try:
+                node = await self.view.truncate(node, attr.st_size, handle)
+            except BaseException:
+                self._truncate_failed(inode)
+                raise
             entry = self.inodes[inode]
             entry.node, entry.changed = node, time.monotonic()  # (see _inode_for and getattr)
             return self._attrs(inode, node)
@@ -754,6 +758,23 @@ class Operations(pyfuse3.Operations):
         # are now, bytes written and not yet stored included (the kernel
         # takes its size from this answer: an older one would cut the file)
         return await self.getattr(inode)
+
+    def _truncate_failed(self, inode: int) -> None:
+        """A truncate whose store failed keeps its new size in memory, stored
+        by a later flush (as a write's close, 4.6); the kernel keeps its
+        attributes and pages when a SETATTR fails, and would show the old
+        size until ``attr_timeout`` while the store gets the new one.  The
+        inode's node is marked stale and the kernel forgets its attributes:
+        the next getattr asks the view (no page lock involved: safe while
+        this SETATTR is in flight)."""
+        entry = self.inodes.get(inode)
+        if entry is not None:
+            entry.node = dataclasses.replace(entry.node, created=_STALE)
+            entry.changed = time.monotonic()
+        try:
+            pyfuse3.invalidate_inode(inode, attr_only=True)
+        except OSError as exc:
+            log.debug("invalidate_inode(%d): %s", inode, exc)
 
     @_translate
     async def unlink(self, parent_inode, name, ctx):
