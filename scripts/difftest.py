@@ -3,14 +3,14 @@
 
 Why: the suite's own tests check one behaviour each; this applies long random
 sequences of file operations (writes, truncates, renames, links, held-open handles,
-temporary-then-rename, fsync, sync, remounts, kill -9 of the daemon; metadata edits,
+temporary-then-rename, fsync, sync, remounts, kill -9 of the daemon, on S3 with --faults stretches of network faults; metadata edits,
 consolidation and resizes in variable shard grids and hierarchies) to a zshardfs mount
 of a sharded store (Zarr: regular and variable shard grids, consolidated hierarchies;
 Neuroglancer precomputed: the pc_* layouts, pc_mesh_* with multi-resolution meshes) and to a directory holding its unsharded
 twin, and compares them after every step. tests/test_differential.py runs a few fixed seeds;
 run more seeds and steps here after changing the write path.
 
-  .venv/bin/python scripts/difftest.py --seed 7 --layout basic --steps 200 [--backend s3]
+  .venv/bin/python scripts/difftest.py --seed 7 --layout basic --steps 200 [--backend s3 [--faults 3]]
   .venv/bin/python scripts/difftest.py --replay repro.json [--minimize]
 
 On a divergence it prints what differed and the op list, saves it as
@@ -42,6 +42,8 @@ def main() -> int:
     ap.add_argument("-o", dest="opts", default=",".join(dt.DEFAULT_OPTS), help="mount options")
     ap.add_argument("--no-kill", action="store_true", help="no kill -9 of the daemon")
     ap.add_argument("--no-conc", action="store_true", help="no concurrent writers")
+    ap.add_argument("--faults", type=float, default=0, metavar="W",
+                    help="(S3) weight of the op that turns network faults on for a stretch of ops (e.g. 3)")
     ap.add_argument("--replay", metavar="FILE", help="replay the ops saved in FILE (layout, backend, opts too)")
     ap.add_argument("--minimize", action="store_true", help="on a divergence, find a minimal op sequence")
     ap.add_argument("--verbose", action="store_true", help="print every op and its result")
@@ -61,6 +63,8 @@ def main() -> int:
         weights["kill9"] = 0
     if args.no_conc:
         weights["conc"] = 0
+    if args.faults:
+        weights["faults"] = args.faults
     server = None
     if backend == "s3":
         from tests.s3server import MotoServer, set_dummy_credentials

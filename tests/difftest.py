@@ -51,6 +51,21 @@ directory a shrink puts outside the grid stay in the mount's memory, unreachable
 twin holds them aside until a resize takes the directory back. On S3 the directories
 below an unsharded array are not listed and, found empty at a remount, are gone.
 
+Network faults (S3, ``faults`` weight: ``scripts/difftest.py --faults W``): the op ``faults``
+turns them on (:class:`tests.s3server.Faults` in the proxy the mount talks through: with
+probability ``p`` a request's connection is reset, cut after the server acted, or answered
+503/500) for a stretch of 4-15 ops, while the mount applies each (not while trees are
+compared), and ``faultsoff`` ends it. Under faults an op may fail with EIO (``FAULT_ERRNOS``)
+where the twin's succeeds: it may have done any part of its work, so the files it names are
+taken from the mount into the twin, and both what the mount shows and what the twin made of
+them count as versions since the last durable point (a kill -9 may find either; an fsync or
+sync that succeeded is a durable point as always). Ops that fail otherwise, or succeed
+differently, diverge. ``faultsoff``: ``zshardfs sync`` must succeed again (retried for up to
+30 s: a storage call that failed fails fast for FAIL_FAST seconds), then the mount and the
+twin agree, and a fresh read-only mount of the store shows the twin's files (minus those
+living in memory only): every shard whole, none a mix. Not drawn under faults: remounts (an
+unmount must store everything), documents, resizes and mesh pairs (``NOT_UNDER_FAULTS``).
+
 An op is a JSON-able dict (data as ``["pool", i]``, a valid encoded chunk, or
 ``["rnd", seed, n]``), so a failing sequence can be printed, saved, replayed
 (``scripts/difftest.py --replay FILE``) and minimised (``--minimize``).
@@ -58,6 +73,7 @@ An op is a JSON-able dict (data as ``["pool", i]``, a valid encoded chunk, or
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -695,6 +711,7 @@ class Env:
             self.names.on_s3()
         self.server = None
         self.bucket = None
+        self.proxy = None  # (S3) the TcpProxy the mount talks through: network faults (op ``faults``)
         self.mount_count = 0
 
     # -- setup
@@ -713,8 +730,10 @@ class Env:
         self.pool = self.case.pool(self.twin)
         self.data = Data(self.pool, self.case)
         if self.backend == "s3":
+            from tests.s3server import TcpProxy
             self.server = server
             self.bucket = server.create_bucket()
+            self.proxy = TcpProxy(server.port)
             items = {f"pfx/{p.relative_to(self.src)}": p.read_bytes() for p in self.src.rglob("*") if p.is_file()}
             server.put_many(self.bucket, items)
         self.mount()
@@ -724,13 +743,18 @@ class Env:
     def source(self) -> str:
         return str(self.src) if self.backend == "local" else f"s3://{self.bucket}/pfx"
 
-    def mount(self):
-        extra = [] if self.backend == "local" else ["--endpoint-url", self.server.endpoint_url]
-        self.mount_count += 1
-        r = run_mount(self.source, self.mnt, *self.opts, log=self.work / "daemon.log", extra=extra, check=False)
+    def mount(self, mnt: Path | None = None, opts: tuple = (), log: str = "daemon.log") -> int:
+        """Mount the store (at ``mnt``, default the mount point); the daemon's pid."""
+        extra = [] if self.backend == "local" else ["--endpoint-url", self.proxy.endpoint_url]
+        if mnt is None:
+            self.mount_count += 1
+        r = run_mount(self.source, mnt or self.mnt, *self.opts, *opts, log=self.work / log, extra=extra, check=False)
         if r.returncode:
             raise RuntimeError(f"mount failed: {r.stderr}")
-        self.pid = int(os.getxattr(self.mnt, "user.zshardfs.pid"))
+        pid = int(os.getxattr(mnt or self.mnt, "user.zshardfs.pid"))
+        if mnt is None:
+            self.pid = pid
+        return pid
 
     def umount(self) -> str:
         r = subprocess.run([*ZS, "umount", str(self.mnt)], capture_output=True, text=True, timeout=180)
@@ -751,6 +775,8 @@ class Env:
         except Exception:
             pass
         subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+        if self.proxy is not None:
+            self.proxy.close()
         if self.server and self.bucket:
             try:
                 self.server.delete_bucket(self.bucket)
@@ -771,8 +797,7 @@ class Env:
         return dest
 
     def daemon_log(self) -> str:
-        p = self.work / "daemon.log"
-        return p.read_text(errors="replace") if p.exists() else ""
+        return "".join(p.read_text(errors="replace") for p in sorted(self.work.glob("daemon*.log")))
 
 
 # ------------------------------------------------------------------ operations
@@ -1305,7 +1330,13 @@ WEIGHTS = {"write": 18, "pwrite": 10, "append": 5, "otrunc": 3, "truncate": 6, "
            "rename": 9, "link": 3, "mkdir": 3, "rmdir": 3, "hold": 6, "readopen": 3, "tmprename": 7, "fsync": 3,
            "dirfsync": 2, "sync": 3, "remount": 2, "read": 2, "kill9": 1.5, "conc": 3,
            "meta": 0, "consolidate": 0, "resize": 0,  # (these and the mesh ops: LAYOUT_WEIGHTS)
-           "mesh": 0, "meshrm": 0, "meshmv": 0, "meshbad": 0}
+           "mesh": 0, "meshrm": 0, "meshmv": 0, "meshbad": 0,
+           "faults": 0}  # (S3 only, when asked: scripts/difftest.py --faults, CASES)
+#: not drawn while network faults are on: an unmount (which must store everything), and ops
+#: whose partial failure the twin does not follow (documents, resizes, mesh pairs)
+NOT_UNDER_FAULTS = {"remount", "meta", "consolidate", "resize", "mesh", "meshrm", "meshmv", "meshbad", "faults"}
+#: what an op may answer for a storage call that failed under network faults (SEMANTICS 5.5)
+FAULT_ERRNOS = ("EIO",)
 
 
 class Gen:
@@ -1314,7 +1345,10 @@ class Gen:
     def __init__(self, env: Env, rng: random.Random, weights: dict[str, float] | None = None):
         self.env, self.rng, self.n = env, rng, env.names
         self.weights = {**WEIGHTS, **LAYOUT_WEIGHTS.get(env.layout, {}), **(weights or {})}
+        if env.backend != "s3":
+            self.weights["faults"] = 0
         self.tmpn = 0
+        self.faulty = 0  # ops left in the current stretch of network faults
 
     def existing(self) -> list[str]:
         out = []
@@ -1360,8 +1394,16 @@ class Gen:
 
     def op(self) -> dict:
         r = self.rng
-        kinds = [k for k, w in self.weights.items() if w > 0]
+        if self.faulty:
+            self.faulty -= 1
+            if not self.faulty:
+                return {"op": "faultsoff"}
+        kinds = [k for k, w in self.weights.items() if w > 0 and not (self.faulty and k in NOT_UNDER_FAULTS)]
         kind = r.choices(kinds, [self.weights[k] for k in kinds])[0]
+        if kind == "faults":
+            self.faulty = r.randrange(4, 16)
+            return {"op": "faults", "p": r.choice([0.2, 0.5, 0.7, 0.9]), "seed": r.randrange(1 << 30),
+                    "kinds": r.choice([["reset", "cut", "503", "500"], ["cut"], ["reset", "503"]])}
         if kind == "write":
             return {"op": "write", "path": self.any_file(0.4), "data": self.data(), "pieces": r.choice([1, 1, 3])}
         if kind in ("pwrite", "append"):
@@ -1463,6 +1505,28 @@ class Gen:
 # ------------------------------------------------------------------ the run
 
 
+def fault_failed(result) -> bool:
+    """Did an op (a list: its steps' results) fail with an errno network faults may give?"""
+    if isinstance(result, list):
+        return any(fault_failed(x) for x in result)
+    if not isinstance(result, str):
+        return False
+    if result.startswith(("fail:", "rename:")):
+        return any(e in FAULT_ERRNOS for e in result.split(":", 1)[1].split(";"))
+    if result.startswith("sync rc="):
+        return "Input/output error" in result
+    return result in FAULT_ERRNOS
+
+
+def op_names(op: dict) -> set[str]:
+    """The names an op (not a document's, a resize's or a mesh op) changes."""
+    out = {op[k] for k in ("path", "src", "dst", "tmp") if isinstance(op.get(k), str)}
+    for job in op.get("jobs", ()):
+        out |= {path for path, _, _ in job}
+    return out
+
+
+
 class Runner:
     def __init__(self, env: Env, verbose=False):
         self.env, self.verbose = env, verbose
@@ -1470,13 +1534,15 @@ class Runner:
         self.twin_ap = Applier(env, env.twin, twin=True)
         self.durable: dict[str, bytes] = {}   # file -> bytes at the last durable point
         self.versions: dict[str, list] = {}   # file -> versions since then
-        self.stats = {"ops": 0, "remounts": 0, "kills": 0}
+        self.stats = {"ops": 0, "remounts": 0, "kills": 0, "faults": 0, "failed": 0}
         #: chunks past a shrunk array's shape when the daemon was killed: the mount hides them,
         #: whether or not their removal was stored; a resize showing them again adopts them
         self.hidden: set[str] = set()
         #: (twin) temporaries in chunk directories a resize put outside the grid: the mount
         #: still holds them in memory, unreachable until a resize takes the directory back
         self.hidden_tmp: dict[str, bytes] = {}
+        #: the ``faults`` op of the stretch of network faults now on (None: off)
+        self.faults: dict | None = None
 
     def twin_files(self) -> dict[str, bytes]:
         return {str(p.relative_to(self.env.twin)): p.read_bytes() for p in self.env.twin.rglob("*") if p.is_file()}
@@ -1519,9 +1585,23 @@ class Runner:
             return compare(env, f"step {i} after remount")
         if kind == "kill9":
             return self.kill9(i, op)
-        rm = self.mnt_ap.apply(op)
+        if kind == "faults":
+            self.faults = op
+            self.stats["faults"] += 1
+            return []
+        if kind == "faultsoff":
+            return self.faults_off(i)
+        with self.network_faults(i):
+            rm = self.mnt_ap.apply(op)
         self.twin_ap.on_the_way = {}
         rt = self.twin_ap.apply(op)
+        intended = {}
+        failed = self.faults is not None and rm != rt and fault_failed(rm)
+        if failed:
+            # failed under network faults: the op may have done any part of its work, and what
+            # it stored may land or not; its files are taken from the mount into the twin
+            self.stats["failed"] += 1
+            intended = self.adopt(op)
         if kind == "resize" and rt == "ok":
             tmps = [rel for rel in before if env.names.kind(rel) == "chunktmp"]
             env.names.resize(op["path"], op["shape"])
@@ -1543,9 +1623,14 @@ class Runner:
         for rel, states in self.twin_ap.on_the_way.items():
             self.versions.setdefault(rel, []).extend(states)
         self.note_versions(before, after)
+        for rel, state in intended.items():  # (a failed op's writes may land later: its twin's states too)
+            if state != before.get(rel):
+                self.versions.setdefault(rel, []).append(state)
         out = []
-        if rm != rt:
+        if rm != rt and not failed:
             out.append(f"[step {i}] result differs: mount {rm} twin {rt}")
+        if failed and self.verbose:
+            print(f"  {i}: failed under network faults: mount {rm} twin {rt}", flush=True)
         if kind == "sync" and rm == "ok":
             # a sync stores everything: the durable point (chunk temporaries are memory-only)
             self.mark_durable({k: v for k, v in after.items() if env.names.kind(k) != "chunktmp"})
@@ -1556,16 +1641,86 @@ class Runner:
             print(f"  {i}: {json.dumps(op)} -> {rm}", flush=True)
         return out + compare(env, f"step {i}")
 
+    @contextlib.contextmanager
+    def network_faults(self, i: int):
+        """Network faults on (S3, within a stretch of them) while the mount does step ``i``."""
+        f = self.faults
+        if f is None or self.env.proxy is None:
+            yield
+            return
+        from tests.s3server import Faults
+        self.env.proxy.faults = Faults(f["p"], tuple(f["kinds"]), seed=f["seed"] + i)
+        try:
+            yield
+        finally:
+            self.env.proxy.faults = None
+
+    def adopt(self, op: dict) -> dict[str, bytes | None]:
+        """The twin takes the files (and directories) ``op`` names as the mount shows them;
+        returns what the twin had made of them (the op's intended result)."""
+        env, intended = self.env, {}
+        for rel in sorted(op_names(op)):
+            m, t = env.mnt / rel, env.twin / rel
+            if m.is_dir() or t.is_dir():
+                if m.is_dir() and not t.exists():
+                    t.mkdir(parents=True)
+                elif not m.exists() and t.is_dir() and not any(t.iterdir()):
+                    t.rmdir()
+                continue
+            intended[rel] = t.read_bytes() if t.is_file() else None
+            if m.is_file():
+                t.parent.mkdir(parents=True, exist_ok=True)
+                t.write_bytes(m.read_bytes())
+            elif t.is_file():
+                t.unlink()
+        return intended
+
+    def faults_off(self, i: int) -> list[str]:
+        """The end of a stretch of network faults: ``zshardfs sync`` succeeds again (once a
+        storage call failed, the same call fails fast for FAIL_FAST seconds: SEMANTICS 5.5),
+        then the mount, the store read by a fresh read-only mount and the twin agree."""
+        env = self.env
+        self.faults = None
+        tries = []
+        if not wait_for(lambda: tries.append(self.mnt_ap.op_sync({})) or tries[-1] == "ok", timeout=30,
+                        interval=0.3):
+            return [f"[step {i} faults off] sync: {tries[-1]} ({len(tries)} tries)"]
+        self.stats["syncs_after_faults"] = max(self.stats.get("syncs_after_faults", 0), len(tries))
+        files = self.twin_files()
+        self.mark_durable({k: v for k, v in files.items() if env.names.kind(k) != "chunktmp"})
+        out = compare(env, f"step {i} faults off")
+        if out:
+            return out
+        check = env.work / "mnt-check"
+        check.mkdir(exist_ok=True)
+        env.mount(check, ("ro",), log="daemon-check.log")
+        try:
+            fs, _, ps = snapshot(check, env.names)
+        finally:
+            r = subprocess.run([*ZS, "umount", str(check)], capture_output=True, text=True, timeout=180)
+            if r.returncode:
+                subprocess.run(["fusermount3", "-uz", str(check)], capture_output=True)
+        out = [f"store: {p}" for p in ps]
+        for rel in sorted(set(fs) | set(self.durable)):
+            a, b = fs.get(rel), self.durable.get(rel)
+            if rel in env.names.meta and a is not None and b is not None:
+                if json.loads(a) != json.loads(b):
+                    out.append(f"{rel}: metadata differs in the store: {pz.json_diff(json.loads(a), json.loads(b))[:3]}")
+            elif a != b:
+                out.append(f"{rel}: store {h(a)} twin {h(b)}")
+        return [f"[step {i} faults off, the store read afresh] {x}" for x in out]
+
     def kill9(self, i: int, op: dict | None = None) -> list[str]:
         env = self.env
         syncer = None
-        if op and op.get("delay") is not None:  # killed while a sync stores shards
-            syncer = subprocess.Popen([*ZS, "sync", str(env.mnt)], stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL)
-            time.sleep(op["delay"])
-        env.kill9()
-        if syncer is not None:
-            syncer.wait(60)
+        with self.network_faults(i):
+            if op and op.get("delay") is not None:  # killed while a sync stores shards
+                syncer = subprocess.Popen([*ZS, "sync", str(env.mnt)], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL)
+                time.sleep(op["delay"])
+            env.kill9()
+            if syncer is not None:
+                syncer.wait(60)
         self.stats["kills"] += 1
         env.mount()
         self.hidden_tmp = {}  # (memory only: gone with the daemon)
@@ -1610,7 +1765,9 @@ class Runner:
         """Make every chunk a valid encoding, unmount, read the sharded source with zarr-python
         (and tensorstore) and compare with the twin read by zarr-python."""
         env = self.env
-        out = []
+        out = self.faults_off(-1) if self.faults is not None else []
+        if out:
+            return out
         for rel in sorted(env.names.chunks) + env.names.plain_chunks:
             p = env.twin / rel
             if p.is_file() and not env.case.valid(rel, p.read_bytes()):
@@ -1793,6 +1950,8 @@ def run(layout: str, backend: str = "local", *, base: Path, seed: int = 0, steps
                 f = [f"[final] exception: {traceback.format_exc()[-1500:]}"]
             if f:
                 failure = (len(done), f)
+        if env.proxy is not None and env.proxy.fault_counts:
+            runner.stats["injected"] = dict(env.proxy.fault_counts)
         log = env.daemon_log()
         if failure is None and "Traceback" in log:
             failure = (len(done), ["daemon log has a traceback:\n" + log[log.index("Traceback"):][:3000]])
