@@ -541,6 +541,10 @@ class Faults:
     kinds: tuple = ("reset", "cut", "503", "500")
     seed: int = 0
     methods: frozenset | None = None
+    #: how many bytes of the answer a ``cut`` lets through, drawn from these: none, part
+    #: of the status line, or of the headers (``http.client`` takes the headers it got
+    #: before the connection closed as all of them)
+    cuts: tuple = (0, 0, 1, 12, 40, 200)
 
     def __post_init__(self):
         self.rng = random.Random(self.seed)
@@ -555,7 +559,7 @@ class Faults:
 
     def cut_at(self) -> int:
         """How many bytes of the answer pass before the cut: none, or some of its head."""
-        return self.rng.choice([0, 0, 1, 12, 40, 200])
+        return self.rng.choice(self.cuts)
 
 
 def _error_answer(kind: str, first: bytes) -> bytes:

@@ -320,7 +320,16 @@ class S3Backend:
         bump(self.counters, counter)
         self._tls.attempts = 0
         try:
-            return getattr(self.client, op)(Bucket=self.bucket, **params)
+            for _ in range(self.max_attempts):
+                resp = getattr(self.client, op)(Bucket=self.bucket, **params)
+                if not _cut_short(op, resp):
+                    return resp
+                if "Body" in resp:
+                    resp["Body"].close()
+            bump(self.counters, "errors")
+            where = f"{self.url}: {key}" if key else self.url
+            raise Unavailable(f"{where}: the {self._where}'s answers were cut short in their headers "
+                              f"({self.max_attempts} attempts)", key)
         except StoreError:
             raise  # from building the client
         except bce.ClientError as exc:
@@ -597,6 +606,26 @@ class S3Backend:
             client, self._client = self._client, None
         if client is not None:
             client.close()
+
+
+#: headers every answer of an operation carries (S3 and the S3-compatible
+#: servers): an answer without them lost the rest of its headers to a
+#: connection closed mid-answer (http.client takes the headers it got before
+#: the close as all of them, and without a length the body ends at the
+#: close), which would read as an object of no bytes or an empty listing
+_LENGTH = ("content-length", "transfer-encoding")
+_NEEDED_HEADERS = {
+    "get_object": (("etag",), _LENGTH),
+    "head_object": (("etag",), ("content-length",)),
+    "put_object": (("etag",),),
+    "list_objects_v2": (_LENGTH,),
+}
+
+
+def _cut_short(op: str, resp: dict) -> bool:
+    """Does the successful answer ``resp`` to ``op`` lack a header it always has?"""
+    headers = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+    return any(not any(h in headers for h in one_of) for one_of in _NEEDED_HEADERS.get(op, ()))
 
 
 def _status(exc: bce.ClientError) -> tuple[int, str]:
