@@ -750,6 +750,33 @@ def test_an_answer_cut_in_its_headers_is_no_answer(mount, moto_server, bucket, a
     assert "Traceback" not in m.log_text()
 
 
+def test_a_put_whose_connection_closes_after_100_continue_ends(mount, moto_server, bucket):
+    """The connection of a PUT closes right after the ``HTTP/1.1 100`` of
+    the server's ``100 Continue`` (botocore sends ``Expect: 100-continue``):
+    botocore then read lines until an empty one for ever, a worker spinning on the CPU,
+    and the PUT, given up at the deadline, never ended, so every later
+    write of that key waited for it ("an earlier write of it, given up,
+    has not ended yet"): the file was never stored, nor could the mount be
+    unmounted (the differential tester's network faults).  The mount no
+    longer asks for ``100 Continue``: the cut PUT fails and is tried again,
+    and once the network is whole a sync stores the file."""
+    key = f"{PREFIX}/put-{uuid.uuid4().hex}.bin"
+    with TcpProxy(moto_server.port) as proxy:
+        m = mount(f"s3://{bucket}/{PREFIX}", "timeout=6", "flush_delay=inf",
+                  extra=["--endpoint-url", proxy.endpoint_url])
+        path = m.path / key[len(PREFIX) + 1:]
+        proxy.faults = Faults(1.0, ("cut",), methods=frozenset({"PUT"}), cuts=(12,))
+        began = time.monotonic()
+        with pytest.raises(OSError) as failed:
+            path.write_bytes(b"B" * 5000)
+        assert failed.value.errno == errno.EIO and time.monotonic() - began < 10
+        proxy.faults = None
+        assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0,
+                        timeout=20, interval=0.3), "the file is not stored once the network is whole"
+        assert moto_server.client().get_object(Bucket=bucket, Key=key)["Body"].read() == b"B" * 5000
+    assert "Traceback" not in m.log_text()
+
+
 def _reads(path: Path) -> bool:
     try:
         read_file(path)

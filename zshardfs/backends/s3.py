@@ -273,8 +273,14 @@ class S3Backend:
         client.meta.events.register("before-send.s3", self._count_attempt)
         return client
 
-    def _count_attempt(self, **kwargs):
+    def _count_attempt(self, request=None, **kwargs):
         self._tls.attempts = getattr(self._tls, "attempts", 0) + 1
+        if request is not None:
+            # botocore's wait for ``100 Continue`` reads lines until an empty
+            # one, for ever once the connection closed after the status line
+            # (a worker spinning, and a PUT that never ends); the header is
+            # not signed, and a body sent to a refused PUT costs less
+            request.headers.pop("Expect", None)
         return None  # anything else would replace the HTTP response
 
     @property
