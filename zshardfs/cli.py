@@ -127,6 +127,9 @@ def _setup_logging(cfg: MountConfig, background: bool) -> logging.Handler:
     # boto's own chatter (which could include request details) stays quiet
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # an answer cut within its headers: urllib3 warns with a traceback, and the
+    # S3 backend asks again (backends/s3.py, _cut_short)
+    logging.getLogger("urllib3.connection").setLevel(logging.ERROR)
     return handler
 
 

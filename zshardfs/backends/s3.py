@@ -271,6 +271,7 @@ class S3Backend:
         # when all of them fail without a response (RetryAttempts is only in
         # ResponseMetadata when a response arrived).
         client.meta.events.register("before-send.s3", self._count_attempt)
+        client.meta.events.register("before-parse.s3", _short_body)
         return client
 
     def _count_attempt(self, request=None, **kwargs):
@@ -629,9 +630,30 @@ _NEEDED_HEADERS = {
 
 
 def _cut_short(op: str, resp: dict) -> bool:
-    """Does the successful answer ``resp`` to ``op`` lack a header it always has?"""
+    """Does the successful answer ``resp`` to ``op`` lack a header it always
+    has, or bytes of its body (see _short_body)?"""
+    if resp.get(_SHORT):
+        return True
     headers = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {})
     return any(not any(h in headers for h in one_of) for one_of in _NEEDED_HEADERS.get(op, ()))
+
+
+_SHORT = "ZshardfsShortBody"
+
+
+def _short_body(response_dict=None, customized_response_dict=None, operation_model=None, **kwargs):
+    """botocore takes an answer's body (a LIST's XML) as it came, also one a
+    closed connection cut short of its Content-Length: cut to nothing, it
+    parsed as a listing of no objects (so did one whose Content-Length was
+    cut to nothing).  Such a body is not parsed (the answer is marked, and
+    _call asks again)."""
+    if operation_model is None or operation_model.name == "HeadObject" or response_dict.get("status_code") != 200:
+        return  # (a HEAD's Content-Length is the object's: it has no body)
+    body = response_dict.get("body")
+    length = response_dict.get("headers", {}).get("content-length")
+    if isinstance(body, bytes) and length is not None and (not length.isdigit() or len(body) < int(length)):
+        response_dict["body"] = b""
+        customized_response_dict[_SHORT] = True
 
 
 def _status(exc: bce.ClientError) -> tuple[int, str]:
