@@ -1543,6 +1543,9 @@ class Runner:
         self.hidden_tmp: dict[str, bytes] = {}
         #: the ``faults`` op of the stretch of network faults now on (None: off)
         self.faults: dict | None = None
+        #: files an op that failed under network faults named since the last durable point
+        #: (a plain file's close may not have stored it: a kill -9 may find an older version)
+        self.unsure: set[str] = set()
 
     def twin_files(self) -> dict[str, bytes]:
         return {str(p.relative_to(self.env.twin)): p.read_bytes() for p in self.env.twin.rglob("*") if p.is_file()}
@@ -1550,6 +1553,7 @@ class Runner:
     def mark_durable(self, files=None):
         self.durable = files if files is not None else self.twin_files()
         self.versions = {}
+        self.unsure = set()
 
     def note_versions(self, before: dict, after: dict):
         for rel in set(before) | set(after):
@@ -1597,7 +1601,10 @@ class Runner:
         rt = self.twin_ap.apply(op)
         intended = {}
         failed = self.faults is not None and rm != rt and fault_failed(rm)
+        if self.faults is not None:
+            self.settle()
         if failed:
+            self.unsure |= op_names(op)
             # failed under network faults: the op may have done any part of its work, and what
             # it stored may land or not; its files are taken from the mount into the twin
             self.stats["failed"] += 1
@@ -1654,6 +1661,12 @@ class Runner:
             yield
         finally:
             self.env.proxy.faults = None
+
+    def settle(self) -> None:
+        """Wait (up to 10 s) until the mount reads every file again: a storage call that
+        failed fails fast for FAIL_FAST seconds, until some call is answered (SEMANTICS 5.5)."""
+        wait_for(lambda: not any(p.endswith("EIO") for p in snapshot(self.env.mnt, self.env.names)[2]),
+                 timeout=10, interval=0.3)
 
     def adopt(self, op: dict) -> dict[str, bytes | None]:
         """The twin takes the files (and directories) ``op`` names as the mount shows them;
@@ -1734,8 +1747,8 @@ class Runner:
             allowed = [self.durable.get(rel)] + self.versions.get(rel, [])
             if env.names.kind(rel) == "chunktmp":
                 allowed = [None]
-            elif env.names.kind(rel) == "plain" and rel not in env.names.meta:
-                allowed = [cur.get(rel)]  # stored at close
+            elif env.names.kind(rel) == "plain" and rel not in env.names.meta and rel not in self.unsure:
+                allowed = [cur.get(rel)]  # stored at close (unless storing failed under network faults)
             if rel in env.names.meta:
                 continue
             if not any(got == a for a in allowed):

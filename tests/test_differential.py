@@ -5,7 +5,7 @@ Neuroglancer precomputed volumes, skeleton directories and multi-resolution mesh
 Fixed seeds of the randomized differential tester (tests/difftest.py): each applies
 random ops (writes, pwrites past the end, truncates, renames, links, handles held open
 across an unlink or a rename, temporary-then-rename, fsync, sync, two writers at once,
-remounts and kill -9 of the daemon; for variable shard grids and consolidated
+remounts and kill -9 of the daemon, on S3 stretches of network faults; for variable shard grids and consolidated
 hierarchies also metadata documents edited, consolidated and resized through the
 mount) to a mount of a sharded store and to a directory
 holding its unsharded twin, and compares the two after every step, except for the
@@ -50,11 +50,16 @@ CASES = [
     ("pc_mesh_identity_datagzip", "local", 1, 120),  # identity, gzip data: two shards of two minishards
     ("pc_mesh_identity_datagzip", "s3", 3, 120),
 ]
+#: (layout, backend, seed, steps) with stretches of network faults between the mount and S3
+#: (the ops faults/faultsoff; each seed's run has an op fail under them, asserted)
+FAULT_CASES = [
+]
+ALL = [(*c, {}) for c in CASES] + [(*c, {"faults": 6}) for c in FAULT_CASES]
 
 
-@pytest.mark.parametrize("layout,backend,seed,steps", CASES,
-                         ids=[f"{layout}-{backend}-{seed}" for layout, backend, seed, _ in CASES])
-def test_random_operations_match_a_directory_store(layout, backend, seed, steps, tmp_path, request):
+@pytest.mark.parametrize("layout,backend,seed,steps,weights", ALL,
+                         ids=[f"{layout}-{backend}-{seed}" + ("-faults" if w else "") for layout, backend, seed, _, w in ALL])
+def test_random_operations_match_a_directory_store(layout, backend, seed, steps, weights, tmp_path, request):
     """The mount and the unsharded twin agree after every one of ``steps`` random ops, every
     remount and kill -9 (then each file holds a version it had since its last durable point),
     and at the end zarr-python and tensorstore (zarr 2.18; precomputed: tensorstore) read the
@@ -65,7 +70,7 @@ def test_random_operations_match_a_directory_store(layout, backend, seed, steps,
     if backend == "s3":
         server = request.getfixturevalue("moto_server")
         server.ensure_running()
-    out = dt.run(layout, backend, base=tmp_path, seed=seed, steps=steps, server=server)
+    out = dt.run(layout, backend, base=tmp_path, seed=seed, steps=steps, server=server, weights=weights)
     if not out.ok:
         repro = tmp_path / f"repro-{layout}-{backend}-{seed}.json"
         repro.write_text(json.dumps(out.repro(), indent=1))
@@ -73,3 +78,7 @@ def test_random_operations_match_a_directory_store(layout, backend, seed, steps,
     assert out.stats["remounts"] and out.stats["kills"], (
         f"seed {seed} of {layout}/{backend} no longer remounts and kills within {steps} steps "
         f"({out.summary()}): choose another seed")
+    if weights.get("faults"):
+        assert out.stats["faults"] and out.stats["failed"], (
+            f"seed {seed} of {layout}/{backend} no longer has an op fail under network faults "
+            f"within {steps} steps ({out.summary()}): choose another seed")
