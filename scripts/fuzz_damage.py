@@ -1,0 +1,733 @@
+#!/usr/bin/env python
+"""Damage fuzzer: random damage to good stores of every layout, mounted, walked and read.
+
+Why: SEMANTICS section 5 promises that damaged input (bad checksums, truncated shards,
+offsets past the end, malformed or hostile metadata) gives EIO/ENOENT or the part shown
+as stored, one log line per damaged object, never a traceback, a crash or a hang, and
+that the rest of the store reads as before. The suite checks hand-picked cases; this
+draws the damage at random.
+
+For each seed it copies a good store of LAYOUT (built once by the peers in tests/, kept
+in --cache), damages 1-3 of its objects (bit flips and byte runs in shard indexes,
+minishard indexes and data, truncation, zero-length and extended files, a file where a
+directory is expected and the reverse, metadata JSON made malformed or given wrong types
+and values), then mounts it read-only and read-write (``-o timeout=5``) and, in a child
+process with a deadline, walks it and reads every file. It checks:
+
+- every system call ends within PER_CALL_LIMIT with success or an acceptable errno:
+  EIO (damaged data), ENOENT (a name the damage took away), ENOTDIR (a file where a
+  directory was); anything else (EINVAL, EPERM, ENOTCONN, ...) is a finding;
+- the walk ends within WALK_DEADLINE (a hang is a finding) and the daemon is alive
+  after it (the mount root still answers), and ``zshardfs umount`` succeeds;
+- the daemon's log has no ``Traceback`` and at most LINES_PER_DAMAGE warning/error
+  lines per damaged object beyond those of the good store;
+- every file the damage cannot reach (its shard, metadata and directories undamaged:
+  chunk files are traced to the shard files holding their bytes, precomputed ones
+  through the sharding spec) reads exactly as in the good store, and every directory
+  the damage cannot reach lists the same names;
+- in the read-write mount, writes (with fsync) to up to 3 such chunk files succeed and
+  read back.
+
+  .venv/bin/python scripts/fuzz_damage.py --layout zarr --seeds 0-49
+  .venv/bin/python scripts/fuzz_damage.py --layout all --seeds 7     # one seed, every layout
+
+Each finding prints a replay line (``--layout L --seeds N``: the same damage, drawn
+from the seed) and the damage applied. Exit 0: no finding; 1: findings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import errno
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ZSHARDFS = [sys.executable, "-m", "zshardfs.cli"]
+ACCEPTABLE = {errno.EIO, errno.ENOENT, errno.ENOTDIR}
+PER_CALL_LIMIT = 15.0  # seconds: the mount's timeout (5) plus slack for a loaded machine
+WALK_DEADLINE = 120.0
+LINES_PER_DAMAGE = 4
+LAYOUTS = ("zarr", "zarr2", "pc_volume", "pc_kv")
+METADATA_NAMES = ("zarr.json", "info")
+
+
+# ------------------------------------------------------------------ good stores
+
+
+def _build_zarr(dst: Path) -> None:
+    from tests import peers_zarr as pz
+    b = pz.ZarrCase()
+    cases = [
+        b.with_(path="a/basic"),
+        b.with_(path="a/start_be_gzip", index_location="start", index_endian="big", index_crc32c=False,
+                compressor="gzip", pattern="sparse"),
+        b.with_(path="b/rectilinear", grid="rectilinear", shards=((8, 4, 8), 6), index_crc32c=False),
+        b.with_(path="b/rectangular", grid="rectangular", shards=((8, 8, 4), (6, 6)), compressor="gzip"),
+        pz.ZarrCase(path="nested", shape=(20, 12), chunks=(4, 6), nested=(2, 3), shards=(8, 12)),
+        b.with_(path="dot_v2", key_encoding="v2", separator=".", index_endian="big"),
+    ]
+    twin = dst.parent / (dst.name + "-twin")
+    pz.write_zarr_hierarchy(cases, dst, twin, consolidated=True)
+    shutil.rmtree(twin)
+
+
+def _build_zarr2(dst: Path) -> None:
+    from tests import peers_zarr as pz
+    z = pz.ZarrCase(index_crc32c=False)
+    cases = [z.with_(path="arr"), z.with_(path="g/gz", separator=".", compressor="gzip", pattern="sparse"),
+             z.with_(path="g/three", shape=(6, 8, 10), chunks=(2, 4, 5), shards=(4, 8, 10))]
+    twin = dst.parent / (dst.name + "-twin")
+    pz.write_zarr2_hierarchy(cases, dst, twin)
+    shutil.rmtree(twin)
+
+
+def _build_pc_volume(dst: Path) -> None:
+    from tests import peers_precomputed as pp
+    tmp = dst.parent / (dst.name + "-tmp")
+    for case in pp.VOLUME_CASES[:3]:
+        twins = pp.write_volume_twins(tmp, case)
+        shutil.copytree(twins.sharded, dst / case.name)
+    shutil.rmtree(tmp)
+
+
+def _build_pc_kv(dst: Path) -> None:
+    from tests import peers_precomputed as pp
+    tmp = dst.parent / (dst.name + "-tmp")
+    for name, spec in list(pp.KV_SHARDINGS.items())[:2]:
+        twins = pp.write_kv_twins(tmp, name, spec)
+        shutil.copytree(twins.sharded, dst / name)
+    meshes = {cid: pp.make_mesh(cid, [2, 1]) for cid in (1, 5, 9, 2**40 + 1, 77)}
+    twins = pp.write_mesh_twins(tmp / "mesh", pp.sharding("murmurhash3_x86_128", 0, 1, 1, "gzip", "raw"), meshes)
+    shutil.copytree(twins.sharded, dst / "mesh")
+    shutil.rmtree(tmp)
+
+
+BUILDERS = {"zarr": _build_zarr, "zarr2": _build_zarr2, "pc_volume": _build_pc_volume, "pc_kv": _build_pc_kv}
+
+
+def good_store(cache: Path, layout: str) -> Path:
+    """The good store of ``layout``, built once into ``cache``."""
+    path = cache / layout
+    done = cache / f"{layout}.complete"
+    if not done.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(cache / (layout + "-twin"), ignore_errors=True)
+        shutil.rmtree(cache / (layout + "-tmp"), ignore_errors=True)
+        path.mkdir(parents=True)
+        BUILDERS[layout](path)
+        done.write_text("")
+    return path
+
+
+def storage_files(root: Path) -> dict[str, bytes]:
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            p = Path(dirpath) / f
+            rel = p.relative_to(root).as_posix()
+            out[rel] = p.read_bytes()
+    return out
+
+
+# ------------------------------------------------------------------ walking (child process)
+
+
+def walk(root: str, writes: list[str], seed: int, probe: list[str] = ()) -> dict:
+    """Walk and read everything below ``root``, then the names in ``probe`` the walk did
+    not meet (the good store's files: damage may leave them out of listings); then
+    write ``writes`` (rw mounts).
+    Returns {"files": {rel: sha|-errno}, "dirs": {rel: [names]|-errno}, "slow": [...],
+    "writes": {rel: "ok"|error}}."""
+    files: dict[str, object] = {}
+    dirs: dict[str, object] = {}
+    slow: list = []
+
+    def timed(what, fn, *a):
+        t = time.monotonic()
+        try:
+            return fn(*a)
+        finally:
+            dt = time.monotonic() - t
+            if dt > PER_CALL_LIMIT:
+                slow.append([what, round(dt, 1)])
+
+    def read_all(path):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            parts = []
+            while True:
+                b = os.read(fd, 1 << 20)
+                if not b:
+                    return b"".join(parts)
+                parts.append(b)
+        finally:
+            os.close(fd)
+
+    def list_one(rel):
+        path = os.path.join(root, rel) if rel else root
+        try:
+            names = sorted(timed(f"listdir {rel}", os.listdir, path))
+        except OSError as e:
+            dirs[rel] = -e.errno
+            return
+        dirs[rel] = names
+        for n in names:
+            r = f"{rel}/{n}" if rel else n
+            p = os.path.join(root, r)
+            try:
+                st = timed(f"lstat {r}", os.lstat, p)
+            except OSError as e:
+                files[r] = -e.errno
+                continue
+            if os.path.stat.S_ISDIR(st.st_mode):
+                todo.append(r)
+                continue
+            read_one(r, p, st)
+
+    def read_one(r, p, st):
+        try:
+            data = timed(f"read {r}", read_all, p)
+            files[r] = hashlib.sha256(data).hexdigest()
+            if len(data) != st.st_size:
+                files[r] = f"size {st.st_size} but read {len(data)}"
+        except OSError as e:
+            files[r] = -e.errno
+
+    todo = [""]
+    while todo:
+        list_one(todo.pop())
+    for r in probe:
+        if r not in files:
+            p = os.path.join(root, r)
+            try:
+                st = timed(f"stat {r}", os.stat, p)
+                read_one(r, p, st) if not os.path.stat.S_ISDIR(st.st_mode) else None
+            except OSError as e:
+                files[r] = -e.errno
+    done = {}
+    rng = random.Random(seed)
+    for r in writes:
+        p = os.path.join(root, r)
+        try:
+            size = os.stat(p).st_size
+            new = bytes(rng.randrange(256) for _ in range(size))
+            fd = timed(f"open-w {r}", os.open, p, os.O_WRONLY | os.O_TRUNC)
+            try:
+                timed(f"write {r}", os.write, fd, new)
+                timed(f"fsync {r}", os.fsync, fd)
+            finally:
+                os.close(fd)
+            back = timed(f"reread {r}", read_all, p)
+            done[r] = "ok" if back == new else f"read back {len(back)} bytes, not the {len(new)} written"
+        except OSError as e:
+            done[r] = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}"
+    return {"files": files, "dirs": dirs, "slow": slow, "writes": done}
+
+
+def walk_in_child(mnt: Path, writes: list[str], seed: int, probe: list[str]) -> dict | str:
+    """``walk`` in a child process; a string says why it gave no answer (a hang)."""
+    out = mnt.parent / (mnt.name + ".walk.json")
+    job = json.dumps({"root": str(mnt), "writes": writes, "seed": seed, "out": str(out), "probe": probe})
+    proc = subprocess.Popen([sys.executable, __file__, "--walk-job", job])
+    try:
+        rc = proc.wait(timeout=WALK_DEADLINE)
+    except subprocess.TimeoutExpired:
+        return f"walk did not end within {WALK_DEADLINE:.0f} s (a hang)"
+    finally:
+        if proc.poll() is None:  # (a hang, or this run interrupted)
+            proc.kill()
+            try:
+                proc.wait(timeout=30)  # (a walker stuck in a FUSE call dies once the mount goes)
+            except subprocess.TimeoutExpired:
+                pass
+    if rc != 0:
+        return f"walker exited {rc}"
+    return json.loads(out.read_text())
+
+
+# ------------------------------------------------------------------ damage
+
+
+HOSTILE = [-1, 0, 1, -(2**63), 2**64, 2**64 + 1, 10**30, 1e308, float("nan"), float("inf"), "x", "", None,
+           True, [], {}, [0], [-1, -1], [2**63, 1], {"name": "sharding_indexed"},
+           [{"name": "sharding_indexed", "configuration": {"chunk_shape": [0], "codecs": [], "index_codecs": []}}],
+           [[[[[[[[]]]]]]]], "neuroglancer_uint64_sharded_v1", {"@type": 5}, [1.5, 2.5]]
+
+
+def _json_paths(doc, here=()):
+    yield here
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _json_paths(v, here + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _json_paths(v, here + (i,))
+
+
+def _set(doc, path, value):
+    if not path:
+        return value
+    node = doc
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+    return doc
+
+
+def damage_json(rng: random.Random, data: bytes) -> tuple[bytes, str]:
+    """A hostile version of a JSON document: malformed text, or valid JSON with wrong
+    types and values somewhere in it."""
+    kind = rng.choice(["malformed", "value", "value", "value", "delete", "duplicate_list", "nested_sharding"])
+    if kind == "malformed":
+        cut = rng.randrange(len(data) + 1)
+        return data[:cut] + rng.choice([b"", b"{", b"]", b"\x00", b"\xff\xfe", b'"']), f"malformed json cut at {cut}"
+    doc = json.loads(data)
+    paths = list(_json_paths(doc))
+    if kind == "delete":
+        paths = [p for p in paths if p and isinstance(p[-1], str)]
+        if paths:
+            p = rng.choice(paths)
+            node = doc
+            for k in p[:-1]:
+                node = node[k]
+            del node[p[-1]]
+            return json.dumps(doc).encode(), f"json delete {list(p)}"
+        kind = "value"
+    if kind == "duplicate_list":
+        lists = [p for p in paths if isinstance(_get(doc, p), list) and _get(doc, p)]
+        if lists:
+            p = rng.choice(lists)
+            v = _get(doc, p)
+            _set(doc, p, v * rng.choice([2, 1000]) if len(v) < 10 else v[:1])
+            return json.dumps(doc).encode(), f"json list {list(p)} resized"
+        kind = "value"
+    if kind == "nested_sharding":
+        codecs = [p for p in paths if p and p[-1] == "codecs"]
+        if codecs:
+            p = rng.choice(codecs)
+            bad = {"name": "sharding_indexed", "configuration": {
+                "chunk_shape": rng.choice([[0, 0], [-4, 3], [2**40, 1], [1], "x", [3, 5]]),
+                "codecs": rng.choice([[], [{"name": "sharding_indexed"}], _get(doc, p)]),
+                "index_codecs": rng.choice([[], [{"name": "bytes"}], [{"name": "crc32c"}]]),
+                "index_location": rng.choice(["end", "start", "middle", 3])}}
+            _set(doc, p, [bad] + (_get(doc, p) if rng.random() < 0.5 else []))
+            return json.dumps(doc).encode(), f"json nested sharding at {list(p)}: {json.dumps(bad)}"
+        kind = "value"
+    p = rng.choice(paths[1:] or paths)
+    v = rng.choice(HOSTILE)
+    old = _get(doc, p)
+    if isinstance(old, (int, float)) and not isinstance(old, bool) and rng.random() < 0.5:
+        v = rng.choice([-old - 1, old * 1000, old + 1, -1, 0, 2**63])
+    doc = _set(doc, p, v)
+    return json.dumps(doc).encode(), f"json {list(p)} = {json.dumps(v)[:80]}"
+
+
+def _get(doc, path):
+    for p in path:
+        doc = doc[p]
+    return doc
+
+
+def damage_bytes(rng: random.Random, data: bytes) -> tuple[bytes, str]:
+    """Bit flips or a byte run in the head (shard/minishard index at the start), the
+    tail (index at the end) or anywhere; truncation; garbage appended; zero length."""
+    n = len(data)
+    kind = rng.choice(["flip", "flip", "run", "run", "truncate", "extend", "empty"])
+    if kind == "empty" or n == 0:
+        return b"", "zero length"
+    if kind == "truncate":
+        cut = rng.choice([rng.randrange(n), n - 1, max(0, n - 16), rng.randrange(min(n, 64))])
+        return data[:cut], f"truncated to {cut} of {n}"
+    if kind == "extend":
+        extra = bytes(rng.randrange(256) for _ in range(rng.choice([1, 8, 16, 100])))
+        return data + extra, f"{len(extra)} bytes appended"
+    region = rng.choice(["head", "tail", "any"])
+    lo, hi = {"head": (0, min(n, 96)), "tail": (max(0, n - 96), n), "any": (0, n)}[region]
+    buf = bytearray(data)
+    if kind == "flip":
+        bits = sorted(rng.randrange(lo * 8, hi * 8) for _ in range(rng.choice([1, 1, 2, 8])))
+        for b in bits:
+            buf[b // 8] ^= 1 << (b % 8)
+        return bytes(buf), f"bits {bits} flipped ({region})"
+    start = rng.randrange(lo, hi)
+    length = min(rng.choice([1, 4, 8, 16, 32]), n - start)
+    fill = rng.choice(["00", "ff", "random"])
+    buf[start:start + length] = (bytes(rng.randrange(256) for _ in range(length)) if fill == "random"
+                                 else bytes.fromhex(fill) * length)
+    return bytes(buf), f"bytes {start}..{start + length} set to {fill} ({region})"
+
+
+def is_metadata(rel: str) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    return name in METADATA_NAMES or name.endswith(".array.json") or name.endswith(".group.json")
+
+
+def apply_damage(rng: random.Random, store: Path, files: dict[str, bytes]) -> list[dict]:
+    """Damage 1-3 objects of ``store``; each: {"path", "what", "kind": file|tree}."""
+    done: list[dict] = []
+    names = sorted(files)
+    meta = [r for r in names if is_metadata(r)]
+    data = [r for r in names if not is_metadata(r)]
+    for _ in range(rng.choice([1, 1, 2, 3])):
+        choice = rng.random()
+        if choice < 0.3 and meta:
+            rel = rng.choice(meta)
+            if not (store / rel).is_file():
+                continue
+            new, what = damage_json(rng, (store / rel).read_bytes())
+            (store / rel).write_bytes(new)
+            done.append({"path": rel, "what": what, "kind": "file"})
+        elif choice < 0.85 and data:
+            rel = rng.choice(data)
+            if not (store / rel).is_file():
+                continue
+            new, what = damage_bytes(rng, (store / rel).read_bytes())
+            (store / rel).write_bytes(new)
+            done.append({"path": rel, "what": what, "kind": "file"})
+        elif choice < 0.93:
+            rel = rng.choice(names)  # a directory where a file is expected
+            if not (store / rel).is_file():
+                continue
+            (store / rel).unlink()
+            (store / rel).mkdir()
+            if rng.random() < 0.5:
+                (store / rel / "x").write_bytes(b"junk")
+            done.append({"path": rel, "what": "replaced by a directory", "kind": "file"})
+        else:
+            dirs = sorted({r.rsplit("/", 1)[0] for r in names if "/" in r})
+            if not dirs:
+                continue
+            rel = rng.choice(dirs)  # a file where a directory is expected
+            if not (store / rel).is_dir():
+                continue
+            shutil.rmtree(store / rel)
+            (store / rel).write_bytes(rng.choice([b"", b"{}", b"not a directory"]))
+            done.append({"path": rel, "what": "directory replaced by a file", "kind": "tree"})
+    return done
+
+
+# ------------------------------------------------------------------ what damage can reach
+
+
+def _datasets(files: dict[str, bytes]) -> list[str]:
+    """Directories (storage = view paths) whose metadata makes them datasets or groups."""
+    out = set()
+    for rel in files:
+        name = rel.rsplit("/", 1)[-1]
+        d = rel.rsplit("/", 1)[0] if "/" in rel else ""
+        if name in METADATA_NAMES:
+            out.add(d)
+    return sorted(out)
+
+
+def _under(rel: str, d: str) -> bool:
+    return d == "" or rel == d or rel.startswith(d + "/")
+
+
+def dependencies(layout: str, good: dict[str, bytes], view: dict[str, bytes]) -> dict[str, set[str]]:
+    """For each view file, the storage files it is made of (a damaged one may change it)."""
+    deps: dict[str, set[str]] = {}
+    if layout in ("pc_volume", "pc_kv"):
+        from zshardfs.layouts import precomputed_format as pf
+        for rel in view:
+            deps[rel] = {rel} if rel in good else set()
+        for rel, doc in good.items():
+            if not rel.endswith("info"):
+                continue
+            base = rel.rsplit("/", 1)[0] if "/" in rel else ""
+            info = json.loads(doc)
+            if "scales" in info:
+                for scale in info["scales"]:
+                    spec = pf.ShardingSpec.from_json(scale["sharding"])
+                    geo = pf.ScaleGeometry.from_json(scale)
+                    d = f"{base}/{scale['key']}"
+                    for v in view:
+                        if v.startswith(d + "/") and v.count("/") == d.count("/") + 1:
+                            pos = geo.parse_chunk_name(v.rsplit("/", 1)[1])
+                            if pos is not None:
+                                shard, _ = spec.shard_and_minishard(geo.chunk_id(pos))
+                                deps[v] = {f"{d}/{spec.shard_key(shard)}"}
+            elif "sharding" in info:
+                spec = pf.ShardingSpec.from_json(info["sharding"])
+                for v in view:
+                    if v.startswith(base + "/") and v.count("/") == base.count("/") + 1:
+                        name = v.rsplit("/", 1)[1].removesuffix(".index")
+                        if name.isdigit():
+                            shard, _ = spec.shard_and_minishard(int(name))
+                            deps[v] = {f"{base}/{spec.shard_key(shard)}"}
+        return deps
+    # Zarr: a chunk file's bytes are stored untouched inside one shard: find it.
+    shards = {r: b for r, b in good.items() if not is_metadata(r)}
+    for rel, data in view.items():
+        if rel in good and (is_metadata(rel) or good[rel] == data):
+            deps[rel] = {rel}
+            continue
+        d = rel.rsplit("/", 1)[0] if "/" in rel else ""
+        owner = max((x for x in _datasets(good) if _under(rel, x)), key=len, default="")
+        if layout == "zarr2":
+            owner = "data/root/" + "/".join(rel.split("/")[2:4]) if rel.startswith("data/root/") else d
+            owner = next((o for o in sorted(_arrays2(good), key=len, reverse=True) if _under(rel, o)), owner)
+        cands = {r for r in shards if _under(r, owner) and r != rel}
+        deps[rel] = {r for r in cands if data and data in shards[r]} or cands
+    return deps
+
+
+def _arrays2(good: dict[str, bytes]) -> list[str]:
+    return ["data/root/" + r[len("meta/root/"):-len(".array.json")] for r in good
+            if r.startswith("meta/root/") and r.endswith(".array.json")]
+
+
+def affected(layout: str, rel: str, is_dir: bool, damages: list[dict], deps: dict[str, set[str]]) -> bool:
+    """May ``rel`` (a view file or directory) differ from the good store's view?"""
+    for d in damages:
+        p = d["path"]
+        if d["kind"] == "tree" and (_under(rel, p) or any(_under(s, p) for s in deps.get(rel, ()))):
+            return True
+        if is_dir and _under(p, rel):  # a directory holding damage may list other names
+            return True
+        if p in deps.get(rel, ()) or p == rel:
+            return True
+        if is_metadata(p):
+            d_dir = p.rsplit("/", 1)[0] if "/" in p else ""
+            if layout == "zarr2":
+                if p.startswith("meta/root/") and p.endswith(".array.json"):
+                    if _under(rel, "data/root/" + p[len("meta/root/"):-len(".array.json")]):
+                        return True
+                else:
+                    return True  # the entry point and group documents: everything
+            elif _under(rel, d_dir):
+                return True
+            elif is_metadata(rel) and _under(p, rel.rsplit("/", 1)[0] if "/" in rel else ""):
+                return True  # consolidated metadata above the document
+    return False
+
+
+# ------------------------------------------------------------------ one run
+
+
+_MOUNTED: dict[Path, int | None] = {}  # mount point -> daemon pid: what cleanup() must take down
+
+
+def mount(store: Path, mnt: Path, log: Path, ro: bool) -> str | None:
+    mnt.mkdir(parents=True, exist_ok=True)
+    opts = ["ro" if ro else "rw", "timeout=5", f"log_file={log}"]
+    try:
+        r = subprocess.run([*ZSHARDFS, "mount", str(store), str(mnt), "-o", ",".join(opts)],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        if os.path.ismount(mnt):  # (also when the mount command failed or was interrupted)
+            try:
+                _MOUNTED[mnt] = int(os.getxattr(mnt, "user.zshardfs.pid"))
+            except (OSError, ValueError):
+                _MOUNTED[mnt] = None
+    return None if r.returncode == 0 else f"mount failed ({r.returncode}): {r.stderr.strip()[-500:]}"
+
+
+def umount(mnt: Path) -> str | None:
+    """``zshardfs umount``; failing that, a lazy unmount and SIGKILL of the daemon."""
+    pid = _MOUNTED.pop(mnt, None)
+    try:
+        r = subprocess.run([*ZSHARDFS, "umount", str(mnt)], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        r = None
+    if r is None or r.returncode != 0 or os.path.ismount(mnt):
+        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return f"umount failed: {r.stderr.strip()[-500:] if r else 'timeout'}"
+    return None
+
+
+def cleanup() -> None:
+    """Take down every mount still up (a failed or interrupted run)."""
+    for mnt in list(_MOUNTED):
+        umount(mnt)
+
+
+def _on_signal(signum, frame):
+    raise SystemExit(128 + signum)  # (unwinds through the finally clauses, then atexit)
+
+
+def log_lines(log: Path) -> list[str]:
+    return [line for line in (log.read_text(errors="replace").splitlines() if log.exists() else [])]
+
+
+def noisy(lines: list[str]) -> list[str]:
+    return [line for line in lines if " WARNING " in line or " ERROR " in line or " CRITICAL " in line]
+
+
+def view_of(store: Path, work: Path, ro: bool, writes: list[str], seed: int, tag: str, probe: list[str] = ()) -> tuple[dict | str, list[str], list[str]]:
+    """Mount, walk (and write), unmount: (walk result or failure, log lines, problems)."""
+    mnt, log = work / f"mnt-{tag}", work / f"{tag}.log"
+    problems = []
+    err = mount(store, mnt, log, ro)
+    if err:
+        if mnt in _MOUNTED:
+            umount(mnt)
+        return err, log_lines(log), [err]
+    try:
+        res = walk_in_child(mnt, writes, seed, list(probe))
+        try:
+            os.stat(mnt)
+        except OSError as e:
+            problems.append(f"{tag}: the daemon is gone after the walk ({e})")
+    finally:
+        err = umount(mnt)
+        if err:
+            problems.append(f"{tag}: {err}")
+    return res, log_lines(log), problems
+
+
+_REFERENCE: dict[str, tuple] = {}
+ERRNOS: dict[str, int] = {}  # errors the walks met, for the summary line
+
+
+def reference(layout: str, good: Path, work: Path) -> tuple:
+    """The good store's view (read-only walk), its files' bytes, its log's noise."""
+    if layout not in _REFERENCE:
+        res, lines, problems = view_of(good, work, True, [], 0, "good")
+        if isinstance(res, str) or problems:
+            raise SystemExit(f"the good {layout} store does not mount and read cleanly: {res} {problems}")
+        bad = {r: v for r, v in res["files"].items() if not isinstance(v, str) or v.startswith("size")}
+        if bad:
+            raise SystemExit(f"the good {layout} store has unreadable files: {bad}")
+        mnt = work / "mnt-good-bytes"
+        mount(good, mnt, work / "good-bytes.log", True)
+        try:
+            view = {r: (mnt / r).read_bytes() for r in res["files"]}
+        finally:
+            umount(mnt)
+        _REFERENCE[layout] = (res, view, len(noisy(lines)))
+    return _REFERENCE[layout]
+
+
+def run_seed(layout: str, seed: int, cache: Path, base: Path, keep: bool = False) -> list[str]:
+    """Damage a copy of the good store with ``seed``; return the findings."""
+    good = good_store(cache, layout)
+    work = base / f"{layout}-{seed}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    ref, view, ref_noise = reference(layout, good, base / f"{layout}-reference")
+    good_files = storage_files(good)
+    deps = dependencies(layout, good_files, view)
+    store = work / "store"
+    shutil.copytree(good, store)
+    rng = random.Random(f"{layout}/{seed}")
+    damages = apply_damage(rng, store, good_files)
+    findings: list[str] = []
+    chunks = sorted(r for r in ref["files"] if not affected(layout, r, False, damages, deps)
+                    and not is_metadata(r) and deps.get(r) and deps[r] != {r}
+                    and not r.endswith(".index"))  # (a mesh's manifest must stay consistent with its data)
+    writes = rng.sample(chunks, min(3, len(chunks)))
+    for ro in (True, False):
+        tag = "ro" if ro else "rw"
+        res, lines, problems = view_of(store, work, ro, [] if ro else writes, seed, tag, sorted(ref["files"]))
+        findings += problems
+        if isinstance(res, str):
+            findings.append(f"{tag}: {res}")
+            continue
+        text = "\n".join(lines)
+        for v in res["files"].values():
+            if isinstance(v, int):
+                ERRNOS[f"{tag}:{errno.errorcode.get(-v, -v)}"] = ERRNOS.get(f"{tag}:{errno.errorcode.get(-v, -v)}", 0) + 1
+        if "Traceback" in text:
+            i = text.index("Traceback")
+            findings.append(f"{tag}: traceback in the log:\n{text[max(0, i - 300):i + 2500]}")
+        extra = len(noisy(lines)) - ref_noise
+        if extra > LINES_PER_DAMAGE * max(1, len(damages)):
+            findings.append(f"{tag}: {extra} warning/error lines for {len(damages)} damaged objects:\n"
+                            + "\n".join(noisy(lines)[:12]))
+        for what, dt in res["slow"]:
+            findings.append(f"{tag}: {what} took {dt} s")
+        for rel, v in sorted(res["files"].items()):
+            if isinstance(v, int) and -v not in ACCEPTABLE:
+                findings.append(f"{tag}: {rel}: {errno.errorcode.get(-v, -v)}")
+            elif isinstance(v, str) and v.startswith("size"):
+                findings.append(f"{tag}: {rel}: {v}")
+        for rel, v in sorted(res["dirs"].items()):
+            if isinstance(v, int) and -v not in ACCEPTABLE:
+                findings.append(f"{tag}: listing {rel or '.'}: {errno.errorcode.get(-v, -v)}")
+        for rel, v in sorted(ref["files"].items()):
+            if affected(layout, rel, False, damages, deps) or rel in res["writes"]:
+                continue
+            got = res["files"].get(rel, "missing")
+            if got != v:
+                findings.append(f"{tag}: {rel} (undamaged) reads {got if not isinstance(got, str) or len(got) < 20 else 'other bytes'}")
+        hit = [r for r in ref["files"] if affected(layout, r, False, damages, deps)]
+        for rel, v in sorted(ref["dirs"].items()):
+            if affected(layout, rel, True, damages, deps) or any(_under(r, rel) for r in hit):
+                continue  # (a listing shows the names of what is below it)
+            got = res["dirs"].get(rel, "missing")
+            if got != v:
+                findings.append(f"{tag}: listing of {rel or '.'} (undamaged) is {got}, not {v}")
+        for rel, v in res["writes"].items():
+            if v != "ok":
+                findings.append(f"{tag}: write to undamaged {rel}: {v}")
+    if findings:
+        print(f"FINDING {layout} seed {seed}: replay with\n  .venv/bin/python scripts/fuzz_damage.py "
+              f"--layout {layout} --seeds {seed} --keep", flush=True)
+        for d in damages:
+            print(f"  damage: {d['path']}: {d['what']}")
+        for f in findings[:20]:
+            print("  " + f.replace("\n", "\n    "))
+        if len(findings) > 20:
+            print(f"  ... {len(findings) - 20} more")
+    if not keep and not findings:
+        shutil.rmtree(work, ignore_errors=True)
+    return findings
+
+
+def _seeds(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b) + 1)) if b else [int(a)]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layout", default="all", choices=[*LAYOUTS, "all"])
+    ap.add_argument("--seeds", default="0-9", help="e.g. 7, 0-49, 3,8,20-30")
+    ap.add_argument("--cache", default="/tmp/zshardfs-fuzz-damage/stores", help="where good stores are kept")
+    ap.add_argument("--base", default="/tmp/zshardfs-fuzz-damage/runs", help="where runs go")
+    ap.add_argument("--keep", action="store_true", help="keep the damaged store and logs of every run")
+    ap.add_argument("--walk-job", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.walk_job:
+        job = json.loads(args.walk_job)
+        Path(job["out"]).write_text(json.dumps(walk(job["root"], job["writes"], job["seed"], job["probe"])))
+        return 0
+    atexit.register(cleanup)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGHUP, _on_signal)
+    layouts = LAYOUTS if args.layout == "all" else (args.layout,)
+    found = 0
+    for layout in layouts:
+        for seed in _seeds(args.seeds):
+            t = time.monotonic()
+            f = run_seed(layout, seed, Path(args.cache), Path(args.base), args.keep)
+            found += bool(f)
+            print(f"{layout} seed {seed}: {'%d findings' % len(f) if f else 'ok'} ({time.monotonic() - t:.1f} s)",
+                  flush=True)
+    print(f"{found} seeds with findings; errors met by the walks: {ERRNOS}")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
