@@ -266,6 +266,45 @@ HOSTILE = [-1, 0, 1, -(2**63), 2**64, 2**64 + 1, 10**30, 1e308, float("nan"), fl
            [[[[[[[[]]]]]]]], "neuroglancer_uint64_sharded_v1", {"@type": 5}, [1.5, 2.5]]
 
 
+# Keys whose values the formats give meaning to (Zarr v3, the v3 draft, precomputed):
+# "targeted" damage picks one of these, and a value hostile for its kind.
+TARGETS = {"shape", "chunk_shape", "chunk_shapes", "chunks_per_shard", "data_type", "fill_value", "codecs",
+           "index_codecs", "index_location", "endian", "separator", "name", "node_type", "zarr_format",
+           "configuration", "level", "storage_transformers", "compressor", "dimension_names", "kind",
+           "size", "chunk_sizes", "voxel_offset", "resolution", "encoding", "key", "sharding", "preshift_bits",
+           "minishard_bits", "shard_bits", "hash", "minishard_index_encoding", "data_encoding", "@type",
+           "num_channels", "type", "scales", "mesh", "skeletons", "vertex_quantization_bits",
+           "lod_scale_multiplier", "chunk_key_encoding", "chunk_grid", "consolidated_metadata", "metadata",
+           "chunk_memory_layout", "metadata_key_suffix", "compressed_segmentation_block_size"}
+
+
+def _hostile_for(rng: random.Random, old):
+    """A value of the same kind as ``old`` that makes no sense, or one of another kind."""
+    if rng.random() < 0.2:
+        return rng.choice(HOSTILE)
+    if isinstance(old, bool) or old is None:
+        return rng.choice([not old, 0, "true", None])
+    if isinstance(old, int):
+        return rng.choice([-1, 0, 1, 63, 64, 65, 2**31, 2**53 + 1, 2**64, 10**30, 1.5, float("nan"),
+                           float("inf"), str(old), True, -old - 1, old * 2**20])
+    if isinstance(old, float):
+        return rng.choice([0.0, -1.0, float("nan"), float("inf"), -float("inf"), 1e308, 1e-308, "1.0"])
+    if isinstance(old, str):
+        return rng.choice(["", "x", "gzip", "raw", "identity", "murmurhash3_x86_128", "big", "start", "end",
+                           "sharding_indexed", "bytes", "crc32c", "v2", "default", "/", "..", ".", "../..",
+                           "a/b", "\x00", "int64", "float32", "uint8", "bool", "array", "group", old * 1000, 5])
+    if isinstance(old, list):
+        n = len(old)
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in old) and n:
+            return rng.choice([[], [0] * n, [-1] * n, [2**62] * n, [2**64] * n, [1] * (n + 1), [1] * max(0, n - 1),
+                               [1.5] * n, ["x"] * n, [None] * n, [[1]] * n, [2**31] * n, [65] * n])
+        return rng.choice([[], old * 2, old[:1], old[::-1], [old], [None], [{}], ["x"], old + old[-1:] * 50])
+    if isinstance(old, dict):
+        return rng.choice([{}, [], None, {k: None for k in old}, {**old, "name": "x"},
+                           {**old, "configuration": {}}, "x"])
+    return rng.choice(HOSTILE)
+
+
 def _json_paths(doc, here=()):
     yield here
     if isinstance(doc, dict):
@@ -289,11 +328,15 @@ def _set(doc, path, value):
 def damage_json(rng: random.Random, data: bytes) -> tuple[bytes, str]:
     """A hostile version of a JSON document: malformed text, or valid JSON with wrong
     types and values somewhere in it."""
-    kind = rng.choice(["malformed", "value", "value", "value", "delete", "duplicate_list", "nested_sharding"])
+    kind = rng.choice(["malformed", "value", "value", "targeted", "targeted", "targeted", "delete",
+                       "duplicate_list", "nested_sharding"])
+    try:
+        doc = json.loads(data)
+    except ValueError:  # (damaged already)
+        kind = "malformed"
     if kind == "malformed":
         cut = rng.randrange(len(data) + 1)
         return data[:cut] + rng.choice([b"", b"{", b"]", b"\x00", b"\xff\xfe", b'"']), f"malformed json cut at {cut}"
-    doc = json.loads(data)
     paths = list(_json_paths(doc))
     if kind == "delete":
         paths = [p for p in paths if p and isinstance(p[-1], str)]
@@ -325,6 +368,13 @@ def damage_json(rng: random.Random, data: bytes) -> tuple[bytes, str]:
             _set(doc, p, [bad] + (_get(doc, p) if rng.random() < 0.5 else []))
             return json.dumps(doc).encode(), f"json nested sharding at {list(p)}: {json.dumps(bad)}"
         kind = "value"
+    if kind == "targeted":
+        keyed = [p for p in paths if p and p[-1] in TARGETS]
+        if keyed:
+            p = rng.choice(keyed)
+            v = _hostile_for(rng, _get(doc, p))
+            doc = _set(doc, p, v)
+            return json.dumps(doc).encode(), f"json {list(p)} = {json.dumps(v)[:80]}"
     p = rng.choice(paths[1:] or paths)
     v = rng.choice(HOSTILE)
     old = _get(doc, p)
@@ -495,6 +545,9 @@ def affected(layout: str, rel: str, is_dir: bool, damages: list[dict], deps: dic
         p = d["path"]
         if d["kind"] == "tree" and (_under(rel, p) or any(_under(s, p) for s in deps.get(rel, ()))):
             return True
+        if d["kind"] == "tree" and layout == "zarr2" and p.startswith("meta/root/"):
+            if _under(rel, "data/root/" + p[len("meta/root/"):]):  # (the array documents below went)
+                return True
         if is_dir and _under(p, rel):  # a directory holding damage may list other names
             return True
         if p in deps.get(rel, ()) or p == rel:
@@ -518,13 +571,33 @@ def affected(layout: str, rel: str, is_dir: bool, damages: list[dict], deps: dic
 
 
 _MOUNTED: dict[Path, int | None] = {}  # mount point -> daemon pid: what cleanup() must take down
+S3 = None  # --backend s3: the moto server (tests/s3server.py) the stores are copied to
+_BUCKETS: dict[Path, str] = {}  # store directory -> its bucket
+
+
+def source(store: Path) -> list[str]:
+    """The source argument(s) for ``store``: the directory, or (S3) a bucket holding its files."""
+    if S3 is None:
+        return [str(store)]
+    if store not in _BUCKETS:
+        bucket = S3.create_bucket()
+        _BUCKETS[store] = bucket
+        S3.put_many(bucket, {f"pfx/{r}": b for r, b in storage_files(store).items()})
+    return [f"s3://{_BUCKETS[store]}/pfx", "--endpoint-url", S3.endpoint_url]
+
+
+def drop_source(store: Path) -> None:
+    bucket = _BUCKETS.pop(store, None)
+    if bucket is not None:
+        S3.delete_bucket(bucket)
 
 
 def mount(store: Path, mnt: Path, log: Path, ro: bool) -> str | None:
     mnt.mkdir(parents=True, exist_ok=True)
     opts = ["ro" if ro else "rw", "timeout=5", f"log_file={log}"]
     try:
-        r = subprocess.run([*ZSHARDFS, "mount", str(store), str(mnt), "-o", ",".join(opts)],
+        src, *extra = source(store)
+        r = subprocess.run([*ZSHARDFS, "mount", src, str(mnt), "-o", ",".join(opts), *extra],
                            capture_output=True, text=True, timeout=120)
     finally:
         if os.path.ismount(mnt):  # (also when the mount command failed or was interrupted)
@@ -555,8 +628,23 @@ def umount(mnt: Path) -> str | None:
 
 def cleanup() -> None:
     """Take down every mount still up (a failed or interrupted run)."""
+    global S3
     for mnt in list(_MOUNTED):
         umount(mnt)
+    if S3 is not None:
+        S3.stop()
+        S3 = None
+        _BUCKETS.clear()
+
+
+def start_s3(log: Path) -> None:
+    """Start the moto server (dummy credentials for it in this process and the daemons)."""
+    global S3
+    from tests.s3server import MotoServer, dummy_credentials_env
+    os.environ.update(dummy_credentials_env())
+    log.parent.mkdir(parents=True, exist_ok=True)
+    S3 = MotoServer(log)
+    S3.start()
 
 
 def _on_signal(signum, frame):
@@ -571,8 +659,10 @@ def noisy(lines: list[str]) -> list[str]:
     return [line for line in lines if " WARNING " in line or " ERROR " in line or " CRITICAL " in line]
 
 
-def view_of(store: Path, work: Path, ro: bool, writes: list[str], seed: int, tag: str, probe: list[str] = ()) -> tuple[dict | str, list[str], list[str]]:
-    """Mount, walk (and write), unmount: (walk result or failure, log lines, problems)."""
+def view_of(store: Path, work: Path, ro: bool, writes: list[str], seed: int, tag: str, probe: list[str] = (),
+            after=None) -> tuple[dict | str, list[str], list[str]]:
+    """Mount, walk (and write), ``after(mnt, result)``, unmount: (walk result or failure, log
+    lines, problems)."""
     mnt, log = work / f"mnt-{tag}", work / f"{tag}.log"
     problems = []
     err = mount(store, mnt, log, ro)
@@ -586,11 +676,29 @@ def view_of(store: Path, work: Path, ro: bool, writes: list[str], seed: int, tag
             os.stat(mnt)
         except OSError as e:
             problems.append(f"{tag}: the daemon is gone after the walk ({e})")
+        if after is not None and not isinstance(res, str) and not problems:
+            after(mnt, res)
     finally:
         err = umount(mnt)
         if err:
             problems.append(f"{tag}: {err}")
     return res, log_lines(log), problems
+
+
+def fsck(store: Path) -> list[str]:
+    """``zshardfs fsck --data`` of the store: it ends in time, exit 0 or 1, no traceback."""
+    try:
+        r = subprocess.run([*ZSHARDFS, "fsck", *source(store), "--data", "-o", "timeout=5"],
+                           capture_output=True, text=True, timeout=WALK_DEADLINE)
+    except subprocess.TimeoutExpired:
+        return [f"fsck did not end within {WALK_DEADLINE:.0f} s"]
+    out = []
+    if r.returncode not in (0, 1):
+        out.append(f"fsck exited {r.returncode}: {r.stderr.strip()[-500:]}")
+    text = r.stdout + r.stderr
+    if "Traceback" in text:
+        out.append("fsck: traceback:\n" + text[text.index("Traceback"):][:2500])
+    return out
 
 
 _REFERENCE: dict[str, tuple] = {}
@@ -599,25 +707,25 @@ ERRNOS: dict[str, int] = {}  # errors the walks met, for the summary line
 
 def reference(layout: str, good: Path, work: Path) -> tuple:
     """The good store's view (read-only walk), its files' bytes, its log's noise."""
-    if layout not in _REFERENCE:
-        res, lines, problems = view_of(good, work, True, [], 0, "good")
+    if (layout, S3 is not None) not in _REFERENCE:
+        view: dict[str, bytes] = {}
+        res, lines, problems = view_of(good, work, True, [], 0, "good", after=lambda mnt, res: view.update(
+            {r: (mnt / r).read_bytes() for r, v in res["files"].items() if isinstance(v, str)}))
         if isinstance(res, str) or problems:
             raise SystemExit(f"the good {layout} store does not mount and read cleanly: {res} {problems}")
         bad = {r: v for r, v in res["files"].items() if not isinstance(v, str) or v.startswith("size")}
         if bad:
             raise SystemExit(f"the good {layout} store has unreadable files: {bad}")
-        mnt = work / "mnt-good-bytes"
-        mount(good, mnt, work / "good-bytes.log", True)
-        try:
-            view = {r: (mnt / r).read_bytes() for r in res["files"]}
-        finally:
-            umount(mnt)
-        _REFERENCE[layout] = (res, view, len(noisy(lines)))
-    return _REFERENCE[layout]
+        r = subprocess.run([*ZSHARDFS, "fsck", *source(good), "--data"], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise SystemExit(f"fsck finds the good {layout} store damaged: {r.stdout[-500:]} {r.stderr[-500:]}")
+        _REFERENCE[layout, S3 is not None] = (res, view, len(noisy(lines)))
+    return _REFERENCE[layout, S3 is not None]
 
 
-def run_seed(layout: str, seed: int, cache: Path, base: Path, keep: bool = False) -> list[str]:
-    """Damage a copy of the good store with ``seed``; return the findings."""
+def run_seed(layout: str, seed: int, cache: Path, base: Path, keep: bool = False,
+             verbose: bool = False) -> tuple[list[str], list[dict]]:
+    """Damage a copy of the good store with ``seed``; return the findings and the damage."""
     good = good_store(cache, layout)
     work = base / f"{layout}-{seed}"
     shutil.rmtree(work, ignore_errors=True)
@@ -678,6 +786,13 @@ def run_seed(layout: str, seed: int, cache: Path, base: Path, keep: bool = False
         for rel, v in res["writes"].items():
             if v != "ok":
                 findings.append(f"{tag}: write to undamaged {rel}: {v}")
+    findings += fsck(store)
+    drop_source(store)
+    if verbose and not findings:
+        for d in damages:
+            print(f"  damage: {d['path']}: {d['what']}")
+        hit = sum(affected(layout, r, False, damages, deps) for r in ref["files"])
+        print(f"  {len(ref['files']) - hit} of {len(ref['files'])} files undamaged (compared), writes {writes}")
     if findings:
         print(f"FINDING {layout} seed {seed}: replay with\n  .venv/bin/python scripts/fuzz_damage.py "
               f"--layout {layout} --seeds {seed} --keep", flush=True)
@@ -689,7 +804,7 @@ def run_seed(layout: str, seed: int, cache: Path, base: Path, keep: bool = False
             print(f"  ... {len(findings) - 20} more")
     if not keep and not findings:
         shutil.rmtree(work, ignore_errors=True)
-    return findings
+    return findings, damages
 
 
 def _seeds(text: str) -> list[int]:
@@ -707,6 +822,9 @@ def main() -> int:
     ap.add_argument("--cache", default="/tmp/zshardfs-fuzz-damage/stores", help="where good stores are kept")
     ap.add_argument("--base", default="/tmp/zshardfs-fuzz-damage/runs", help="where runs go")
     ap.add_argument("--keep", action="store_true", help="keep the damaged store and logs of every run")
+    ap.add_argument("--backend", default="local", choices=["local", "s3"],
+                    help="s3: copy each store to a bucket of a moto server (tests/s3server.py)")
+    ap.add_argument("--verbose", action="store_true", help="print the damage of every seed")
     ap.add_argument("--walk-job", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.walk_job:
@@ -716,12 +834,14 @@ def main() -> int:
     atexit.register(cleanup)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGHUP, _on_signal)
+    if args.backend == "s3":
+        start_s3(Path(args.base) / "moto.log")
     layouts = LAYOUTS if args.layout == "all" else (args.layout,)
     found = 0
     for layout in layouts:
         for seed in _seeds(args.seeds):
             t = time.monotonic()
-            f = run_seed(layout, seed, Path(args.cache), Path(args.base), args.keep)
+            f, _ = run_seed(layout, seed, Path(args.cache), Path(args.base), args.keep, args.verbose)
             found += bool(f)
             print(f"{layout} seed {seed}: {'%d findings' % len(f) if f else 'ok'} ({time.monotonic() - t:.1f} s)",
                   flush=True)
