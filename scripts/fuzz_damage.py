@@ -26,7 +26,12 @@ process with a deadline, walks it and reads every file. It checks:
   through the sharding spec) reads exactly as in the good store, and every directory
   the damage cannot reach lists the same names;
 - in the read-write mount, writes (with fsync) to up to 3 such chunk files succeed and
-  read back.
+  read back; writes to up to 2 chunk files the damage made EIO end with success, EIO or
+  ENOENT, change no file that read before, and when they fail leave their shard as
+  stored (local stores);
+- ``zshardfs fsck --data`` of the damaged store ends in time, with 0 or 1, no traceback.
+
+With ``--backend s3`` the stores are copied to buckets of a moto server (tests/s3server.py).
 
   .venv/bin/python scripts/fuzz_damage.py --layout zarr --seeds 0-49
   .venv/bin/python scripts/fuzz_damage.py --layout all --seeds 7     # one seed, every layout
@@ -144,12 +149,13 @@ def storage_files(root: Path) -> dict[str, bytes]:
 # ------------------------------------------------------------------ walking (child process)
 
 
-def walk(root: str, writes: list[str], seed: int, probe: list[str] = ()) -> dict:
+def walk(root: str, writes: list[str], seed: int, probe: list[str] = (), bad_writes: list = ()) -> dict:
     """Walk and read everything below ``root``, then the names in ``probe`` the walk did
     not meet (the good store's files: damage may leave them out of listings); then
-    write ``writes`` (rw mounts).
+    write ``writes`` (rw mounts), then ``bad_writes`` ([rel, size]: chunks the damage made
+    unreadable), then read again every file that read before.
     Returns {"files": {rel: sha|-errno}, "dirs": {rel: [names]|-errno}, "slow": [...],
-    "writes": {rel: "ok"|error}}."""
+    "writes": {rel: "ok"|error}, "bad_writes": {rel: "ok"|-errno}, "changed": [rel, ...]}."""
     files: dict[str, object] = {}
     dirs: dict[str, object] = {}
     slow: list = []
@@ -233,13 +239,39 @@ def walk(root: str, writes: list[str], seed: int, probe: list[str] = ()) -> dict
             done[r] = "ok" if back == new else f"read back {len(back)} bytes, not the {len(new)} written"
         except OSError as e:
             done[r] = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}"
-    return {"files": files, "dirs": dirs, "slow": slow, "writes": done}
+    bad_done: dict[str, object] = {}
+    for r, size in bad_writes:
+        p = os.path.join(root, r)
+        new = bytes(rng.randrange(256) for _ in range(size))
+        try:
+            fd = timed(f"open-w {r}", os.open, p, os.O_WRONLY | os.O_TRUNC)
+            try:
+                timed(f"write {r}", os.write, fd, new)
+                timed(f"fsync {r}", os.fsync, fd)
+            finally:
+                timed(f"close {r}", os.close, fd)
+            bad_done[r] = "ok"
+        except OSError as e:
+            bad_done[r] = -e.errno
+    changed = []
+    if bad_writes:
+        for r, v in sorted(files.items()):
+            if isinstance(v, str) and not v.startswith("size") and r not in done and r not in bad_done:
+                try:
+                    now = hashlib.sha256(timed(f"read again {r}", read_all, os.path.join(root, r))).hexdigest()
+                except OSError as e:
+                    now = -e.errno
+                if now != v:
+                    changed.append(r)
+    return {"files": files, "dirs": dirs, "slow": slow, "writes": done, "bad_writes": bad_done,
+            "changed": changed}
 
 
-def walk_in_child(mnt: Path, writes: list[str], seed: int, probe: list[str]) -> dict | str:
+def walk_in_child(mnt: Path, writes: list[str], seed: int, probe: list[str], bad_writes: list = ()) -> dict | str:
     """``walk`` in a child process; a string says why it gave no answer (a hang)."""
     out = mnt.parent / (mnt.name + ".walk.json")
-    job = json.dumps({"root": str(mnt), "writes": writes, "seed": seed, "out": str(out), "probe": probe})
+    job = json.dumps({"root": str(mnt), "writes": writes, "seed": seed, "out": str(out), "probe": probe,
+                      "bad_writes": list(bad_writes)})
     proc = subprocess.Popen([sys.executable, __file__, "--walk-job", job])
     try:
         rc = proc.wait(timeout=WALK_DEADLINE)
@@ -660,7 +692,7 @@ def noisy(lines: list[str]) -> list[str]:
 
 
 def view_of(store: Path, work: Path, ro: bool, writes: list[str], seed: int, tag: str, probe: list[str] = (),
-            after=None) -> tuple[dict | str, list[str], list[str]]:
+            after=None, bad_writes: list = ()) -> tuple[dict | str, list[str], list[str]]:
     """Mount, walk (and write), ``after(mnt, result)``, unmount: (walk result or failure, log
     lines, problems)."""
     mnt, log = work / f"mnt-{tag}", work / f"{tag}.log"
@@ -671,7 +703,7 @@ def view_of(store: Path, work: Path, ro: bool, writes: list[str], seed: int, tag
             umount(mnt)
         return err, log_lines(log), [err]
     try:
-        res = walk_in_child(mnt, writes, seed, list(probe))
+        res = walk_in_child(mnt, writes, seed, list(probe), bad_writes)
         try:
             os.stat(mnt)
         except OSError as e:
@@ -742,13 +774,27 @@ def run_seed(layout: str, seed: int, cache: Path, base: Path, keep: bool = False
                     and not is_metadata(r) and deps.get(r) and deps[r] != {r}
                     and not r.endswith(".index"))  # (a mesh's manifest must stay consistent with its data)
     writes = rng.sample(chunks, min(3, len(chunks)))
+    bad_writes: list = []
+    before: dict[str, bytes] = {}
     for ro in (True, False):
         tag = "ro" if ro else "rw"
-        res, lines, problems = view_of(store, work, ro, [] if ro else writes, seed, tag, sorted(ref["files"]))
+        if not ro:
+            before = storage_files(store) if S3 is None else {}
+        res, lines, problems = view_of(store, work, ro, [] if ro else writes, seed, tag, sorted(ref["files"]),
+                                       bad_writes=bad_writes if not ro else ())
         findings += problems
         if isinstance(res, str):
             findings.append(f"{tag}: {res}")
             continue
+        if ro:  # the rw mount writes up to 2 of the chunks the damage made EIO, too
+            eio = sorted(r for r, v in res["files"].items() if v == -errno.EIO and r in view
+                         and not is_metadata(r) and deps.get(r) and deps[r] != {r} and not r.endswith(".index"))
+            bad_writes = [[r, len(view[r])] for r in random.Random(f"{layout}/{seed}/bad").sample(eio, min(2, len(eio)))]
+        else:
+            findings += check_bad_writes(res, bad_writes, before, storage_files(store) if S3 is None else {},
+                                         deps, writes)
+            if verbose:
+                print(f"  writes to damaged chunks: {res.get('bad_writes')}")
         text = "\n".join(lines)
         for v in res["files"].values():
             if isinstance(v, int):
@@ -807,6 +853,27 @@ def run_seed(layout: str, seed: int, cache: Path, base: Path, keep: bool = False
     return findings, damages
 
 
+def check_bad_writes(res: dict, bad_writes: list, before: dict[str, bytes], after: dict[str, bytes],
+                     deps: dict[str, set[str]], writes: list[str]) -> list[str]:
+    """Writes to chunks the damage made EIO: each ends with success, EIO or ENOENT; no file
+    that read before reads otherwise after them; a damaged shard whose write failed is left
+    as stored (SEMANTICS Limits: a write to a damaged shard fails, it never rewrites it
+    without the damaged chunks)."""
+    out = []
+    written = set().union(*(deps.get(w, set()) for w in writes)) if writes else set()
+    for rel, v in sorted(res.get("bad_writes", {}).items()):
+        if isinstance(v, int) and -v not in (errno.EIO, errno.ENOENT):
+            out.append(f"rw: write to damaged {rel}: {errno.errorcode.get(-v, -v)}")
+        if isinstance(v, int) and before:
+            for shard in sorted(deps.get(rel, set()) - written):
+                if before.get(shard) != after.get(shard):
+                    out.append(f"rw: write to damaged {rel} failed ({errno.errorcode.get(-v, -v)}) but changed "
+                               f"{shard} ({len(before.get(shard, b''))} -> {len(after.get(shard, b''))} bytes)")
+    for rel in res.get("changed", []):
+        out.append(f"rw: {rel} reads otherwise after the writes to damaged chunks {[r for r, _ in bad_writes]}")
+    return out
+
+
 def _seeds(text: str) -> list[int]:
     out = []
     for part in text.split(","):
@@ -829,7 +896,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.walk_job:
         job = json.loads(args.walk_job)
-        Path(job["out"]).write_text(json.dumps(walk(job["root"], job["writes"], job["seed"], job["probe"])))
+        Path(job["out"]).write_text(json.dumps(walk(job["root"], job["writes"], job["seed"], job["probe"],
+                                                    job.get("bad_writes", []))))
         return 0
     atexit.register(cleanup)
     signal.signal(signal.SIGTERM, _on_signal)
