@@ -788,6 +788,39 @@ def _reads(path: Path) -> bool:
     return True
 
 
+def test_a_file_opened_for_writing_during_a_listing_stays_listed(mount, moto_server, bucket):
+    """A listing of a plain directory whose storage LIST is answered after a
+    file there was opened for writing (a truncate, ``open("r+b")``): the
+    listing left out the names that had a write buffer when its answer came
+    (shown as the buffer's node at the end) but looked at the buffers only
+    before it began, so the file was in neither (the differential tester's
+    race op: ``scandir`` missed ``plain/b.bin`` during a truncate of it)."""
+    for name, data in (("a.bin", b"A" * 10), ("b.bin", b"B" * 100)):
+        moto_server.s3.put_object(Bucket=bucket, Key=f"{PREFIX}/plain/{name}", Body=data)
+    with TcpProxy(moto_server.port) as proxy:
+        # (metadata_ttl=0: the listing asks storage, not the lookup's listing of it)
+        m = mount(f"s3://{bucket}/{PREFIX}", "flush_delay=inf", "metadata_ttl=0",
+                  extra=["--endpoint-url", proxy.endpoint_url])
+        plain = m.path / "plain"
+        # the kernel holds the file's entry: its open needs no lookup, which
+        # would wait for the listing (FUSE serialises them in one directory)
+        assert os.stat(plain / "b.bin").st_size == 100
+        proxy.hold(lambda first: first.startswith(f"GET /{bucket}?".encode()) and b"plain" in first.split(b"\r\n")[0])
+        with ThreadPoolExecutor(1) as pool:
+            listing = pool.submit(os.listdir, plain)
+            assert proxy.holding.wait(10), "the listing did not ask storage"
+            fd = os.open(plain / "b.bin", os.O_RDWR)
+            try:
+                proxy.go()
+                assert sorted(listing.result(timeout=10)) == ["a.bin", "b.bin"]
+                os.ftruncate(fd, 7)
+            finally:
+                os.close(fd)
+        assert sorted(os.listdir(plain)) == ["a.bin", "b.bin"]
+        assert (plain / "b.bin").read_bytes() == b"B" * 7
+    assert "Traceback" not in m.log_text()
+
+
 # --------------------------------------------------------------------------
 # the server stops
 

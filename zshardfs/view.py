@@ -733,6 +733,19 @@ class View:
         seen: set[str] | None = set() if extra else None
         mark = self.writeback.store_seq
         buffers = self.buffers
+        # names left out of a batch for having a write buffer then: shown from
+        # it at the end, with ``extra`` (those that had one when we began; a
+        # file opened for writing while storage was listed is in neither)
+        held: set[str] = set()
+
+        def unbuffered(children: list[Node]) -> list[Node]:
+            out = []
+            for child in children:
+                if child.path in buffers:
+                    held.add(child.name)
+                else:
+                    out.append(child)
+            return out
 
         if self._in_dataset(node):
             prefix, dataset, rel = _prefix(node.path), node.dataset, node.rel
@@ -750,7 +763,7 @@ class View:
                     now = time.monotonic()
                     for c in kept[3]:
                         c.created = now
-                    out = [c for c in kept[3] if c.path not in buffers] if buffers else kept[3]
+                    out = unbuffered(kept[3]) if buffers else kept[3]
                     if out:
                         if seen is not None:
                             seen.update(child.name for child in out)
@@ -764,8 +777,11 @@ class View:
                         child = await self._dataset_child(prefix + name, dataset, rel + (name,))
                     else:
                         child = virtual(prefix + name, dataset, rel + (name,), entry)
-                    if child is not None and child.path not in buffers:
-                        out.append(child)
+                    if child is not None:
+                        if child.path in buffers:
+                            held.add(child.name)
+                        else:
+                            out.append(child)
                 if (out and len(out) == len(batch) and isinstance(batch[0][1], ChunkEntry)
                         and not self.writeback.dirty and not stored_since(batch[0][1].shard_key, mark)):
                     self._keep_listed(batch, prefix, dataset, out)
@@ -805,7 +821,7 @@ class View:
                         continue
             for name, info in links.items():
                 out.append(self._link_node(join_key(node.path, name), info))
-            out = [child for child in out if child is not None and child.path not in buffers]
+            out = unbuffered([child for child in out if child is not None])
             if out:
                 if seen is not None:
                     seen.update(child.name for child in out)
@@ -816,14 +832,17 @@ class View:
                     out = []
                     for name, entry in batch:
                         child = await self._listed_child(prefix + name, dataset, (name,), entry, mark)
-                        if child is not None and child.path not in buffers:
-                            out.append(child)
+                        if child is not None:
+                            if child.path in buffers:
+                                held.add(child.name)
+                            else:
+                                out.append(child)
                     if out:
                         if seen is not None:
                             seen.update(child.name for child in out)
                         yield out
-        for name in extra:
-            if name not in seen:
+        for name in sorted(held.union(extra)) if held else extra:
+            if seen is None or name not in seen:  # (a held name is in no batch: left out of its own)
                 child = await self.lookup(node, name)
                 if child is not None:
                     yield [child]
