@@ -44,6 +44,8 @@ def main() -> int:
     ap.add_argument("--no-conc", action="store_true", help="no concurrent writers")
     ap.add_argument("--faults", type=float, default=0, metavar="W",
                     help="(S3) weight of the op that turns network faults on for a stretch of ops (e.g. 3)")
+    ap.add_argument("--race", type=float, default=0, metavar="W",
+                    help="weight of the race op (a file watched while another process changes it; off: 0)")
     ap.add_argument("--replay", metavar="FILE", help="replay the ops saved in FILE (layout, backend, opts too)")
     ap.add_argument("--minimize", action="store_true", help="on a divergence, find a minimal op sequence")
     ap.add_argument("--verbose", action="store_true", help="print every op and its result")
@@ -65,6 +67,8 @@ def main() -> int:
         weights["conc"] = 0
     if args.faults:
         weights["faults"] = args.faults
+    if args.race:
+        weights["race"] = args.race
     server = None
     if backend == "s3":
         from tests.s3server import MotoServer, set_dummy_credentials

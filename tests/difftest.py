@@ -64,7 +64,11 @@ differently, diverge. ``faultsoff``: ``zshardfs sync`` must succeed again (retri
 30 s: a storage call that failed fails fast for FAIL_FAST seconds), then the mount and the
 twin agree, and a fresh read-only mount of the store shows the twin's files (minus those
 living in memory only): every shard whole, none a mix. Not drawn under faults: remounts (an
-unmount must store everything), documents, resizes and mesh pairs (``NOT_UNDER_FAULTS``).
+unmount must store everything), documents, resizes, mesh pairs and races (``NOT_UNDER_FAULTS``).
+
+The ``race`` op (off unless weighted: ``scripts/difftest.py --race W``, test_differential's
+RACE_CASES) has one process change a file while another watches it; the watcher's
+observations must be explained by the file's states in order (:meth:`Applier.op_race`).
 
 An op is a JSON-able dict (data as ``["pool", i]``, a valid encoded chunk, or
 ``["rnd", seed, n]``), so a failing sequence can be printed, saved, replayed
@@ -77,6 +81,7 @@ import contextlib
 import errno
 import functools
 import hashlib
+import inspect
 import json
 import os
 import random
@@ -817,6 +822,127 @@ def _pwritten(data: bytes | None, writes: list[tuple[int, bytes]]) -> bytes:
     return bytes(out)
 
 
+def _race_step(path: str, kind: str, size, off, data, tmp_tag: str) -> None:
+    """One step of a race's mover (in the mover process, or on the twin)."""
+    if kind == "truncate":
+        os.truncate(path, size)
+    elif kind == "ftruncate":
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+    elif kind == "pwrite":
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, data, off)
+        finally:
+            os.close(fd)
+    elif kind == "write":
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+    else:  # tmprename
+        tmp = os.path.join(os.path.dirname(path), f".race-tmp.{tmp_tag}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+
+
+#: the race's mover: waits for "go", applies the steps, prints their results (JSON)
+_RACE_MOVER = (
+    "import os,sys,json,errno\n"
+    "path, steps = sys.argv[1], json.loads(sys.argv[2])\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.readline()\n"
+    "out = []\n"
+    "for kind, size, off, data in steps:\n"
+    "    try:\n"
+    "        _race_step(path, kind, size, off, bytes.fromhex(data) if data is not None else None, str(os.getpid()))\n"
+    "        out.append('ok')\n"
+    "    except OSError as e:\n"
+    "        out.append(errno.errorcode.get(e.errno, str(e.errno)))\n"
+    "        break\n"
+    "print(json.dumps(out), flush=True)\n")
+_RACE_MOVER = inspect.getsource(_race_step) + _RACE_MOVER
+
+#: the race's watcher: opens a descriptor (hold), waits for "go", observes until "stop"
+#: (at least 3 rounds), then observes once more: prints [observations, final ones] (JSON)
+_RACE_WATCHER = (
+    "import os,sys,json,errno,select,hashlib\n"
+    "path, parent, kinds, hold = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), bool(sys.argv[4])\n"
+    "name = os.path.basename(path)\n"
+    "fd = os.open(path, os.O_RDONLY) if hold else None\n"
+    "def md(b):\n"
+    "    return f'{len(b)}:{hashlib.md5(b).hexdigest()[:10]}'\n"
+    "def look(kind, exact):\n"
+    "    try:\n"
+    "        if kind == 'stat':\n"
+    "            return os.stat(path).st_size\n"
+    "        if kind == 'fstat':\n"
+    "            return os.fstat(fd).st_size\n"
+    "        if kind == 'list':\n"
+    "            return name in os.listdir(parent)\n"
+    "        if kind == 'scan':\n"
+    "            return [e.stat().st_size for e in os.scandir(parent) if e.name == name]\n"
+    "        if kind == 'pread':\n"
+    "            b = os.pread(fd, 1 << 20, 0)\n"
+    "        else:\n"
+    "            r = os.open(path, os.O_RDONLY)\n"
+    "            try:\n"
+    "                b = os.read(r, 1 << 20)\n"
+    "            finally:\n"
+    "                os.close(r)\n"
+    "        return md(b) if exact else len(b)\n"
+    "    except OSError as e:\n"
+    "        return errno.errorcode.get(e.errno, str(e.errno))\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.readline()\n"
+    "obs, rounds = [], 0\n"
+    "while rounds < 3 or not select.select([sys.stdin], [], [], 0)[0]:\n"
+    "    rounds += 1\n"
+    "    for k in kinds:\n"
+    "        obs.append([k, look(k, False)])\n"
+    "    if rounds > 5000:\n"
+    "        break\n"
+    "final = [[k, look(k, True)] for k in ('stat', 'list', 'scan', 'read') + (('fstat', 'pread') if hold else ())]\n"
+    "print(json.dumps([obs, final]), flush=True)\n")
+
+
+def _race_verdict(obs: list, final: list, path_states: list, held_states: list) -> str:
+    """``watch ok``, or the first observation no state in order explains (see Applier.op_race)."""
+    def fits(kind, value, k, exact=False):
+        s = held_states[k] if kind in ("fstat", "pread") else path_states[k]
+        if kind in ("stat", "fstat"):
+            return value == (len(s) if s is not None else "ENOENT")
+        if kind == "list":
+            return value == (s is not None)
+        if kind == "scan":
+            return value == ([len(s)] if s is not None else [])
+        if s is None:
+            return value == "ENOENT"
+        return value == (h(s) if exact else len(s))
+    k = 0
+    for i, (kind, value) in enumerate(obs):
+        nxt = next((j for j in range(k, len(path_states)) if fits(kind, value, j)), None)
+        if nxt is None:
+            return (f"watch: observation {i} {kind} -> {value} fits no state from {k} on "
+                    f"(sizes {[None if s is None else len(s) for s in path_states]}, held "
+                    f"{[None if s is None else len(s) for s in held_states]}; before: {obs[max(0, i - 6):i]})")
+        k = nxt
+    last = len(path_states) - 1
+    bad = [(kind, value) for kind, value in final if not fits(kind, value, last, exact=True)]
+    if bad:
+        return (f"watch: after the mover {bad} is not its last state "
+                f"({h(path_states[last])}, held {h(held_states[last])})")
+    return "watch ok"
+
+
 class Applier:
     """Applies one op to one root.  twin=True emulates the documented differences."""
 
@@ -1255,6 +1381,88 @@ class Applier:
                 errs.append("crashed: " + err.decode()[-300:])
         return "ok" if not errs else "fail:" + ";".join(errs)
 
+    def _race_states(self, op, done: int | None = None) -> tuple[list, list]:
+        """The states ``op['path']`` passes through under the mover's steps (index 0: before,
+        None: absent), and those of a descriptor held open on it from before: the same, but a
+        chunk replaced by a rename stays as it was for its descriptors (SEMANTICS 4.1), while a
+        plain file's descriptor reads the name's newest version (2.5). ``done``: of the first
+        that many steps (those that succeeded)."""
+        p = self.env.twin / op["path"]
+        cur = p.read_bytes() if p.is_file() else None
+        path, held, replaced = [cur], [cur], False
+        for step in op["mover"][:done]:
+            kind = step[0]
+            if kind in ("truncate", "ftruncate"):
+                cur = (cur or b"")[:step[1]].ljust(step[1], b"\0")
+            elif kind == "pwrite":
+                if cur is None:  # (created: empty first)
+                    path.append(b"")
+                    held.append(held[-1] if replaced else b"")
+                cur = _pwritten(cur, [(step[1], self.env.data.get(step[2]))])
+            else:  # write (created or O_TRUNC: empty first), tmprename
+                if kind == "write":
+                    path.append(b"")
+                    held.append(held[-1] if replaced else b"")
+                cur = self.env.data.get(step[1])
+                replaced |= kind == "tmprename" and self.names.kind(op["path"]) == "chunk"
+            path.append(cur)
+            held.append(held[-1] if replaced else cur)
+        return path, held
+
+    def op_race(self, op):
+        """A mover changes one file (truncate by path, ftruncate, pwrite and O_TRUNC write
+        through descriptors of its own, a temporary renamed over it) while a watcher process
+        stats it, fstats and preads a descriptor it opened before, lists its directory and
+        reads it, over and over until the mover has ended. Checker rule (linearizability):
+        the watcher's observations, taken in its order, must be explained by states the file
+        passed through, in that order (each a state no earlier than the one before: a size,
+        presence in the listing, a read's length); once the mover has ended, all of them
+        show its last state. The twin applies the mover's steps alone."""
+        rel, mover = op["path"], op["mover"]
+        if (r := self._twin_prepare(rel, True)):
+            return r
+        parent = self.p(rel).parent
+        steps = [(s[0], s[1] if s[0] in ("truncate", "ftruncate") else None,
+                  s[1] if s[0] == "pwrite" else None,
+                  self.env.data.get(s[-1]).hex() if s[0] in ("pwrite", "write", "tmprename") else None)
+                 for s in mover]
+        if self.twin:
+            states, res = self._race_states(op)[0], []  # (from the state before)
+            for kind, size, off, data in steps:
+                try:
+                    _race_step(str(self.p(rel)), kind, size, off, bytes.fromhex(data) if data is not None else None, "twin")
+                    res.append("ok")
+                except OSError as e:
+                    res.append(errname(e))
+                    break
+            for s in states[1:]:
+                self.on_the_way.setdefault(rel, []).append(s)
+            return [res, "watch ok"]
+        m = subprocess.Popen([sys.executable, "-c", _RACE_MOVER, str(self.p(rel)), json.dumps(steps)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        w = subprocess.Popen([sys.executable, "-c", _RACE_WATCHER, str(self.p(rel)), str(parent),
+                              json.dumps(op["watch"]), "1" if op.get("hold") else ""],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            for pr in (m, w):  # both ready (the watcher's descriptor open), then both go
+                if pr.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"race helper not ready: {pr.communicate(timeout=30)}")
+            for pr in (m, w):
+                pr.stdin.write("go\n")
+                pr.stdin.flush()
+            mout, merr = m.communicate(timeout=120)
+            wout, werr = w.communicate("stop\n", timeout=120)
+        finally:
+            for pr in (m, w):
+                if pr.poll() is None:
+                    pr.kill()
+        if m.returncode or w.returncode:
+            return [f"race helper failed: {merr[-300:]} {werr[-300:]}"]
+        res = json.loads(mout)
+        obs, final = json.loads(wout)
+        path_states, held_states = self._race_states(op, sum(1 for r in res if r == "ok"))
+        return [res, _race_verdict(obs, final, path_states, held_states)]
+
     def op_sync(self, op):
         if self.twin:
             return "ok"
@@ -1330,11 +1538,12 @@ WEIGHTS = {"write": 18, "pwrite": 10, "append": 5, "otrunc": 3, "truncate": 6, "
            "rename": 9, "link": 3, "mkdir": 3, "rmdir": 3, "hold": 6, "readopen": 3, "tmprename": 7, "fsync": 3,
            "dirfsync": 2, "sync": 3, "remount": 2, "read": 2, "kill9": 1.5, "conc": 3,
            "meta": 0, "consolidate": 0, "resize": 0,  # (these and the mesh ops: LAYOUT_WEIGHTS)
+           "race": 0,  # (scripts/difftest.py --race W; fixed seeds: test_differential RACE_CASES)
            "mesh": 0, "meshrm": 0, "meshmv": 0, "meshbad": 0,
            "faults": 0}  # (S3 only, when asked: scripts/difftest.py --faults, CASES)
 #: not drawn while network faults are on: an unmount (which must store everything), and ops
-#: whose partial failure the twin does not follow (documents, resizes, mesh pairs)
-NOT_UNDER_FAULTS = {"remount", "meta", "consolidate", "resize", "mesh", "meshrm", "meshmv", "meshbad", "faults"}
+#: whose partial failure the twin does not follow (documents, resizes, mesh pairs, a race's watched steps)
+NOT_UNDER_FAULTS = {"remount", "meta", "consolidate", "resize", "mesh", "meshrm", "meshmv", "meshbad", "faults", "race"}
 #: what an op may answer for a storage call that failed under network faults (SEMANTICS 5.5)
 FAULT_ERRNOS = ("EIO",)
 
@@ -1460,6 +1669,8 @@ class Gen:
                 for i in range(6):
                     jobs[i % 2].append([f, i * 100, ["rnd", r.randrange(1 << 30), 100]])
             return {"op": "conc", "jobs": jobs}
+        if kind == "race":
+            return self.race_op()
         if kind == "meta":
             o = {"op": "meta", "path": r.choice(self.n.meta),
                  "how": r.choice(["write", "pieces", "emptied", "tmprename", "editor", "rmput", "mvback"]),
@@ -1485,6 +1696,26 @@ class Gen:
             return {"op": "kill9", "delay": r.choice([0, 0.001, 0.005, 0.01, 0.02, 0.05])}
         return {"op": kind}
 
+
+    def race_op(self) -> dict:
+        """A file changed by one process while another watches it (see Applier.op_race)."""
+        r = self.rng
+        ex = [f for f in self.existing() if self.n.kind(f) in ("chunk", "plain") and f not in self.n.units]
+        path = r.choice(ex) if ex and r.random() < 0.85 else r.choice(self.n.free_chunks)
+        exists = (self.env.twin / path).is_file()
+        mover = [] if exists else [["write", self.data()]]
+        for _ in range(r.randrange(1, 6)):
+            k = r.choice(["truncate", "truncate", "ftruncate", "pwrite", "pwrite", "write", "tmprename"])
+            if k in ("truncate", "ftruncate"):
+                mover.append([k, r.choice([0, 1, 10, 96, 200, 1000, 5000])])
+            elif k == "pwrite":
+                mover.append([k, r.choice([0, 7, 100, 500, 2000]), self.data()])
+            else:
+                mover.append([k, self.data()])
+        hold = exists and r.random() < 0.6
+        kinds = ["stat", "list", "scan", "read"] + (["fstat", "pread"] if hold else [])
+        watch = r.sample(kinds, r.randrange(1, len(kinds) + 1))
+        return {"op": "race", "path": path, "mover": mover, "watch": watch, "hold": hold}
 
     def mesh_op(self, kind: str) -> dict:
         """A mesh op: on a pair of files, whole (see :meth:`Applier.op_mesh`)."""
