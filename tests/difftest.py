@@ -915,9 +915,9 @@ _RACE_WATCHER = (
 
 
 def _race_verdict(obs: list, final: list, path_states: list, held_states: list) -> str:
-    """``watch ok``, or the first observation no state in order explains (see Applier.op_race)."""
-    def fits(kind, value, k, exact=False):
-        s = held_states[k] if kind in ("fstat", "pread") else path_states[k]
+    """``watch ok``, or the first observation no state in order explains (see Applier.op_race).
+    ``held_states``: per state, the versions a held descriptor may show (one or two)."""
+    def one(kind, value, s, exact):
         if kind in ("stat", "fstat"):
             return value == (len(s) if s is not None else "ENOENT")
         if kind == "list":
@@ -927,19 +927,31 @@ def _race_verdict(obs: list, final: list, path_states: list, held_states: list) 
         if s is None:
             return value == "ENOENT"
         return value == (h(s) if exact else len(s))
-    k = 0
+
+    def fits(kind, value, k, exact=False):
+        alts = held_states[k] if kind in ("fstat", "pread") else [path_states[k]]
+        return any(one(kind, value, s, exact) for s in alts)
+
+    def sizes(states):
+        return [None if s is None else len(s) for s in states]
+    k = kr = 0  # the latest state any observation showed; the latest a read showed
     for i, (kind, value) in enumerate(obs):
-        nxt = next((j for j in range(k, len(path_states)) if fits(kind, value, j)), None)
+        # a read may show the state before the latest one a stat showed (the
+        # step in flight: SEMANTICS, Limits, "a stat may run ahead of reads")
+        first = max(kr, k - 1) if kind in ("read", "pread") else k
+        nxt = next((j for j in range(first, len(path_states)) if fits(kind, value, j)), None)
         if nxt is None:
-            return (f"watch: observation {i} {kind} -> {value} fits no state from {k} on "
-                    f"(sizes {[None if s is None else len(s) for s in path_states]}, held "
-                    f"{[None if s is None else len(s) for s in held_states]}; before: {obs[max(0, i - 6):i]})")
-        k = nxt
+            return (f"watch: observation {i} {kind} -> {value} fits no state from {first} on "
+                    f"(sizes {sizes(path_states)}, held {[sizes(a) for a in held_states]}; "
+                    f"before: {obs[max(0, i - 6):i]})")
+        k = max(k, nxt)
+        if kind in ("read", "pread"):
+            kr = nxt
     last = len(path_states) - 1
     bad = [(kind, value) for kind, value in final if not fits(kind, value, last, exact=True)]
     if bad:
         return (f"watch: after the mover {bad} is not its last state "
-                f"({h(path_states[last])}, held {h(held_states[last])})")
+                f"({h(path_states[last])}, held {[h(s) for s in held_states[last]]})")
     return "watch ok"
 
 
@@ -1383,13 +1395,21 @@ class Applier:
 
     def _race_states(self, op, done: int | None = None) -> tuple[list, list]:
         """The states ``op['path']`` passes through under the mover's steps (index 0: before,
-        None: absent), and those of a descriptor held open on it from before: the same, but a
-        chunk replaced by a rename stays as it was for its descriptors (SEMANTICS 4.1), while a
-        plain file's descriptor reads the name's newest version (2.5). ``done``: of the first
-        that many steps (those that succeeded)."""
+        None: absent), and per state the versions a descriptor held open on it from before
+        may show: the same, but a chunk replaced by a rename stays as it was for its
+        descriptors (SEMANTICS 4.1), and a plain file's descriptor shows either the version
+        replaced (as on POSIX) or the name's (2.5: "the newest version this mount wrote";
+        test_write.py::test_a_plain_file_replaced_while_open_reads_one_version allows both).
+        ``done``: of the first that many steps (those that succeeded)."""
         p = self.env.twin / op["path"]
         cur = p.read_bytes() if p.is_file() else None
-        path, held, replaced = [cur], [cur], False
+        chunk = self.names.kind(op["path"]) == "chunk"
+        path, held, frozen = [cur], [[cur]], None  # frozen: [the version a rename replaced]
+
+        def follow(s):
+            if frozen is None:
+                return [s]
+            return frozen if chunk else frozen + [s]
         for step in op["mover"][:done]:
             kind = step[0]
             if kind in ("truncate", "ftruncate"):
@@ -1397,28 +1417,35 @@ class Applier:
             elif kind == "pwrite":
                 if cur is None:  # (created: empty first)
                     path.append(b"")
-                    held.append(held[-1] if replaced else b"")
+                    held.append(follow(b""))
                 cur = _pwritten(cur, [(step[1], self.env.data.get(step[2]))])
             else:  # write (created or O_TRUNC: empty first), tmprename
                 if kind == "write":
                     path.append(b"")
-                    held.append(held[-1] if replaced else b"")
+                    held.append(follow(b""))
+                if kind == "tmprename" and frozen is None:
+                    frozen = [cur]
                 cur = self.env.data.get(step[1])
-                replaced |= kind == "tmprename" and self.names.kind(op["path"]) == "chunk"
             path.append(cur)
-            held.append(held[-1] if replaced else cur)
+            held.append(follow(cur))
         return path, held
 
     def op_race(self, op):
         """A mover changes one file (truncate by path, ftruncate, pwrite and O_TRUNC write
         through descriptors of its own, a temporary renamed over it) while a watcher process
         stats it, fstats and preads a descriptor it opened before, lists its directory and
-        reads it, over and over until the mover has ended. Checker rule (linearizability):
+        reads it, over and over until the mover has ended. Checker rule (linearizability,
+        but for the FUSE window SEMANTICS' Limits name, "a stat may run ahead of reads"):
         the watcher's observations, taken in its order, must be explained by states the file
-        passed through, in that order (each a state no earlier than the one before: a size,
-        presence in the listing, a read's length); once the mover has ended, all of them
-        show its last state. The twin applies the mover's steps alone."""
+        passed through (a size, presence in the listing, a read's length; a held descriptor's
+        per :meth:`_race_states`), each no earlier than the latest state any observation
+        before it showed, except that a read or pread may show the state just before that
+        one (never one before an earlier read's); once the mover has ended, every kind of
+        observation shows its last state exactly (bytes too). The twin applies the mover's
+        steps alone."""
         rel, mover = op["path"], op["mover"]
+        if op.get("hold") and not (self.env.twin / rel).is_file():
+            return "no file to hold"  # (a replayed op list cut by --minimize)
         if (r := self._twin_prepare(rel, True)):
             return r
         parent = self.p(rel).parent
