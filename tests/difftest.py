@@ -872,7 +872,9 @@ _RACE_MOVER = (
 _RACE_MOVER = inspect.getsource(_race_step) + _RACE_MOVER
 
 #: the race's watcher: opens a descriptor (hold), waits for "go", observes until "stop"
-#: (at least 3 rounds), then observes once more: prints [observations, final ones] (JSON)
+#: (sent once the mover has ended; at least 3 rounds), then observes once more: prints
+#: [observations, final ones] (JSON). A round the same as the 3 before it is not kept
+#: (more copies tell the checker nothing new), nor any past 5000 kept.
 _RACE_WATCHER = (
     "import os,sys,json,errno,select,hashlib\n"
     "path, parent, kinds, hold = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), bool(sys.argv[4])\n"
@@ -903,13 +905,15 @@ _RACE_WATCHER = (
     "        return errno.errorcode.get(e.errno, str(e.errno))\n"
     "print('ready', flush=True)\n"
     "sys.stdin.readline()\n"
-    "obs, rounds = [], 0\n"
+    "obs, rounds, last, same = [], 0, None, 0\n"
     "while rounds < 3 or not select.select([sys.stdin], [], [], 0)[0]:\n"
-    "    rounds += 1\n"
-    "    for k in kinds:\n"
-    "        obs.append([k, look(k, False)])\n"
-    "    if rounds > 5000:\n"
-    "        break\n"
+    "    rnd = [[k, look(k, False)] for k in kinds]\n"
+    "    same = same + 1 if rnd == last else 0\n"
+    "    last = rnd\n"
+    "    if same < 3 and rounds < 5000:\n"
+    "        obs.extend(rnd)\n"
+    "        rounds += 1\n"
+    "sys.stdin.readline()\n"
     "final = [[k, look(k, True)] for k in ('stat', 'list', 'scan', 'read') + (('fstat', 'pread') if hold else ())]\n"
     "print(json.dumps([obs, final]), flush=True)\n")
 
@@ -1418,7 +1422,8 @@ class Applier:
                 if cur is None:  # (created: empty first)
                     path.append(b"")
                     held.append(follow(b""))
-                cur = _pwritten(cur, [(step[1], self.env.data.get(step[2]))])
+                data = self.env.data.get(step[2])  # (a write of no bytes extends nothing)
+                cur = _pwritten(cur, [(step[1], data)]) if data else (cur or b"")
             else:  # write (created or O_TRUNC: empty first), tmprename
                 if kind == "write":
                     path.append(b"")
