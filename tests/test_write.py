@@ -2101,6 +2101,33 @@ def test_a_plain_file_replaced_while_open_reads_one_version(tmp_path, mount):
         os.close(fd)
 
 
+def test_a_plain_file_replaced_while_open_unread_is_read_at_its_new_size(tmp_path, mount):
+    """A descriptor open on a plain file that has none of its pages in the
+    kernel (``open_fill=0``), the file then replaced by temp + rename through
+    this mount and later truncated there: the descriptor reads the newest
+    version (2.5) with its size, whole.  Before, the kernel kept the size it
+    held for the replaced inode (100) while the daemon served the new bytes:
+    a read got the new version cut to the old size (found by
+    tests/difftest.py's race op)."""
+    src = tmp_path / "src"
+    (src / "plain").mkdir(parents=True)
+    (src / "plain" / "a.bin").write_bytes(b"o" * 100)
+    m = mount(src, "open_fill=0", "attr_timeout=60")
+    p = m.path / "plain" / "a.bin"
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        (p.parent / ".a.tmp").write_bytes(b"N" * 200)
+        os.replace(p.parent / ".a.tmp", p)
+        assert (os.fstat(fd).st_size, os.pread(fd, 1 << 20, 0)) == (200, b"N" * 200)
+        os.truncate(p, 150)
+        assert (os.fstat(fd).st_size, os.pread(fd, 1 << 20, 0)) == (150, b"N" * 150)
+        os.truncate(p, 300)
+        assert (os.fstat(fd).st_size, os.pread(fd, 1 << 20, 0)) == (300, b"N" * 150 + bytes(150))
+    finally:
+        os.close(fd)
+    assert "Traceback" not in m.log_text()
+
+
 @pytest.mark.parametrize("before", [b"", b"0123456789"])
 def test_a_plain_file_rewritten_in_place_is_read_by_a_descriptor_open_on_it(tmp_path, mount, before):
     """A descriptor open for reading on a plain file that this mount then

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import pyfuse3
+import trio
 
 from .backends.base import CorruptData, StoreError, end_request
 from .logonce import log_once, report_damage
@@ -182,6 +183,9 @@ class Operations(pyfuse3.Operations):
                  attr_timeout: float = 1.0, uid: int | None = None, gid: int | None = None,
                  open_fill: int = 0, control=None):
         super().__init__()
+        # (a kernel notification waits for the inode's pages, which a READ in
+        # flight holds until the event loop answers it: sent from a thread)
+        self._notify_limiter = trio.CapacityLimiter(1)
         self.open_fill = open_fill
         #: READ requests served, and opens that filled the page cache instead
         self.reads = self.open_fills = 0
@@ -352,6 +356,15 @@ class Operations(pyfuse3.Operations):
             # (A plain file's open descriptors read the name's newest version
             # this mount wrote, so its size follows the name.)
             return self._attrs(inode, node)
+        if not node.is_dir and node.link is None and self.by_path.get(node.path) != inode:
+            # a plain file replaced (a rename onto its name) while open: its
+            # descriptors read the name's newest version this mount wrote
+            # (view.read), so that is its size, asked again at each read past
+            # it (the name may change again, and no request tells this inode)
+            live = self.view.in_memory(node)
+            attrs = self._attrs(inode, live if live is not None else self.view.newest_own(node))
+            attrs.attr_timeout = 0
+            return attrs
         if not node.is_dir:
             # Written data lives in memory: its size is known without I/O and
             # must not wait for the attribute TTL (the kernel asks right after
@@ -816,6 +829,18 @@ class Operations(pyfuse3.Operations):
             if replaced is not None and replaced in self.inodes and new_path not in self.by_path:
                 self.by_path[new_path] = replaced
             raise
+        gone = self.inodes.get(replaced) if replaced is not None else None
+        try:
+            await self._renamed(old_path, new_path, new_parent, new)
+        finally:
+            if gone is not None and gone.handles and not gone.node.is_chunk and not gone.node.is_dir:
+                # its descriptors now read the new file (see getattr): the
+                # kernel must forget the size and pages it holds for the old
+                # one, else a read gets the new bytes cut to the old size
+                await self._invalidate(replaced)
+
+    async def _renamed(self, old_path: str, new_path: str, new_parent: Node, new: str) -> None:
+        """After the view's rename: the source's inode answers for the new name."""
         # The kernel now shows the *source's* inode under the new name (it
         # moves the dentry, it does not look the name up again): that inode
         # must answer for the new path, or reads right after a tmp+rename
@@ -840,6 +865,14 @@ class Operations(pyfuse3.Operations):
             else:
                 del self.by_path[new_path]
                 self._drop_if_unused(ino)
+
+    async def _invalidate(self, inode: int) -> None:
+        """The kernel forgets ``inode``'s attributes and pages (from a thread:
+        see ``_notify_limiter``)."""
+        try:
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode, limiter=self._notify_limiter)
+        except OSError as exc:  # (the kernel dropped the inode meanwhile)
+            log.debug("invalidate_inode(%d): %s", inode, exc)
 
     async def _unsupported(self, *args, **kwargs):
         raise pyfuse3.FUSEError(errno.EROFS if self.read_only else errno.EPERM)

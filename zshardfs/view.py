@@ -38,7 +38,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 import trio
@@ -691,6 +691,15 @@ class View:
         data, with its manifest)?  The kernel must then not keep its entry:
         no I/O."""
         return node.is_chunk and node.dataset is not None and node.dataset.removed_with(node.rel) is not None
+
+    def newest_own(self, node: Node) -> Node:
+        """``node``, or its key's version this mount wrote since ``node`` was
+        learnt: what a plain file's open descriptors read (2.5, :meth:`read`),
+        whose size they must be given with it.  No I/O."""
+        own = self.own_versions.get(node.key) if node.key is not None else None
+        if own is not None and own[0] != node.version and node.created < own[1]:
+            return replace(node, version=own[0], size=own[2])
+        return node
 
     def in_memory(self, node: Node) -> Node | None:
         """The node as it is now if its content lives in memory (a write
