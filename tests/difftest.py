@@ -946,21 +946,21 @@ def _race_verdict(obs: list, final: list, path_states: list, held_states: list) 
 
     def sizes(states):
         return [None if s is None else len(s) for s in states]
-    k, kr = 0, {"read": 0, "pread": 0}  # the latest state any observation showed; a read, a pread
+    k, kr = 0, {}  # the latest state any observation showed; each kind's
     for i, (kind, value) in enumerate(obs):
-        # a read may show the state before the latest one a stat showed (the
-        # step in flight: SEMANTICS, Limits, "a stat may run ahead of reads";
-        # a read by path and a pread of a held descriptor read two inodes once
-        # a rename has replaced the file, each lagging on its own)
-        first = max(kr[kind], k - 1) if kind in kr else k
+        # an observation may show the state before the latest one another
+        # showed (the step in flight: SEMANTICS, Limits, "a stat may run ahead
+        # of reads": the daemon answers with it, the kernel's own size lags
+        # until the call returns; a held descriptor's inode, a file's by path
+        # and the listing's lag each on their own), never one before its kind's
+        first = max(kr.get(kind, 0), k - 1)
         nxt = next((j for j in range(first, len(path_states)) if fits(kind, value, j)), None)
         if nxt is None:
             return (f"watch: observation {i} {kind} -> {value} fits no state from {first} on "
                     f"(sizes {sizes(path_states)}, held {[sizes(a) for a in held_states]}; "
                     f"before: {obs[max(0, i - 6):i]})")
         k = max(k, nxt)
-        if kind in kr:
-            kr[kind] = nxt
+        kr[kind] = nxt
     last = len(path_states) - 1
     bad = [(kind, value) for kind, value in final if not fits(kind, value, last, exact=True)]
     if bad:
@@ -1459,8 +1459,8 @@ class Applier:
         the watcher's observations, taken in its order, must be explained by states the file
         passed through (a size, presence in the listing, a read's length; a held descriptor's
         per :meth:`_race_states`), each no earlier than the latest state any observation
-        before it showed, except that a read or pread may show the state just before that
-        one (never one before an earlier read's, or pread's), and a read's length may lie
+        before it showed, except that it may show the state just before that one (never one
+        before an earlier observation of its kind showed), and a read's length may lie
         between the sizes of the state it shows and the next (the step in flight; on Linux
         a read and a size change are not atomic with each other); once the mover has ended, every kind of
         observation shows its last state exactly (bytes too). The twin applies the mover's

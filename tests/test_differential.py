@@ -14,7 +14,8 @@ the op list, and saves the list for ``scripts/difftest.py --replay FILE``.
 
 Each case's seed was chosen so that its run includes at least one remount and one
 kill -9 (asserted, so a change of the generator cannot drop them unnoticed); the steps
-keep the whole file within about 2.5 minutes on two cores.
+keep the whole file within about 2.5 minutes on two cores. RACE_CASES add race ops (a
+file watched by one process while another changes it), which other runs leave out.
 """
 
 from __future__ import annotations
@@ -54,16 +55,19 @@ CASES = [
 #: (the ops faults/faultsoff; each seed's run has an op fail under them, asserted)
 FAULT_CASES = [
 ]
-ALL = [(*c, {}) for c in CASES] + [(*c, {"faults": 6}) for c in FAULT_CASES]
+FAULT_WEIGHT = 6
 
 
-@pytest.mark.parametrize("layout,backend,seed,steps,weights", ALL,
-                         ids=[f"{layout}-{backend}-{seed}" + ("-faults" if w else "") for layout, backend, seed, _, w in ALL])
-def test_random_operations_match_a_directory_store(layout, backend, seed, steps, weights, tmp_path, request):
-    """The mount and the unsharded twin agree after every one of ``steps`` random ops, every
-    remount and kill -9 (then each file holds a version it had since its last durable point),
-    and at the end zarr-python and tensorstore (zarr 2.18; precomputed: tensorstore) read the
-    sharded source as the twin."""
+#: the race op (a file watched by one process while another changes it: difftest's
+#: Applier.op_race) at RACE_WEIGHT among the others: (layout, backend, seed, steps)
+RACE_CASES = [
+    ("basic", "local", 1, 100),  # plain files and chunks, held descriptors, temporaries renamed over
+]
+RACE_WEIGHT = 12
+
+
+def _run(layout, backend, seed, steps, tmp_path, request, weights=None):
+    """One run that must pass, remounting and killing the daemon at least once."""
     if layout.startswith("zarr2") and not P.zarr2_available():
         pytest.fail(f"the zarr 2.18 interpreter {P.ZARR2_PYTHON} is missing")
     server = None
@@ -78,7 +82,42 @@ def test_random_operations_match_a_directory_store(layout, backend, seed, steps,
     assert out.stats["remounts"] and out.stats["kills"], (
         f"seed {seed} of {layout}/{backend} no longer remounts and kills within {steps} steps "
         f"({out.summary()}): choose another seed")
-    if weights.get("faults"):
-        assert out.stats["faults"] and out.stats["failed"], (
-            f"seed {seed} of {layout}/{backend} no longer has an op fail under network faults "
-            f"within {steps} steps ({out.summary()}): choose another seed")
+    return out
+
+
+@pytest.mark.parametrize("layout,backend,seed,steps", CASES,
+                         ids=[f"{layout}-{backend}-{seed}" for layout, backend, seed, _ in CASES])
+def test_random_operations_match_a_directory_store(layout, backend, seed, steps, tmp_path, request):
+    """The mount and the unsharded twin agree after every one of ``steps`` random ops, every
+    remount and kill -9 (then each file holds a version it had since its last durable point),
+    and at the end zarr-python and tensorstore (zarr 2.18; precomputed: tensorstore) read the
+    sharded source as the twin."""
+    _run(layout, backend, seed, steps, tmp_path, request)
+
+
+@pytest.mark.parametrize("layout,backend,seed,steps", RACE_CASES,
+                         ids=[f"{layout}-{backend}-{seed}" for layout, backend, seed, _ in RACE_CASES])
+def test_a_file_watched_while_another_process_changes_it(layout, backend, seed, steps, tmp_path, request):
+    """As above, with race ops among the others: what a watching process sees of a file
+    (stat, fstat and pread of a descriptor held from before, a listing, a read) while
+    another truncates, writes and renames over it is explained by the states the file
+    passed through, in order (the checker rule: difftest's Applier.op_race)."""
+    out = _run(layout, backend, seed, steps, tmp_path, request, weights={"race": RACE_WEIGHT})
+    races = [op for op in out.ops if op["op"] == "race"]
+    plain = [op for op in races if not op["path"].startswith("arr/")]
+    assert (len(races) >= 8 and any(op["hold"] for op in plain) and any(op["hold"] for op in races if op not in plain)
+            and any(s[0] == "tmprename" for op in races for s in op["mover"])), (
+        f"seed {seed} of {layout}/{backend} no longer draws held plain files and chunks and "
+        f"temporaries renamed over them in its race ops ({len(races)}): choose another seed")
+
+
+@pytest.mark.parametrize("layout,backend,seed,steps", FAULT_CASES,
+                         ids=[f"{layout}-{backend}-{seed}-faults" for layout, backend, seed, _ in FAULT_CASES])
+def test_network_faults_lose_nothing(layout, backend, seed, steps, tmp_path, request):
+    """As above, with stretches of network faults between the mount and S3 (difftest's ops
+    faults/faultsoff): an op may fail with EIO under them, and once they end and a sync
+    succeeds, the mount, the twin and the store read afresh agree, every shard whole."""
+    out = _run(layout, backend, seed, steps, tmp_path, request, weights={"faults": FAULT_WEIGHT})
+    assert out.stats["faults"] and out.stats["failed"], (
+        f"seed {seed} of {layout}/{backend} no longer has an op fail under network faults "
+        f"within {steps} steps ({out.summary()}): choose another seed")
