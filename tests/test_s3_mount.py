@@ -780,6 +780,40 @@ def test_a_put_whose_connection_closes_after_100_continue_ends(mount, moto_serve
     assert "Traceback" not in m.log_text()
 
 
+@pytest.mark.parametrize("op", ["rename", "unlink"])
+def test_a_file_whose_delete_may_have_landed_is_not_shown_from_the_kernel_s_cache(mount, moto_server, bucket, op):
+    """A rename (copy, then delete) or unlink of a plain file whose DELETE
+    reached the server but whose every answer was cut is EIO, and the file
+    may be gone (it is: the server acted).  The kernel, told of a failure,
+    kept the name's entry and showed the file for ``entry_timeout``, though
+    the directory's listing and storage no longer had it (the differential
+    tester's network faults: ``top.bin`` present, then gone).  The kernel
+    now forgets the names such a failure leaves in doubt, and asks again."""
+    name = f"del-{uuid.uuid4().hex}.bin"
+    client = moto_server.client()
+    client.put_object(Bucket=bucket, Key=f"{PREFIX}/{name}", Body=b"D" * 300)
+    with TcpProxy(moto_server.port) as proxy:
+        m = mount(f"s3://{bucket}/{PREFIX}", "attr_timeout=60", "flush_delay=inf",
+                  extra=["--endpoint-url", proxy.endpoint_url])
+        path = m.path / name
+        assert read_file(path) == b"D" * 300
+        proxy.faults = Faults(1.0, ("cut",), methods=frozenset({"DELETE"}), cuts=(0,))
+        with pytest.raises(OSError) as failed:
+            if op == "rename":
+                os.rename(path, m.path / f"moved-{name}")
+            else:
+                os.unlink(path)
+        assert failed.value.errno == errno.EIO
+        proxy.faults = None
+        assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix=f"{PREFIX}/{name}")  # (it landed)
+        # (the kernel forgets the entry soon after the failed call: asynchronously)
+        assert wait_for(lambda: not os.path.exists(path), timeout=5), "the mount still shows the file"
+        assert name not in os.listdir(m.path)
+        if op == "rename":
+            assert read_file(m.path / f"moved-{name}") == b"D" * 300
+    assert "Traceback" not in m.log_text()
+
+
 def _reads(path: Path) -> bool:
     try:
         read_file(path)

@@ -793,8 +793,25 @@ class Operations(pyfuse3.Operations):
     async def unlink(self, parent_inode, name, ctx):
         self._writable()
         parent = self._node(parent_inode)
-        await self.view.unlink(parent, os.fsdecode(name))
+        try:
+            await self.view.unlink(parent, os.fsdecode(name))
+        except StoreError:
+            self._in_doubt((parent_inode, name))
+            raise
         self._forget_path(f"{parent.path}/{os.fsdecode(name)}".lstrip("/"))
+
+    def _in_doubt(self, *entries: tuple[int, bytes]) -> None:
+        """A rename or unlink failed in storage after part of its work (a
+        copy stored, a DELETE that may have landed): the kernel, told of a
+        failure, keeps the names' entries as they were, and would show them
+        for ``entry_timeout`` whatever the view holds now.  It forgets them
+        (asynchronously: the kernel holds the directories' locks during this
+        request) and looks them up again."""
+        for parent_inode, name in entries:
+            try:
+                pyfuse3.invalidate_entry_async(parent_inode, name, ignore_enoent=True)
+            except OSError as exc:  # (no such support)
+                log.debug("invalidate_entry_async(%d): %s", parent_inode, exc)
 
     @_translate
     async def mkdir(self, parent_inode, name, mode, ctx):
@@ -824,10 +841,12 @@ class Operations(pyfuse3.Operations):
         self._forget_path(new_path)
         try:
             await self.view.rename(old_parent, old, new_parent, new)
-        except BaseException:
+        except BaseException as exc:
             # nothing was replaced: the name is its file's again
             if replaced is not None and replaced in self.inodes and new_path not in self.by_path:
                 self.by_path[new_path] = replaced
+            if isinstance(exc, StoreError):
+                self._in_doubt((parent_inode_old, name_old), (parent_inode_new, name_new))
             raise
         gone = self.inodes.get(replaced) if replaced is not None else None
         try:
