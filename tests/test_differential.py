@@ -14,8 +14,10 @@ the op list, and saves the list for ``scripts/difftest.py --replay FILE``.
 
 Each case's seed was chosen so that its run includes at least one remount and one
 kill -9 (asserted, so a change of the generator cannot drop them unnoticed); the steps
-keep the whole file within about 2.5 minutes on two cores. RACE_CASES add race ops (a
-file watched by one process while another changes it), which other runs leave out.
+keep the whole file within about 4 minutes on two cores. RACE_CASES add race ops (a
+file watched by one process while another changes it) and FAULT_CASES stretches of
+network faults on S3 (each also has an op fail under them, asserted), which other runs
+leave out.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ CASES = [
 #: (layout, backend, seed, steps) with stretches of network faults between the mount and S3
 #: (the ops faults/faultsoff; each seed's run has an op fail under them, asserted)
 FAULT_CASES = [
+    ("be_nocrc_dot_edges", "s3", 1, 100),  # answers cut in their headers and bodies, resets, 503/500
 ]
 FAULT_WEIGHT = 6
 
