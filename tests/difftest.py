@@ -1952,18 +1952,32 @@ class Runner:
         """The twin takes the files (and directories) ``op`` names as the mount shows them;
         returns what the twin had made of them (the op's intended result)."""
         env, intended = self.env, {}
-        for rel in sorted(op_names(op)):
-            m, t = env.mnt / rel, env.twin / rel
-            if m.is_dir() or t.is_dir():
-                if m.is_dir() and not t.exists():
+        shown: dict = {}
+
+        def read_mount() -> bool:  # (a name no listing showed may still fail fast: asked again)
+            try:
+                for rel in op_names(op):
+                    m = env.mnt / rel
+                    shown[rel] = "dir" if m.is_dir() else m.read_bytes() if m.is_file() else None
+            except OSError as e:
+                if e.errno != errno.EIO:
+                    raise
+                return False
+            return True
+        if not wait_for(read_mount, timeout=10, interval=0.3):
+            raise RuntimeError(f"the mount still fails (EIO) on {sorted(op_names(op))} 10 s after the op")
+        for rel in sorted(shown):
+            m, t = shown[rel], env.twin / rel
+            if m == "dir" or t.is_dir():
+                if m == "dir" and not t.exists():
                     t.mkdir(parents=True)
-                elif not m.exists() and t.is_dir() and not any(t.iterdir()):
+                elif m is None and t.is_dir() and not any(t.iterdir()):
                     t.rmdir()
                 continue
             intended[rel] = t.read_bytes() if t.is_file() else None
-            if m.is_file():
+            if m is not None:
                 t.parent.mkdir(parents=True, exist_ok=True)
-                t.write_bytes(m.read_bytes())
+                t.write_bytes(m)
             elif t.is_file():
                 t.unlink()
         return intended
