@@ -335,7 +335,7 @@ class S3Backend:
                     resp["Body"].close()
             bump(self.counters, "errors")
             where = f"{self.url}: {key}" if key else self.url
-            raise Unavailable(f"{where}: the {self._where}'s answers were cut short in their headers "
+            raise Unavailable(f"{where}: the {self._where}'s answers were cut short "
                               f"({self.max_attempts} attempts)", key)
         except StoreError:
             raise  # from building the client
