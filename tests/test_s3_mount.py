@@ -855,6 +855,39 @@ def test_a_file_opened_for_writing_during_a_listing_stays_listed(mount, moto_ser
     assert "Traceback" not in m.log_text()
 
 
+def test_a_listing_answered_after_a_write_ended_does_not_bring_back_the_old_size(mount, moto_server, bucket):
+    """A listing of a plain directory whose storage LIST is answered late,
+    after a file there was truncated, written and closed through the mount:
+    the listing tells of the file as it was, older news than the truncate.
+    Before, the close had marked the inode's node stale, and a stale node
+    took any listing's or lookup's node, also one begun before the truncate:
+    the next stat (the write made the kernel ask) showed the old size, 100
+    (difftest's race op: a stat went back from 10 to 333)."""
+    for name, data in (("a.bin", b"A" * 10), ("b.bin", b"B" * 100)):
+        moto_server.s3.put_object(Bucket=bucket, Key=f"{PREFIX}/plain/{name}", Body=data)
+    with TcpProxy(moto_server.port) as proxy:
+        # (metadata_ttl=0: the listing asks storage, not the lookup's listing of it)
+        m = mount(f"s3://{bucket}/{PREFIX}", "flush_delay=inf", "metadata_ttl=0", "attr_timeout=60",
+                  extra=["--endpoint-url", proxy.endpoint_url])
+        plain = m.path / "plain"
+        assert os.stat(plain / "b.bin").st_size == 100
+        fd = os.open(plain / "b.bin", os.O_RDWR)
+        proxy.hold(lambda first: first.startswith(f"GET /{bucket}?".encode()) and b"plain" in first.split(b"\r\n")[0])
+        with ThreadPoolExecutor(1) as pool:
+            listing = pool.submit(os.listdir, plain)
+            assert proxy.holding.wait(10), "the listing did not ask storage"
+            try:
+                os.ftruncate(fd, 7)
+                os.write(fd, b"x")
+            finally:
+                os.close(fd)
+            proxy.go()
+            assert sorted(listing.result(timeout=10)) == ["a.bin", "b.bin"]
+        assert os.stat(plain / "b.bin").st_size == 7
+        assert (plain / "b.bin").read_bytes() == b"x" + b"B" * 6
+    assert "Traceback" not in m.log_text()
+
+
 # --------------------------------------------------------------------------
 # the server stops
 

@@ -241,7 +241,8 @@ class Operations(pyfuse3.Operations):
         -inum, git, backup tools), and no number ever names two paths.
 
         ``since``: when the lookup or listing that found ``node`` began.  If a
-        rename or create through this mount set the inode's node after that,
+        rename, create, truncate or a writer's close through this mount set
+        the inode's node after that (a close: marked stale, asked again),
         the node kept is that newer one: the kernel would otherwise be told
         the old size for the new file (a reader then gets the new bytes cut
         to the old size, or the reverse)."""
@@ -258,8 +259,8 @@ class Operations(pyfuse3.Operations):
             self.by_path[node.path] = ino
         else:
             entry = self.inodes[ino]
-            if since is None or entry.changed <= since or entry.node.created == _STALE:
-                entry.node = node  # (a node marked stale by a write's end is older news than any)
+            if since is None or entry.changed <= since:
+                entry.node = node
         return ino
 
     def _drop_if_unused(self, ino: int) -> None:
@@ -660,6 +661,7 @@ class Operations(pyfuse3.Operations):
         if ino is not None:
             if handle.writable:  # its size may have changed: ask the view on the next getattr
                 ino.node = dataclasses.replace(ino.node, created=_STALE)
+                ino.changed = time.monotonic()  # (lookups and listings begun before bring older news)
             ino.handles -= 1
             if ino.handles <= 0 and ino.lookups <= 0:  # (the kernel still knows the name: nothing to drop)
                 self._drop_if_unused(inode)
