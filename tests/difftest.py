@@ -924,6 +924,8 @@ def _race_verdict(obs: list, final: list, path_states: list, held_states: list) 
     def one(kind, value, s, exact):
         if kind in ("stat", "fstat"):
             return value == (len(s) if s is not None else "ENOENT")
+        if kind in ("list", "scan") and s is None and value == "ENOENT":
+            return True  # (no file, and no directory either: a precomputed scale removed)
         if kind == "list":
             return value == (s is not None)
         if kind == "scan":
