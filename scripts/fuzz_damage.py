@@ -625,9 +625,9 @@ def drop_source(store: Path) -> None:
         S3.delete_bucket(bucket)
 
 
-def mount(store: Path, mnt: Path, log: Path, ro: bool) -> str | None:
+def mount(store: Path, mnt: Path, log: Path, ro: bool, extra_opts: tuple = ()) -> str | None:
     mnt.mkdir(parents=True, exist_ok=True)
-    opts = ["ro" if ro else "rw", "timeout=5", f"log_file={log}"]
+    opts = ["ro" if ro else "rw", "timeout=5", f"log_file={log}", *extra_opts]
     try:
         src, *extra = source(store)
         r = subprocess.run([*ZSHARDFS, "mount", src, str(mnt), "-o", ",".join(opts), *extra],
@@ -882,6 +882,284 @@ def check_bad_writes(res: dict, bad_writes: list, before: dict[str, bytes], afte
     return out
 
 
+# ------------------------------------------------------------------ damage while mounted (--live)
+
+
+LIVE_TTL = 0.2  # metadata_ttl, index_ttl and attr_timeout of the live mounts
+LIVE_WAIT = 2.5  # past every TTL, and the 1 s a descriptor kept for a local path answers for it
+HUGE = 1 << 40  # a shard made a sparse file of this size (truncate -s 1T)
+LIVE_MEMORY = 256 << 20  # the most the daemon's peak memory, or the bytes it reads, may grow by per phase
+
+
+def live_damage(rng: random.Random, store: Path, files: dict[str, bytes], s3: bool) -> list[dict]:
+    """``apply_damage``, then kinds only live runs draw: a file or a whole directory
+    removed, a directory replaced by a file, and (local) a file, mostly a shard, made a
+    sparse 1 TiB file (``truncate -s 1T``), which the daemon must not read or allocate."""
+    done = apply_damage(rng, store, files)
+    data = [r for r in sorted(files) if not is_metadata(r)]
+    dirs = sorted({r.rsplit("/", 1)[0] for r in files if "/" in r})
+    for _ in range(rng.choice([0, 1, 1, 2])):
+        kind = rng.choice(["remove", "rmtree", "dir_file"] + ([] if s3 else ["sparse", "sparse", "sparse"]))
+        if kind in ("rmtree", "dir_file"):
+            rel = rng.choice(dirs)
+            if not (store / rel).is_dir():
+                continue
+            shutil.rmtree(store / rel)
+            if kind == "dir_file":
+                (store / rel).write_bytes(rng.choice([b"", b"{}", b"not a directory"]))
+            done.append({"path": rel, "kind": "tree", "what": "directory removed" if kind == "rmtree"
+                         else "directory replaced by a file"})
+            continue
+        rel = rng.choice(sorted(files) if kind == "remove" or rng.random() < 0.2 else data)
+        if not (store / rel).is_file():
+            continue
+        if kind == "remove":
+            (store / rel).unlink()
+        else:
+            os.truncate(store / rel, HUGE)
+        done.append({"path": rel, "kind": "file",
+                     "what": "removed" if kind == "remove" else "made a sparse 1 TiB file (truncate -s 1T)"})
+    return done
+
+
+def _remove(p: Path) -> None:
+    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
+def mirror(src: Path, dst: Path) -> None:
+    """Make the tree ``dst`` hold what ``src`` holds, as another client would under a live
+    mount: files rewritten in place, names removed, files and directories swapped; the
+    root of ``dst`` stays (it is mounted). Sparse huge files are copied sparse."""
+    have, want = set(os.listdir(dst)), set(os.listdir(src))
+    for n in sorted(have - want):
+        _remove(dst / n)
+    for n in sorted(want):
+        s, d = src / n, dst / n
+        if s.is_dir():
+            if d.exists() and not d.is_dir():
+                d.unlink()
+            d.mkdir(exist_ok=True)
+            mirror(s, d)
+            continue
+        if d.is_dir():
+            shutil.rmtree(d)
+        size = s.stat().st_size
+        if size > 1 << 30:
+            subprocess.run(["cp", "--sparse=always", str(s), str(d)], check=True)
+            continue
+        new = s.read_bytes()
+        if not d.exists() or d.stat().st_size != len(new) or d.read_bytes() != new:
+            with open(d, "wb") as f:  # (in place: readers of the old version see it change)
+                f.write(new)
+
+
+def mirror_source(src: Path, store: Path) -> None:
+    """Make the live source of ``store`` (its directory, or its bucket) hold what ``src`` holds."""
+    if S3 is None:
+        mirror(src, store)
+        return
+    bucket = _BUCKETS[store]
+    have = {k for k, _ in S3._iter_objects(bucket)}
+    want = {f"pfx/{r}": b for r, b in storage_files(src).items()}
+    gone = sorted(have - set(want))
+    for i in range(0, len(gone), 1000):
+        S3.s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in gone[i:i + 1000]], "Quiet": True})
+    old = {k: S3.s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in sorted(have & set(want))}
+    S3.put_many(bucket, {k: b for k, b in want.items() if old.get(k) != b})
+
+
+def small_files(root: Path) -> dict[str, bytes]:
+    """``storage_files``, with a sparse huge file given by its size (never read)."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            p = Path(dirpath) / f
+            size = p.stat().st_size
+            out[p.relative_to(root).as_posix()] = p.read_bytes() if size <= 1 << 30 else f"{size} bytes".encode()
+    return out
+
+
+def _proc(pid: int | None) -> tuple[int, int]:
+    """(peak resident bytes, bytes read) of the daemon, (0, 0) when unknown."""
+    try:
+        hwm = next(int(line.split()[1]) << 10 for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                   if line.startswith("VmHWM:"))
+        rchar = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/io").read_text().splitlines()
+                     if line.startswith("rchar:"))
+        return hwm, rchar
+    except (OSError, StopIteration, TypeError):
+        return 0, 0
+
+
+def check_live(tag: str, res: dict | str, ref: dict, fresh: dict, layout: str, damages: list[dict],
+               deps: dict[str, set[str]], writes: list[str], old_too: bool = False) -> list[str]:
+    """After the damage and the TTLs: every file reads as in the good store if the damage
+    cannot reach it, else as a fresh mount of the damaged store reads it, or fails with
+    EIO/ENOENT/ENOTDIR; listings likewise. ``fresh`` None: the store was repaired, and
+    everything must read as in the good store. ``old_too``: right after the damage, within
+    the TTLs, a damaged file may also read as in the good store (its caches are valid)."""
+    if isinstance(res, str):
+        return [f"{tag}: {res}"]
+    out = [f"{tag}: {what} took {dt} s" for what, dt in res["slow"]]
+    for kind, got_all, ref_all, fresh_all in (("", res["files"], ref["files"], fresh and fresh["files"]),
+                                              ("listing of ", res["dirs"], ref["dirs"], fresh and fresh["dirs"])):
+        for rel in sorted(set(got_all) | set(ref_all) | set(fresh_all or ())):
+            if rel in writes:
+                continue
+            got = got_all.get(rel, "missing")
+            if isinstance(got, str) and got.startswith("size"):
+                out.append(f"{tag}: {rel}: {got}")
+                continue
+            if isinstance(got, int) and -got not in ACCEPTABLE:
+                out.append(f"{tag}: {kind}{rel or '.'}: {errno.errorcode.get(-got, -got)}")
+                continue
+            old = ref_all.get(rel, -errno.ENOENT)  # (a name probed that is not there: ENOENT)
+            got = -errno.ENOENT if got == "missing" or got == -errno.ENOTDIR and rel not in ref_all else got
+            if fresh_all is None or rel in ref_all and not (affected(layout, rel, bool(kind), damages, deps)
+                                         or kind and any(_under(r, rel) for r in ref["files"]
+                                                         if affected(layout, r, False, damages, deps))):
+                if got != old:
+                    what = "repaired" if fresh_all is None else "undamaged"
+                    out.append(f"{tag}: {kind}{rel or '.'} ({what}) is {_short(got)}, not {_short(old)}")
+                continue
+            new = fresh_all.get(rel, -errno.ENOENT)
+            if got != new and not isinstance(got, int) and not (old_too and got == old):
+                out.append(f"{tag}: {kind}{rel or '.'} (damaged) is {_short(got)}, where a fresh mount shows "
+                           f"{_short(new)} (the good store: {_short(old)})")
+    for rel, v in res["writes"].items():
+        if v != "ok":
+            out.append(f"{tag}: write to undamaged {rel}: {v}")
+    return out
+
+
+def _short(v) -> str:
+    if isinstance(v, int):
+        return errno.errorcode.get(-v, str(v))
+    return f"bytes {v[:8]}" if isinstance(v, str) and len(v) == 64 else str(v)[:200]
+
+
+def run_live(layout: str, seed: int, cache: Path, base: Path, keep: bool = False,
+             verbose: bool = False) -> tuple[list[str], list[dict]]:
+    """Mount a good copy of LAYOUT read-only, then read-write, with short TTLs; read it
+    all (warm caches), damage the store underneath, wait past the TTLs, read it all
+    again (and write undamaged chunks), restore the good copy, wait, read it all again."""
+    good = good_store(cache, layout)
+    work = base / f"live-{layout}-{seed}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    ref, view, ref_noise = reference(layout, good, base / f"{layout}-reference")
+    good_files = storage_files(good)
+    deps = dependencies(layout, good_files, view)
+    damaged = work / "damaged"
+    shutil.copytree(good, damaged)
+    rng = random.Random(f"live/{layout}/{seed}")
+    damages = live_damage(rng, damaged, good_files, S3 is not None)
+    findings: list[str] = []
+    # What a fresh mount of the damaged store shows: the new bytes a live mount may read.
+    fresh, _, problems = view_of(damaged, work, True, [], seed, "fresh", sorted(ref["files"]))
+    findings += problems
+    if isinstance(fresh, str):
+        findings.append(f"fresh: {fresh}")
+        fresh = {"files": {}, "dirs": {}}
+    probe = sorted(set(ref["files"]) | set(fresh["files"]))
+    chunks = sorted(r for r in ref["files"] if not affected(layout, r, False, damages, deps)
+                    and not is_metadata(r) and deps.get(r) and deps[r] != {r} and not r.endswith(".index"))
+    writes = rng.sample(chunks, min(3, len(chunks)))
+    reached = {d["path"] for d in damages} | {
+        f for f in good_files if not is_metadata(f)
+        and affected(layout, f, False, [d for d in damages if is_metadata(d["path"])], {})}
+    # The rw mount also writes up to 2 chunks the damage made EIO (fresh mount).
+    eio = sorted(r for r, v in fresh["files"].items() if v == -errno.EIO and r in view and not is_metadata(r)
+                 and deps.get(r) and deps[r] != {r} and not r.endswith(".index"))
+    bad_writes = [[r, len(view[r])] for r in random.Random(f"live/{layout}/{seed}/bad").sample(eio, min(2, len(eio)))]
+    store = work / "store"
+    shutil.copytree(good, store)
+    warm = during = res = again = None
+    opts = (f"metadata_ttl={LIVE_TTL}", f"index_ttl={LIVE_TTL}", f"attr_timeout={LIVE_TTL}")
+    for ro in (True, False):
+        tag = "ro" if ro else "rw"
+        mnt, log = work / f"mnt-{tag}", work / f"{tag}.log"
+        err = mount(store, mnt, log, ro, opts)
+        if err:
+            findings.append(f"{tag}: {err}")
+            if mnt in _MOUNTED:
+                umount(mnt)
+            continue
+        try:
+            pid = _MOUNTED.get(mnt)
+            warm = walk_in_child(mnt, [], seed, sorted(ref["files"]))
+            findings += check_live(f"{tag} warm", warm, ref, None, layout, damages, deps, [])
+            before = _proc(pid)
+            mirror_source(damaged, store)
+            during = walk_in_child(mnt, [], seed, probe)  # (at once: old or new bytes, or an error)
+            findings += check_live(f"{tag} at once", during, ref, fresh, layout, damages, deps, [], old_too=True)
+            time.sleep(LIVE_WAIT)
+            stored = {} if ro or S3 is not None else small_files(store)
+            res = walk_in_child(mnt, [] if ro else writes, seed, probe, [] if ro else bad_writes)
+            after = _proc(pid)
+            findings += check_live(f"{tag} damaged", res, ref, fresh, layout, damages, deps,
+                                   [] if ro else writes + [r for r, _ in bad_writes])
+            if not ro and not isinstance(res, str):
+                findings += check_bad_writes(res, bad_writes, stored, small_files(store) if stored else {},
+                                             deps, writes)
+                if verbose:
+                    print(f"  writes to damaged chunks: {res.get('bad_writes')}")
+            if before[0] and (after[0] - before[0] > LIVE_MEMORY or after[1] - before[1] > LIVE_MEMORY):
+                findings.append(f"{tag}: the daemon's peak memory grew by {(after[0] - before[0]) >> 20} MiB and it "
+                                f"read {(after[1] - before[1]) >> 20} MiB while reading the damaged store")
+            mirror_source(good, store)
+            time.sleep(LIVE_WAIT)
+            again = walk_in_child(mnt, [], seed, probe)
+            findings += check_live(f"{tag} repaired", again, ref, None, layout, damages, deps,
+                                   [] if ro else [r for r, _ in bad_writes])  # (their chunks may be stored yet)
+            try:
+                os.stat(mnt)
+            except OSError as e:
+                findings.append(f"{tag}: the daemon is gone ({e})")
+        finally:
+            err = umount(mnt)
+            if err:
+                findings.append(f"{tag}: {err}")
+        lines = log_lines(log)
+        text = "\n".join(lines)
+        if "Traceback" in text:
+            i = text.index("Traceback")
+            findings.append(f"{tag}: traceback in the log:\n{text[max(0, i - 300):i + 2500]}")
+        extra = len(noisy(lines)) - ref_noise
+        NOISE[0] = max(NOISE[0], extra / max(1, len(reached)))
+        if extra > LINES_PER_DAMAGE * max(1, len(reached)):
+            findings.append(f"{tag}: {extra} warning/error lines for {len(reached)} damaged objects:\n"
+                            + "\n".join(noisy(lines)[:12]))
+        for phase in (warm, during, res, again):
+            if isinstance(phase, dict):
+                for v in phase["files"].values():
+                    if isinstance(v, int):
+                        k = f"{tag}:{errno.errorcode.get(-v, -v)}"
+                        ERRNOS[k] = ERRNOS.get(k, 0) + 1
+    findings += fsck(damaged)
+    drop_source(damaged)
+    drop_source(store)
+    _report(layout, seed, findings, damages, verbose, "--live ")
+    if not keep and not findings:
+        shutil.rmtree(work, ignore_errors=True)
+    return findings, damages
+
+
+def _report(layout: str, seed: int, findings: list[str], damages: list[dict], verbose: bool, flag: str = "") -> None:
+    if verbose and not findings:
+        for d in damages:
+            print(f"  damage: {d['path']}: {d['what']}")
+    if findings:
+        print(f"FINDING {layout} seed {seed}: replay with\n  .venv/bin/python scripts/fuzz_damage.py {flag}"
+              f"--layout {layout} --seeds {seed} --keep", flush=True)
+        for d in damages:
+            print(f"  damage: {d['path']}: {d['what']}")
+        for f in findings[:20]:
+            print("  " + f.replace("\n", "\n    "))
+        if len(findings) > 20:
+            print(f"  ... {len(findings) - 20} more")
+
+
 def _seeds(text: str) -> list[int]:
     out = []
     for part in text.split(","):
@@ -900,6 +1178,8 @@ def main() -> int:
     ap.add_argument("--backend", default="local", choices=["local", "s3"],
                     help="s3: copy each store to a bucket of a moto server (tests/s3server.py)")
     ap.add_argument("--verbose", action="store_true", help="print the damage of every seed")
+    ap.add_argument("--live", action="store_true",
+                    help="damage the store while it is mounted, after a first read warmed every cache; then repair it")
     ap.add_argument("--walk-job", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.walk_job:
@@ -917,7 +1197,8 @@ def main() -> int:
     for layout in layouts:
         for seed in _seeds(args.seeds):
             t = time.monotonic()
-            f, _ = run_seed(layout, seed, Path(args.cache), Path(args.base), args.keep, args.verbose)
+            f, _ = (run_live if args.live else run_seed)(layout, seed, Path(args.cache), Path(args.base), args.keep,
+                                                         args.verbose)
             found += bool(f)
             print(f"{layout} seed {seed}: {'%d findings' % len(f) if f else 'ok'} ({time.monotonic() - t:.1f} s)",
                   flush=True)
