@@ -531,3 +531,60 @@ def test_tensorstore_writing_the_same_shard_directly_loses_no_write(mount, tmp_p
         stored = zarr.open_array(str(root / "arr"), mode="r")
         assert (stored[4:8, 4:8] == 1000 + r).all(), f"round {r}: the mount's stored write was lost"
     assert not list(root.rglob("*.__lock"))
+
+
+def test_a_chunk_declared_huge_in_a_sparse_huge_shard_is_neither_read_nor_allocated(mount, tmp_path):
+    """Another client makes a shard a sparse 1 TiB file (``truncate -s 1T``) under a live
+    mount and writes an index (no checksum) at its end that keeps the chunks' entries but
+    declares one chunk 64 GiB long, starting at 0: no longer past the end of the shard.
+    Reading that chunk is EIO with one log line (before: the daemon asked for 64 GiB at
+    once, a MemoryError and a traceback per read); the other chunks read as stored; a
+    write to another chunk of the shard fails at fsync and leaves the shard as it is
+    (it would read the 64 GiB to keep them), and the daemon neither reads nor allocates
+    such sizes."""
+    from zarr.codecs import BytesCodec, ShardingCodec
+
+    src = tmp_path / "store"
+    zarr.create_array(str(src / "a"), shape=(8, 12), dtype="u1", chunks=(8, 12), fill_value=0,
+                      serializer=ShardingCodec(chunk_shape=(2, 3), codecs=[BytesCodec()],
+                                               index_codecs=[BytesCodec()]), compressors=None)[...] = 7
+    m = mount(src, "rw", "metadata_ttl=0.2", "index_ttl=0.2", "attr_timeout=0.2")
+    pid = int(os.getxattr(m.path, "user.zshardfs.pid"))
+    good = {f"{i}/{j}": (m / f"a/c/{i}/{j}").read_bytes() for i in range(4) for j in range(4)}
+    shard = src / "a/c/0/0"
+    stored = shard.read_bytes()
+    index = np.frombuffer(stored[-256:], "<u8").reshape(16, 2).copy()
+    index[0] = (0, 64 << 30)
+    os.truncate(shard, 1 << 40)
+    with open(shard, "r+b") as f:
+        f.seek((1 << 40) - 256)
+        f.write(index.tobytes())
+    time.sleep(1)
+    assert (m / "a/c/0/0").stat().st_size == 64 << 30
+    fd = os.open(m / "a/c/0/0", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as raised:
+            os.read(fd, 4096)  # (a 64 GiB file: not read_bytes, which would allocate it here)
+    finally:
+        os.close(fd)
+    assert raised.value.errno == errno.EIO
+    for rel, data in good.items():
+        if rel != "0/0":
+            assert (m / f"a/c/{rel}").read_bytes() == data, rel
+    with pytest.raises(OSError) as raised:
+        with open(m / "a/c/1/1", "r+b") as f:
+            f.write(b"\x09" * 6)
+            f.flush()
+            os.fsync(f.fileno())
+    assert raised.value.errno == errno.EIO
+    assert shard.stat().st_size == 1 << 40
+    status = Path(f"/proc/{pid}/status").read_text()
+    peak = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) << 10
+    assert peak < 512 << 20, status
+    shard.write_bytes(stored)  # repaired: the chunk written is stored at unmount
+    time.sleep(0.5)
+    m.umount()
+    assert zarr.open_array(str(src / "a"), mode="r")[2:4, 3:6].tolist() == [[9] * 3] * 2
+    assert "Traceback" not in m.log_text(), m.log_text()[-3000:]
+    lines = [line for line in m.log_text().splitlines() if "damaged data: a/c/0/0" in line]
+    assert len(lines) == 1 and "larger than" in lines[0], lines  # (the failed write has lines of its own)

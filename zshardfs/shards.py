@@ -50,6 +50,12 @@ EMPTY = 2**64 - 1
 #: (64 was counted before: a cache of tiny chunks took 4.6x its budget)
 CHUNK_ENTRY_OVERHEAD = 320
 
+#: the largest stored chunk read (chunks are read whole, into memory): an index
+#: entry longer is damage, EIO. Without it, an index (without checksum) at the end
+#: of a shard another client made a sparse 1 TiB file could declare a 64 GiB chunk
+#: inside the file, and every read asked for 64 GiB at once (a MemoryError).
+MAX_CHUNK_BYTES = 1 << 30
+
 
 class ShardIndex(Protocol):
     """A loaded shard index (one version of one shard)."""
@@ -486,6 +492,9 @@ class ShardCache:
             if offset + nbytes > index.info.size:
                 raise CorruptData(f"{key}: chunk {chunk_id} at {offset}+{nbytes} lies past the end of the shard "
                                   f"({index.info.size} bytes)", key)
+            if nbytes > MAX_CHUNK_BYTES:
+                raise CorruptData(f"{key}: chunk {chunk_id} of {nbytes} bytes is larger than the "
+                                  f"{MAX_CHUNK_BYTES >> 20} MiB a chunk may have", key)
             if scan and coming is None:
                 data = await self._read_ahead_from(fmt, key, index, chunk_id)
                 if data is not None:
@@ -805,7 +814,8 @@ class ShardCache:
         mine: dict[int, trio.Event] = {} if event is None else {chunk_id: event}
         try:
             with trio.move_on_after(self._give_up) as scope:  # precomputed: may read minishard indexes
-                entries = [(cid, off, n) for cid, off, n in await index.entries() if n and off + n <= size]
+                entries = [(cid, off, n) for cid, off, n in await index.entries()
+                           if n and off + n <= size and n <= MAX_CHUNK_BYTES]
             if scope.cancelled_caught:
                 return None
             coming = self._coming.setdefault((key, etag), {})

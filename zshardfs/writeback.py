@@ -48,7 +48,7 @@ import trio
 from .backends.base import (AsyncStore, CorruptData, NotFound, PreconditionFailed, StoreError, held_by_deadline,
                             pause_within_deadline)
 from .logonce import log_once
-from .shards import ShardCache, ShardFormat
+from .shards import MAX_CHUNK_BYTES, ShardCache, ShardFormat
 from .together import off_loop
 
 log = logging.getLogger(__name__)
@@ -525,6 +525,9 @@ class WriteBack:
                 j += 1
             if end > info.size:
                 raise CorruptData(f"{key}: index points past the end of the shard; not rewriting it", key)
+            if any(n > MAX_CHUNK_BYTES for _, n, _ in entries[i:j]):  # (read whole: damage, as for a read)
+                raise CorruptData(f"{key}: index declares a chunk larger than {MAX_CHUNK_BYTES >> 20} MiB; "
+                                  "not rewriting it", key)
             blob = await self.store.get(key, start, end - start, if_match=info.etag)
             for off, n, cid in entries[i:j]:
                 out[cid] = blob.data[off - start: off - start + n]
