@@ -1130,3 +1130,20 @@ def test_listing_an_unchanged_chunk_directory_again_makes_no_nodes(tmp_path):
         assert [c.size for c in now[8:]] == [2, 2, 2, 2]
 
     trio.run(main)
+
+
+def test_fsck_data_reads_the_ends_of_a_huge_plain_file(tmp_path):
+    """A plain file (passed through as stored) that another client made a sparse 1 TiB
+    file, here a group's zarr.json: ``fsck --data`` reads its first 64 MiB and its last
+    piece, not a TiB of zeros (before: it did not end within the minute), and reports
+    it as the mount shows it."""
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g/zarr.json").write_bytes(b'{"zarr_format": 3, "node_type": "group"}')
+    os.truncate(tmp_path / "g/zarr.json", 1 << 40)
+    (tmp_path / "notes.txt").write_bytes(b"x" * 100)
+    result = subprocess.run([*ZSHARDFS, "fsck", str(tmp_path), "--data", "--json"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result
+    report = json.loads(result.stdout)
+    assert report["errors"] == 0, report
+    assert report["bytes_read"] <= (64 << 20) + (8 << 20) + 100, report
