@@ -34,8 +34,17 @@ process with a deadline, walks it and reads every file. It checks:
 
 With ``--backend s3`` the stores are copied to buckets of a moto server (tests/s3server.py).
 
+With ``--live`` (SEMANTICS 5.8) the damage is made under a live mount instead: a good copy
+is mounted (ro, then rw) with TTLs of LIVE_TTL, read whole (caches warm), damaged underneath
+(the kinds above, plus files and directories removed, a directory replaced by a file, and
+locally a file made a sparse 1 TiB one), read at once (old bytes, new bytes, or an error),
+read again past the TTLs (as a fresh mount of the damaged store reads it, or an error;
+writes; the daemon's peak memory and bytes read bounded), then the good copy is put back
+and everything must read as before, without a remount.
+
   .venv/bin/python scripts/fuzz_damage.py --layout zarr --seeds 0-49
   .venv/bin/python scripts/fuzz_damage.py --layout all --seeds 7     # one seed, every layout
+  .venv/bin/python scripts/fuzz_damage.py --live --layout zarr --seeds 0-9 [--backend s3]
 
 Each finding prints a replay line (``--layout L --seeds N``: the same damage, drawn
 from the seed) and the damage applied. Exit 0: no finding; 1: findings.
@@ -65,6 +74,7 @@ ACCEPTABLE = {errno.EIO, errno.ENOENT, errno.ENOTDIR}
 PER_CALL_LIMIT = 15.0  # seconds: the mount's timeout (5) plus slack for a loaded machine
 WALK_DEADLINE = 120.0
 LINES_PER_DAMAGE = 2  # (the promise is one, 5.2; every run so far logged at most one)
+HUGE_READ = 1 << 30  # a walk reads the first and last MiB of a file larger than this, not all of it
 LAYOUTS = ("zarr", "zarr2", "pc_volume", "pc_kv")
 METADATA_NAMES = ("zarr.json", "info")
 
@@ -182,6 +192,13 @@ def walk(root: str, writes: list[str], seed: int, probe: list[str] = (), bad_wri
         finally:
             os.close(fd)
 
+    def read_ends(path, size):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            return os.pread(fd, 1 << 20, 0) + os.pread(fd, 1 << 20, size - (1 << 20))
+        finally:
+            os.close(fd)
+
     def list_one(rel):
         path = os.path.join(root, rel) if rel else root
         try:
@@ -204,6 +221,13 @@ def walk(root: str, writes: list[str], seed: int, probe: list[str] = (), bad_wri
             read_one(r, p, st)
 
     def read_one(r, p, st):
+        if st.st_size > HUGE_READ:  # (a sparse huge file shown as stored: its ends, not a TiB of zeros)
+            try:
+                data = timed(f"read ends {r}", read_ends, p, st.st_size)
+                files[r] = f"huge {st.st_size} " + hashlib.sha256(data).hexdigest()
+            except OSError as e:
+                files[r] = -e.errno
+            return
         try:
             data = timed(f"read {r}", read_all, p)
             files[r] = hashlib.sha256(data).hexdigest()
@@ -257,7 +281,7 @@ def walk(root: str, writes: list[str], seed: int, probe: list[str] = (), bad_wri
     changed = []
     if bad_writes:
         for r, v in sorted(files.items()):
-            if isinstance(v, str) and not v.startswith("size") and r not in done and r not in bad_done:
+            if isinstance(v, str) and not v.startswith(("size", "huge")) and r not in done and r not in bad_done:
                 try:
                     now = hashlib.sha256(timed(f"read again {r}", read_all, os.path.join(root, r))).hexdigest()
                 except OSError as e:
@@ -911,14 +935,28 @@ def live_damage(rng: random.Random, store: Path, files: dict[str, bytes], s3: bo
                          else "directory replaced by a file"})
             continue
         rel = rng.choice(sorted(files) if kind == "remove" or rng.random() < 0.2 else data)
-        if not (store / rel).is_file():
+        if not (store / rel).is_file() or (store / rel).stat().st_size > HUGE // 2:
             continue
+        what = "removed"
         if kind == "remove":
             (store / rel).unlink()
         else:
+            what = "made a sparse 1 TiB file (truncate -s 1T)"
+            tail = (store / rel).read_bytes()[-rng.choice([16, 64, 4096]):]
             os.truncate(store / rel, HUGE)
-        done.append({"path": rel, "kind": "file",
-                     "what": "removed" if kind == "remove" else "made a sparse 1 TiB file (truncate -s 1T)"})
+            if tail and rng.random() < 0.5:  # its tail (an index at the end) moved to the new end, bits flipped or not:
+                # entries now point inside the file, however long they say their chunks are
+                if rng.random() < 0.5:
+                    buf = bytearray(tail)
+                    for b in sorted(rng.randrange(len(buf) * 8) for _ in range(rng.choice([1, 2, 8]))):
+                        buf[b // 8] ^= 1 << (b % 8)
+                    tail, what = bytes(buf), what + ", its last bytes moved to the end with bits flipped"
+                else:
+                    what += ", its last bytes moved to the end"
+                with open(store / rel, "r+b") as f:
+                    f.seek(HUGE - len(tail))
+                    f.write(tail)
+        done.append({"path": rel, "kind": "file", "what": what})
     return done
 
 

@@ -61,9 +61,11 @@ def test_damaged_stores_answer_clearly(layout, fuzz, tmp_path, capsys):
 #: (layout, backend, seed) of the live mode: each two mounts (ro, rw), four walks of each, a
 #: fresh mount of the damaged store and an fsck (about 15 s locally, 20 s on S3).
 LIVE_SEEDS = [
-    ("zarr", "local", 11),       # a chunk directory replaced by a file, a shard made sparse 1 TiB, metadata, bits
-    ("pc_volume", "local", 55),  # a scale directory removed, a shard made sparse 1 TiB, hostile info values
-    ("zarr2", "s3", 71),         # a shard removed, a chunk directory replaced by a file, an array document
+    ("zarr", "local", 164),       # the root zarr.json made a sparse 1 TiB file, a chunk directory replaced by a
+                                  # file, a chunk_shape list resized, bytes in a shard, a shard removed
+    ("pc_volume", "local", 248),  # a shard made sparse 1 TiB with its index tail moved to the end, bits flipped;
+                                  # a shard replaced by a directory, one truncated, hostile chunk_sizes
+    ("zarr2", "s3", 71),          # a shard removed, a chunk directory replaced by a file, an array document
 ]
 
 
