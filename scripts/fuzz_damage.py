@@ -765,7 +765,7 @@ NOISE = [0.0]  # the most warning/error lines per damaged object a mount logged
 
 def reference(layout: str, good: Path, work: Path) -> tuple:
     """The good store's view (read-only walk), its files' bytes, its log's noise."""
-    if (layout, S3 is not None) not in _REFERENCE:
+    if (layout, S3 is not None, good) not in _REFERENCE:
         view: dict[str, bytes] = {}
         res, lines, problems = view_of(good, work, True, [], 0, "good", after=lambda mnt, res: view.update(
             {r: (mnt / r).read_bytes() for r, v in res["files"].items() if isinstance(v, str)}))
@@ -777,8 +777,8 @@ def reference(layout: str, good: Path, work: Path) -> tuple:
         r = subprocess.run([*ZSHARDFS, "fsck", *source(good), "--data"], capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise SystemExit(f"fsck finds the good {layout} store damaged: {r.stdout[-500:]} {r.stderr[-500:]}")
-        _REFERENCE[layout, S3 is not None] = (res, view, len(noisy(lines)))
-    return _REFERENCE[layout, S3 is not None]
+        _REFERENCE[layout, S3 is not None, good] = (res, view, len(noisy(lines)))
+    return _REFERENCE[layout, S3 is not None, good]
 
 
 def run_seed(layout: str, seed: int, cache: Path, base: Path, keep: bool = False,
