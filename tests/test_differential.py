@@ -65,6 +65,7 @@ FAULT_WEIGHT = 6
 #: Applier.op_race) at RACE_WEIGHT among the others: (layout, backend, seed, steps)
 RACE_CASES = [
     ("basic", "local", 1, 100),  # plain files and chunks, held descriptors, temporaries renamed over
+    ("basic", "s3", 1, 80),  # the same on S3: its LIST/HEAD answers racing the writer's flushes
 ]
 RACE_WEIGHT = 12
 
