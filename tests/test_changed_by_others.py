@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import gzip
+import json
 import os
 import shutil
 import subprocess
@@ -588,3 +589,32 @@ def test_a_chunk_declared_huge_in_a_sparse_huge_shard_is_neither_read_nor_alloca
     assert "Traceback" not in m.log_text(), m.log_text()[-3000:]
     lines = [line for line in m.log_text().splitlines() if "damaged data: a/c/0/0" in line]
     assert len(lines) == 1 and "larger than" in lines[0], lines  # (the failed write has lines of its own)
+
+
+def test_a_zarr_json_whose_index_location_another_client_changes_applies_to_shards_already_read(mount, tmp_path):
+    """Another client's ``zarr.json`` that moves the shard index (``end`` to
+    ``start``) while the shards stay as they were applies to those shards once
+    the TTLs have passed, as in a fresh mount: an index cached under the old
+    metadata is parsed again (read at the start it fails its crc32c: EIO), and
+    the old metadata put back reads them as before."""
+    src = tmp_path / "store"
+    values = np.arange(256, dtype=np.uint8)
+    zarr.create_array(str(src / "a"), shape=values.shape, chunks=(32,), shards=(128,), dtype="uint8",
+                      compressors=None, fill_value=0)[:] = values
+    good = (src / "a" / "zarr.json").read_text()
+    moved = json.loads(good)
+    sharding = moved["codecs"][0]
+    assert sharding["name"] == "sharding_indexed" and sharding["configuration"].get("index_location", "end") == "end"
+    sharding["configuration"]["index_location"] = "start"
+    m = mount(src, "ro", "metadata_ttl=0.2,index_ttl=0.2,attr_timeout=0.2")
+    names = [f"c/{i}" for i in range(8)]
+    assert b"".join((m.path / "a" / n).read_bytes() for n in names) == values.tobytes()
+    (src / "a" / "zarr.json").write_text(json.dumps(moved))
+    time.sleep(1.5)
+    for n in names:
+        assert _read_or_eio(m.path / "a" / n) is None, n
+    (src / "a" / "zarr.json").write_text(good)
+    time.sleep(1.5)
+    assert b"".join((m.path / "a" / n).read_bytes() for n in names) == values.tobytes()
+    m.umount()
+    assert "Traceback" not in m.log_text()

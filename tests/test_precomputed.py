@@ -1280,3 +1280,34 @@ def test_a_wrong_preshift_is_one_line_per_shard(tmp_path, mount):
     lines = [line for line in m.log_text().splitlines() if "hash elsewhere" in line]
     shards = [line.split(":")[3].strip() for line in lines]  # "... WARNING zshardfs.x: <shard key>: ..."
     assert lines and len(shards) == len(set(shards)), lines
+
+
+def test_an_info_whose_sharding_another_client_changes_applies_to_shards_already_read(tmp_path, mount):
+    """Another client's ``info`` that changes a scale's sharding spec while
+    its shards stay as they were applies to those shards once the TTLs have
+    passed, as in a fresh mount: their indexes, cached under the old spec,
+    are parsed again (a raw minishard index read as gzip is damage: EIO), and
+    the old spec put back reads them as before."""
+    vol = tmp_path / "src" / "vol"
+    small_sharded_volume(vol, 7)
+    good = (vol / "info").read_text()
+    m = mount(tmp_path / "src", "ro,metadata_ttl=0.2,index_ttl=0.2,attr_timeout=0.2")
+    names = sorted(os.listdir(m.path / "vol" / "s0"))
+    assert len(names) == 8 and all((m.path / "vol" / "s0" / n).read_bytes() == bytes([7]) * 16 ** 3 for n in names)
+    info = json.loads(good)
+    info["scales"][0]["sharding"]["minishard_index_encoding"] = "gzip"
+    (vol / "info").write_text(json.dumps(info))
+    fresh = mount(tmp_path / "src", "ro")
+    with pytest.raises(OSError) as seen:
+        (fresh.path / "vol" / "s0" / names[0]).read_bytes()
+    assert seen.value.errno == errno.EIO
+    fresh.umount()
+    time.sleep(1.5)
+    for n in names:
+        with pytest.raises(OSError) as seen:
+            (m.path / "vol" / "s0" / n).read_bytes()
+        assert seen.value.errno == errno.EIO, n
+    (vol / "info").write_text(good)
+    time.sleep(1.5)
+    assert all((m.path / "vol" / "s0" / n).read_bytes() == bytes([7]) * 16 ** 3 for n in names)
+    m.umount()

@@ -191,6 +191,14 @@ class ByteLRU:
     def __len__(self):
         return len(self._d)
 
+    def pop_where(self, match) -> None:
+        """Drop every entry whose key ``match`` accepts (a walk of them all:
+        for rare events, such as a shard whose format changed)."""
+        for key in [k for k in self._d if match(k)]:
+            self.pop(key)
+        if self._beside is not None and match(self._beside[0]):
+            self._beside = None
+
 
 #: shards whose last read position the scan detector remembers
 SCAN_SHARDS = 4096
@@ -252,7 +260,13 @@ async def _guarded(fn, *args) -> None:
 @dataclass
 class _Cached:
     index: ShardIndex | None  # None: the shard is known to be absent
+    parsed_as: Any = None  # (the format's parses_as, shard_ctx) it was parsed with
     checked: float = field(default_factory=time.monotonic)
+
+
+def _parsed_as(fmt: ShardFormat, shard_ctx: Any) -> Any:
+    """What an index parsed by ``fmt`` for ``shard_ctx`` depends on."""
+    return getattr(fmt, "parses_as", None), shard_ctx
 
 
 class ShardCache:
@@ -343,6 +357,13 @@ class ShardCache:
             # hits and misses count answers, not callers: a caller that waits
             # for another's load is neither
             cached: _Cached | None = self.indexes.peek(key)
+            if cached is not None and cached.parsed_as != _parsed_as(fmt, shard_ctx):
+                # the layout's metadata changed (another client's zarr.json or
+                # info) while the shard did not: what was parsed under the old
+                # format, index and decoded chunks, is parsed again
+                self.forget(key)
+                self.chunks.pop_where(lambda k: k[0] == key)
+                cached = None
             if cached is not None:
                 if (time.monotonic() - cached.checked < self.index_ttl or (expired_ok and cached.index is not None)
                         or (checked_since is not None and cached.checked >= checked_since)):
@@ -364,7 +385,7 @@ class ShardCache:
                 forgotten = key in self._forgotten
                 self._forgotten.discard(key)
             if not forgotten:  # else replaced meanwhile: waiters load again
-                self.indexes.put(key, _Cached(index), 256 + (index.nbytes if index else 0))
+                self.indexes.put(key, _Cached(index, _parsed_as(fmt, shard_ctx)), 256 + (index.nbytes if index else 0))
                 if index is not None and self.prefetch_ahead:
                     self._unread[key] = (fmt, shard_ctx, min(index.info.size, self.prefetch_max), time.monotonic(),
                                          scan_order(key))

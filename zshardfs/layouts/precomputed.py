@@ -210,7 +210,7 @@ class PrecomputedShardIndex:
         async def load():
             return (await self._load([m]))[0]
 
-        return await self.fmt.cached((self.info.key, self.info.etag, m), load)
+        return await self.fmt.cached((self.info.key, self.info.etag, m, self.fmt.spec), load)
 
     async def _load(self, ms: list[int]) -> list[Minishard]:
         """Read minishards ``ms`` in one ranged read; cache and return them."""
@@ -223,7 +223,7 @@ class PrecomputedShardIndex:
         parsed = await off_loop(lambda: [self._parse(m, raw) for m, raw in zip(ms, raws)],
                                 sum(_decoded_bytes(raw, self.fmt.spec.minishard_index_encoding) for raw in raws))
         for m, p in zip(ms, parsed):
-            self.fmt.cache.put((self.info.key, self.info.etag, m), p, p.nbytes)
+            self.fmt.cache.put((self.info.key, self.info.etag, m, self.fmt.spec), p, p.nbytes)
         return parsed
 
     async def minishards(self) -> dict[int, Minishard | CorruptData]:
@@ -232,7 +232,7 @@ class PrecomputedShardIndex:
         out: dict[int, Minishard | CorruptData] = {}
         todo = []
         for m in self.nonempty():
-            hit = self.fmt.cache.get((self.info.key, self.info.etag, m))
+            hit = self.fmt.cache.get((self.info.key, self.info.etag, m, self.fmt.spec))
             if hit is not None:
                 out[m] = hit
                 continue
@@ -360,6 +360,8 @@ class PrecomputedShardFormat:
         self.multilod = multilod
         self.gap = gap  # index ranges closer than this are read in one GET (-o prefetch_gap)
         self.cache = cache  # minishard indexes share the shard index budget
+        #: what an index parsed here depends on (ShardCache parses again under another)
+        self.parses_as = (spec, multilod)
         self._loads = SingleFlight()
 
     async def cached(self, key: tuple, load):
@@ -368,7 +370,7 @@ class PrecomputedShardFormat:
             hit = self.cache.get(key)
             if hit is not None:
                 return hit
-            if not await shared_within_deadline(self._loads, key, key[0]):  # (key: shard, etag, minishard)
+            if not await shared_within_deadline(self._loads, key, key[0]):  # (key: shard, etag, minishard, spec)
                 break
         with self._loads.loading(key):
             return await load()

@@ -108,6 +108,8 @@ class ZarrShardFormat:
         self.endian = endian
         self.checksum = checksum
         self.dtype = np.dtype("<u8" if endian == "little" else ">u8")
+        #: what an index parsed here depends on (ShardCache parses again under another)
+        self.parses_as = (index_location, endian, checksum)
 
     def index_size(self, extent) -> int:
         return math.prod(extent) * 16 + (4 if self.checksum else 0)
