@@ -918,9 +918,14 @@ _RACE_WATCHER = (
     "print(json.dumps([obs, final]), flush=True)\n")
 
 
-def _race_verdict(obs: list, final: list, path_states: list, held_states: list) -> str:
+#: where the kernel may split one write(2) into several WRITE requests (see _race_verdict)
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _race_verdict(obs: list, final: list, path_states: list, held_states: list, written: list) -> str:
     """``watch ok``, or the first observation no state in order explains (see Applier.op_race).
-    ``held_states``: per state, the versions a held descriptor may show (one or two)."""
+    ``held_states``: per state, the versions a held descriptor may show (one or two);
+    ``written``: per state, whether a write of bytes through a descriptor made it."""
     def one(kind, value, s, exact):
         if kind in ("stat", "fstat"):
             return value == (len(s) if s is not None else "ENOENT")
@@ -938,11 +943,23 @@ def _race_verdict(obs: list, final: list, path_states: list, held_states: list) 
         alts = held_states[k] if kind in ("fstat", "pread") else [path_states[k]]
         if any(one(kind, value, s, exact) for s in alts):
             return True
-        if exact or kind not in ("read", "pread") or not isinstance(value, int) or k + 1 >= len(path_states):
+        if exact or k + 1 >= len(path_states):
+            return False
+        nxt = held_states[k + 1] if kind in ("fstat", "pread") else [path_states[k + 1]]
+        if kind in ("stat", "fstat", "scan"):
+            # a write(2) that makes the next state may reach the daemon as several
+            # WRITE requests (the kernel ends one at a partial page it does not
+            # hold: a 4096-byte pwrite at 2000 is 2096 bytes at 2000, then 2000 at
+            # 4096), and a size asked between them is the part written so far
+            # (SEMANTICS, Limits: a stat may run ahead of reads): a page boundary
+            # between the two sizes, never during a truncate (one request)
+            size = value[0] if kind == "scan" and isinstance(value, list) and len(value) == 1 else value
+            return (written[k + 1] and type(size) is int and size % PAGE_SIZE == 0
+                    and any(a is not None and b is not None and len(a) < size < len(b) for a in alts for b in nxt))
+        if kind not in ("read", "pread") or not isinstance(value, int):
             return False
         # a read running while the next step changes the size may end between
         # the two sizes (the kernel ends it at a short answer of the daemon)
-        nxt = held_states[k + 1] if kind == "pread" else [path_states[k + 1]]
         return any(a is not None and b is not None and min(len(a), len(b)) <= value <= max(len(a), len(b))
                    for a in alts for b in nxt)
 
@@ -1409,7 +1426,7 @@ class Applier:
                 errs.append("crashed: " + err.decode()[-300:])
         return "ok" if not errs else "fail:" + ";".join(errs)
 
-    def _race_states(self, op, done: int | None = None) -> tuple[list, list]:
+    def _race_states(self, op, done: int | None = None) -> tuple[list, list, list]:
         """The states ``op['path']`` passes through under the mover's steps (index 0: before,
         None: absent), and per state the versions a descriptor held open on it from before
         may show: the same, but a chunk replaced by a rename stays as it was for its
@@ -1418,11 +1435,13 @@ class Applier:
         this mount wrote", one whole version each, but the kernel keeps the attributes of
         the replaced inode for attr_timeout, and the daemon renews them only when asked:
         test_write.py::test_a_plain_file_replaced_while_open_reads_one_version allows both).
-        ``done``: of the first that many steps (those that succeeded)."""
+        ``done``: of the first that many steps (those that succeeded). Third: per state, whether
+        a write of bytes through a descriptor (pwrite, a write after its O_TRUNC) made it."""
         p = self.env.twin / op["path"]
         cur = p.read_bytes() if p.is_file() else None
         chunk = self.names.kind(op["path"]) == "chunk"
         path, held, frozen = [cur], [[cur]], None  # frozen: [the version a rename replaced]
+        written = [False]
 
         def follow(s):
             if frozen is None:
@@ -1439,18 +1458,21 @@ class Applier:
                 if cur is None:  # (created: empty first)
                     path.append(b"")
                     held.append(follow(b""))
+                    written.append(False)
                 data = self.env.data.get(step[2])  # (a write of no bytes extends nothing)
                 cur = _pwritten(cur, [(step[1], data)]) if data else (cur or b"")
             else:  # write (created or O_TRUNC: empty first), tmprename
                 if kind == "write":
                     path.append(b"")
                     held.append(follow(b""))
+                    written.append(False)
                 if kind == "tmprename" and frozen is None:
                     frozen = [cur]
                 cur = self.env.data.get(step[1])
             path.append(cur)
             held.append(follow(cur))
-        return path, held
+            written.append(kind in ("pwrite", "write"))
+        return path, held, written
 
     def op_race(self, op):
         """A mover changes one file (truncate by path, ftruncate, pwrite and O_TRUNC write
@@ -1464,7 +1486,10 @@ class Applier:
         before it showed, except that it may show the state just before that one (never one
         before an earlier observation of its kind showed), and a read's length may lie
         between the sizes of the state it shows and the next (the step in flight; on Linux
-        a read and a size change are not atomic with each other); once the mover has ended, every kind of
+        a read and a size change are not atomic with each other), and a size (stat, fstat,
+        a listing's) may be a page boundary between them while the next step is a write (the
+        kernel may send one write as several WRITE requests: SEMANTICS, Limits, a stat may
+        run ahead of reads); once the mover has ended, every kind of
         observation shows its last state exactly (bytes too). The twin applies the mover's
         steps alone."""
         rel, mover = op["path"], op["mover"]
@@ -1511,8 +1536,8 @@ class Applier:
             return [f"race helper failed: {merr[-300:]} {werr[-300:]}"]
         res = json.loads(mout)
         obs, final = json.loads(wout)
-        path_states, held_states = self._race_states(op, sum(1 for r in res if r == "ok"))
-        return [res, _race_verdict(obs, final, path_states, held_states)]
+        path_states, held_states, written = self._race_states(op, sum(1 for r in res if r == "ok"))
+        return [res, _race_verdict(obs, final, path_states, held_states, written)]
 
     def op_sync(self, op):
         if self.twin:
