@@ -923,6 +923,45 @@ def test_exit_status_two_is_for_bad_options_only(store, tmp_path):
     assert zs("mount", store.root, tmp_path / "nooptions", "-o", "frobnicate").returncode == 2
 
 
+@pytest.mark.parametrize("args, words", [
+    ((), ["command"]),
+    (("bogus",), ["unknown command 'bogus'"]),
+    (("umonut", "{mnt}"), ["unknown command 'umonut'", "umount"]),
+    (("mount",), ["mount", "required", "source"]),
+    (("mount", "{src}", "{mnt}", "--bogus"), ["mount", "unrecognized", "--bogus"]),
+    (("mount", "{src}", "{mnt}", "-o"), ["mount", "-o", "expected one argument"]),
+    (("umount", "--timeout", "abc", "{mnt}"), ["umount", "--timeout", "'abc'"]),
+    (("umount", "--timeout", "-1", "{mnt}"), ["umount", "--timeout", "'-1'"]),
+    (("umount", "--timeout", "nan", "{mnt}"), ["umount", "--timeout", "'nan'"]),
+    (("stats",), ["stats", "required", "mountpoint"]),
+    (("sync", "{mnt}", "extra"), ["sync", "unrecognized", "extra"]),
+    (("fsck", "{src}", "--data=yes"), ["fsck", "--data"]),
+], ids=lambda v: "_".join(v) if isinstance(v, tuple) else None)
+def test_command_line_mistakes_are_one_line(store, mnt, args, words):
+    """SEMANTICS 6.2 for the arguments themselves, not only ``-o``: a
+    missing or unknown argument, an unknown command, an impossible
+    ``umount --timeout`` is one line naming the command and exit status 2
+    (argparse printed its usage block first, an unknown ``mount`` flag
+    under the top-level usage, and took ``--timeout -1`` or ``nan``)."""
+    result = zs(*[a.format(src=store.root, mnt=mnt) for a in args])
+    line = assert_one_line_error(result, *words)
+    assert result.returncode == 2, (result.returncode, line)
+    assert mounts_at(mnt) == []
+
+
+def test_help_and_the_mount_fuse3_form_still_work(store, mnt):
+    """``--help`` is no error, and ``zshardfs SOURCE MOUNTPOINT -o OPTS``
+    (how fuse3's mount.fuse3 calls a ``fuse.zshardfs`` type) still mounts."""
+    for args in (["--help"], ["mount", "--help"], ["umount", "--help"]):
+        result = zs(*args)
+        assert result.returncode == 0 and result.stdout.startswith("usage: zshardfs"), result
+    result = zs(store.root, mnt, "-o", "ro")
+    assert result.returncode == 0, result.stderr
+    name, data = first_chunk(store)
+    assert (mnt / name).read_bytes() == data
+    assert zs("umount", mnt).returncode == 0
+
+
 def _fd_target(pid: int, fd: int) -> str:
     return os.readlink(f"/proc/{pid}/fd/{fd}")
 

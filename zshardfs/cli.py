@@ -9,10 +9,12 @@ has failed (exit 1, with the daemon's reason).
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import json
 import logging
 import logging.handlers
+import math
 import os
 import re
 import shutil
@@ -655,8 +657,33 @@ def cmd_fsck(args) -> int:
     return EXIT_FAIL if report.problems else EXIT_OK
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a user error as one line naming the command (and
+    where its help is) and exit status 2, as every other user error:
+    not the usage block first (SEMANTICS 6.2)."""
+
+    def error(self, message: str):
+        sys.exit(_fail(f"{_usage_error(self.prog, message)}", EXIT_USAGE))
+
+
+def _usage_error(prog: str, message: str) -> str:
+    command = prog.removeprefix("zshardfs").strip()
+    return f"{command + ': ' if command else ''}{message} (see '{prog} --help')"
+
+
+def _wait_seconds(text: str) -> float:
+    """``umount --timeout``: seconds, more than 0 (``inf``: wait for ever)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zshardfs", description="Mount a sharded array store as its unsharded view.")
+    p = _Parser(prog="zshardfs", description="Mount a sharded array store as its unsharded view.")
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("mount", help="mount SOURCE on MOUNTPOINT", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="options (-o):\n" + describe_options())
@@ -674,7 +701,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("-z", "--lazy", action="store_true", help="lazy unmount")
     u.add_argument("--if-dead", action="store_true",
                    help="only remove a dead mount (its daemon gone); a live one, or none, is left as it is")
-    u.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the daemon to exit")
+    u.add_argument("--timeout", type=_wait_seconds, default=120.0,
+                   help="seconds to wait for the daemon to exit (default 120)")
     u.set_defaults(func=cmd_umount)
     y = sub.add_parser("sync", help="store all written data now (what sync(1) cannot ask a FUSE daemon)")
     y.add_argument("mountpoint")
@@ -708,8 +736,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):
-        argv = ["mount", *argv]  # mount.fuse3 calls "zshardfs SOURCE MOUNTPOINT -o OPTS"
-    args = parser.parse_args(argv)
+        # mount.fuse3 calls "zshardfs SOURCE MOUNTPOINT -o OPTS"; a mistyped
+        # command is no source (and "zshardfs umonut /mnt/view" must not
+        # try to mount ./umonut there)
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        if len(argv) < 2 or argv[1].startswith("-") or (close and not os.path.lexists(argv[0])):
+            hint = f"did you mean {close[0]}? " if close else ""
+            return _fail(f"unknown command {argv[0]!r} ({hint}commands: {', '.join(COMMANDS)}; "
+                         f"see 'zshardfs --help')", EXIT_USAGE)
+        argv = ["mount", *argv]
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # (reported by the top-level parser, under its usage: name the command's)
+        return _fail(_usage_error(f"zshardfs {args.command}", f"unrecognized arguments: {' '.join(extra)}"),
+                     EXIT_USAGE)
     try:
         return args.func(args)
     except KeyboardInterrupt:
