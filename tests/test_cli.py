@@ -1109,6 +1109,85 @@ def test_the_systemd_unit_mounts_on_the_host_and_clears_a_dead_mount(store, mnt)
     assert zs("umount", mnt).returncode == 0
 
 
+def _systemd_env_file(text: str) -> dict[str, str]:
+    """An EnvironmentFile= as systemd reads it: ``KEY=VALUE`` lines, ``#``
+    only at a line's start, the value's outer whitespace stripped (its
+    inner kept), double quotes removed."""
+    env = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")) or "=" not in line:
+            continue
+        key, _, value = line.partition("=")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] == '"':
+            value = value[1:-1]
+        env[key.strip()] = value
+    return env
+
+
+def _systemd_command(line: str, env: dict[str, str]) -> list[str]:
+    """An Exec*= line as systemd runs it: ``${VAR}`` is replaced within its
+    word, always one argument (empty if unset); ``$VAR`` as a word of its own
+    is split at whitespace into zero or more arguments."""
+    argv = []
+    for word in line.split():
+        whole = re.fullmatch(r"\$([A-Za-z_]\w*)", word)
+        if whole:
+            argv += env.get(whole.group(1), "").split()
+        else:
+            argv.append(re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), ""), word))
+    return argv
+
+
+def test_the_systemd_unit_serves_the_configuration_its_comment_shows(store, tmp_path):
+    """The unit's own example of /etc/zshardfs/<name>.conf, taken as written
+    (its values were followed by "(zshardfs -o options)"-style notes, which an
+    EnvironmentFile keeps in the value: ``unknown option 'allow_other   (zshardfs
+    -o options)'``), run through the unit's ExecStartPre and ExecStart lines
+    as systemd expands them: READY=1 once the view is there, SIGTERM
+    (KillSignal) unmounts and exits 0; with OPTIONS empty too."""
+    unit = (Path(__file__).resolve().parent.parent / "systemd" / "zshardfs@.service").read_text()
+    example = "\n".join(m.group(1) for m in re.finditer(r"^#   ([A-Z_]+=.*)$", unit, re.M))
+    env = _systemd_env_file(example)
+    assert set(env) >= {"SOURCE", "MOUNTPOINT", "OPTIONS", "EXTRA_ARGS"}, example
+    settings = _unit()
+    exe = str(Path(sys.executable).parent / "zshardfs")
+    for options in (env["OPTIONS"], ""):
+        mnt = tmp_path / f"mnt-{len(options)}" / "view"  # (made by the unit's mkdir -p)
+        conf = {**env, "SOURCE": str(store.root), "MOUNTPOINT": str(mnt), "OPTIONS": options}
+        for pre in settings["ExecStartPre"]:
+            argv = _systemd_command(pre.replace("/usr/local/bin/zshardfs", exe), conf)
+            result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            assert result.returncode == 0, (argv, result.stderr)
+        argv = _systemd_command(settings["ExecStart"][0].replace("/usr/local/bin/zshardfs", exe), conf)
+        address = str(tmp_path / "notify")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.bind(address)
+            proc = subprocess.Popen(argv, env={**os.environ, "NOTIFY_SOCKET": address},
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            try:
+                sock.settimeout(0.2)
+                deadline, said = time.monotonic() + 30, None
+                while said is None and proc.poll() is None and time.monotonic() < deadline:
+                    try:
+                        said = sock.recv(4096)
+                    except TimeoutError:
+                        pass
+                assert said == b"READY=1", (argv, said, proc.poll(), proc.poll() is not None and proc.stderr.read())
+                name, data = first_chunk(store)
+                assert (mnt / name).read_bytes() == data
+                assert ("ro" in mounts_at(mnt)[0]["options"]) == ("ro" in options.split(","))
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=60) == 0, proc.stderr.read()
+                assert mounts_at(mnt) == []
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                force_unmount(mnt)
+            os.unlink(address)
+
+
 def test_debug_log_shows_a_written_payload_by_its_size(store, mount):
     """``log_level=DEBUG`` logs every storage call with its arguments; a
     PUT's bytes are shown as their size, never written into the log."""
