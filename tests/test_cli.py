@@ -821,6 +821,57 @@ def test_mount_helper_as_mount8_calls_it(store, mnt):
     assert zs("umount", mnt).returncode == 0
 
 
+#: README's steps for /etc/fstab, run by test_fstab_entries_work_as_the_readme_says
+README_FSTAB_LINKS = [
+    'ln -s "$(command -v mount.zshardfs)" /sbin/mount.zshardfs',
+    'ln -s "$(command -v zshardfs)" /usr/local/bin/zshardfs',
+]
+
+
+def test_fstab_entries_work_as_the_readme_says(store, tmp_path):
+    """README's /etc/fstab steps with the real mount(8), in a mount namespace
+    of the test's own (overlays on /sbin and /usr/local/bin take the links;
+    the mounts are made there): an fstab line of type ``zshardfs``, and
+    ``mount -t fuse.zshardfs`` through fuse3's mount.fuse3. mount(8) runs
+    helpers with PATH reset to the standard directories (not the caller's),
+    so mount.fuse3, which runs ``zshardfs``, found none after the one link
+    the README asked for ("/bin/sh: 1: zshardfs: not found", exit 127)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for link in README_FSTAB_LINKS:
+        assert link in readme, link
+    assert shutil.which("mount") and shutil.which("unshare"), "mount(8) and unshare(1) are needed"
+    sbin = os.path.realpath("/sbin")
+    over = []
+    for i, lower in enumerate((sbin, "/usr/local/bin")):
+        upper, work = tmp_path / f"upper{i}", tmp_path / f"work{i}"
+        upper.mkdir(), work.mkdir()
+        over.append(f"mount -t overlay overlay -o lowerdir={lower},upperdir={upper},workdir={work} {lower}")
+    mnt1, mnt2 = tmp_path / "view1", tmp_path / "view2"
+    mnt1.mkdir(), mnt2.mkdir()
+    fstab = tmp_path / "fstab"
+    fstab.write_text(f"{store.root}  {mnt1}  zshardfs  ro,allow_other  0 0\n")
+    name, data = first_chunk(store)
+    script = "\n".join([
+        "set -e",
+        f"trap 'fusermount3 -uz {mnt1} 2>/dev/null || true; fusermount3 -uz {mnt2} 2>/dev/null || true' EXIT",
+        *over,
+        f"export PATH={Path(sys.executable).parent}:$PATH",
+        *README_FSTAB_LINKS,
+        f"mount -T {fstab} {mnt1}",  # (-T: this fstab instead of /etc/fstab)
+        f"cmp {mnt1 / name} {store.root / '..' / 'expected'}",
+        f"grep ' {mnt1} fuse.zshardfs ro,' /proc/self/mounts",
+        f"zshardfs umount {mnt1}",
+        f"mount -t fuse.zshardfs -o ro,noatime {store.root} {mnt2}",
+        f"cmp {mnt2 / name} {store.root / '..' / 'expected'}",
+        f"zshardfs umount {mnt2}",
+        "echo all-done",
+    ])
+    (store.root.parent / "expected").write_bytes(data)
+    result = subprocess.run(["unshare", "-m", "--propagation", "private", "bash", "-c", script],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.rstrip().endswith("all-done"), (result.stdout, result.stderr)
+
+
 def test_umount_of_a_busy_mount(store, mnt):
     """An open file keeps the mount busy: umount fails in one line and the
     mount keeps working; ``umount -z`` detaches it anyway."""
