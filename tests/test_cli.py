@@ -763,6 +763,25 @@ def test_cache_options_reach_the_daemon(store, mount):
     assert m.stats()["chunk_cache"]["entries"] == 1
 
 
+def test_a_repeated_option_takes_its_last_value(store, mnt):
+    """As mount(8) ("the last option wins if there are conflicting ones"):
+    within one ``-o`` and across several, so a systemd EXTRA_ARGS ``-o`` or a
+    command line can override what a configuration's OPTIONS say."""
+    run_mount(store.root, mnt, "ro", "rw", "chunk_cache=1M", "chunk_cache=3M",
+              extra=["-o", "index_cache=1M", "-o", "index_cache=2M,ro"])
+    try:
+        assert "ro" in mounts_at(mnt)[0]["options"]
+        stats = json.loads(zs("stats", "--json", mnt).stdout)
+        assert (stats["chunk_cache"]["max_bytes"], stats["index_cache"]["max_bytes"]) == (3 << 20, 2 << 20)
+    finally:
+        assert zs("umount", mnt).returncode == 0
+    run_mount(store.root, mnt, "ro", "shard=8", "rw")  # (shard= needs rw: the last word says rw)
+    try:
+        assert "rw" in mounts_at(mnt)[0]["options"]
+    finally:
+        assert zs("umount", mnt).returncode == 0
+
+
 def test_seconds_options_refuse_nan_and_take_inf_as_never(store, tmp_path, mount):
     """NaN is no number of seconds (it crashed the daemon at the first
     write); inf is: TTLs that never expire, and a shard that is never

@@ -686,7 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zshardfs", description="Mount a sharded array store as its unsharded view.")
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("mount", help="mount SOURCE on MOUNTPOINT", formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="options (-o):\n" + describe_options())
+                       epilog="options (-o; given more than once, the last value counts):\n" + describe_options())
     m.add_argument("source", help="local directory or s3://bucket[/prefix]")
     m.add_argument("mountpoint")
     m.add_argument("-o", action="append", metavar="OPT[,OPT...]", help="mount options (see below)")

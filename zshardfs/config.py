@@ -1,7 +1,7 @@
 """Mount options: parsed once, validated with clear messages, then frozen.
 
 Every ``-o`` option a user can give is listed in :data:`OPTIONS` with its
-meaning; ``zshardfs mount --help`` prints that table, and README.md copies it.
+meaning; ``zshardfs mount --help`` prints that table (README.md names the main ones).
 """
 
 from __future__ import annotations
