@@ -1258,6 +1258,27 @@ def test_the_systemd_unit_serves_the_configuration_its_comment_shows(store, tmp_
             os.unlink(address)
 
 
+def test_a_unit_with_a_bad_command_line_is_not_restarted_for_ever(store, tmp_path):
+    """A wrong OPTIONS (or EXTRA_ARGS) exits 2 at once, and the unit keeps
+    systemd from restarting it: with Restart=on-failure and RestartSec=5 the
+    default start limit (5 starts in 10 s) is never reached, so it was
+    started again every 5 s for ever, one error line each time. Other
+    failures (exit 1: a source not there yet, storage unreachable) still
+    restart."""
+    settings = _unit()
+    assert settings["Restart"] == ["on-failure"]
+    prevented = " ".join(settings.get("RestartPreventExitStatus", [])).split()
+    assert "2" in prevented and "1" not in prevented, settings.get("RestartPreventExitStatus")
+    exe = str(Path(sys.executable).parent / "zshardfs")
+    mnt = tmp_path / "view"
+    mnt.mkdir()
+    conf = {"SOURCE": str(store.root), "MOUNTPOINT": str(mnt), "OPTIONS": "ro,cache_size=64M"}
+    argv = _systemd_command(settings["ExecStart"][0].replace("/usr/local/bin/zshardfs", exe), conf)
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert_one_line_error(result, "unknown option 'cache_size'")
+    assert result.returncode == 2
+
+
 def test_debug_log_shows_a_written_payload_by_its_size(store, mount):
     """``log_level=DEBUG`` logs every storage call with its arguments; a
     PUT's bytes are shown as their size, never written into the log."""
