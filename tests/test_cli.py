@@ -1019,6 +1019,17 @@ def test_command_line_mistakes_are_one_line(store, mnt, args, words):
     assert mounts_at(mnt) == []
 
 
+def test_a_ready_fd_that_is_not_open_is_refused(store, mnt):
+    """``--ready-fd`` (hidden: how a background ``mount`` hears from its
+    daemon) naming no open descriptor mounted, then the daemon died at its
+    first word (closing the descriptor raised EBADF), leaving a dead mount
+    and no line at all (its stderr was already /dev/null)."""
+    result = zs("mount", store.root, mnt, "--foreground", "--ready-fd", "99", "-o", "ro")
+    assert_one_line_error(result, "--ready-fd", "99")
+    assert result.returncode == 2
+    assert mounts_at(mnt) == []
+
+
 def test_help_and_the_mount_fuse3_form_still_work(store, mnt):
     """``--help`` is no error, and ``zshardfs SOURCE MOUNTPOINT -o OPTS``
     (how fuse3's mount.fuse3 calls a ``fuse.zshardfs`` type) still mounts."""

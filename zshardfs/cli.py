@@ -235,6 +235,12 @@ def check_log_file(cfg: MountConfig) -> None:
 
 
 def cmd_mount(args) -> int:
+    if args.ready_fd is not None:  # (internal: _spawn's pipe to its daemon)
+        try:
+            os.fstat(args.ready_fd)
+        except (OSError, OverflowError):
+            return _fail(f"--ready-fd {args.ready_fd}: not an open descriptor (it is for 'zshardfs mount' "
+                         f"itself, to hear from its daemon)", EXIT_USAGE)
     try:
         cfg = _build_config(args)
         check_mountpoint(cfg.mountpoint)
@@ -280,7 +286,10 @@ def _serve(cfg: MountConfig, ready_fd: int | None) -> int:
             except OSError:
                 pass
             finally:
-                os.close(fd)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     try:
         handler = _setup_logging(cfg, background=background)
