@@ -1019,6 +1019,19 @@ def test_command_line_mistakes_are_one_line(store, mnt, args, words):
     assert mounts_at(mnt) == []
 
 
+def test_mount_help_names_every_option_it_accepts():
+    """``zshardfs mount --help`` lists every ``-o`` word the parser takes,
+    the fstab and mount(8) ones it ignores (``defaults``, ``_netdev``,
+    ``nofail``, ``noexec``, ...) included: those were accepted without a word
+    anywhere (README names only the atime ones, ``x-*`` and ``comment=``)."""
+    from zshardfs.config import IGNORED_OPTIONS, OPTIONS
+    result = zs("mount", "--help")
+    assert result.returncode == 0
+    words = set(re.findall(r"[\w-]+", result.stdout))
+    assert not (set(OPTIONS) | IGNORED_OPTIONS) - words, (set(OPTIONS) | IGNORED_OPTIONS) - words
+    assert "x-*" in result.stdout and "comment=" in result.stdout
+
+
 def test_a_ready_fd_that_is_not_open_is_refused(store, mnt):
     """``--ready-fd`` (hidden: how a background ``mount`` hears from its
     daemon) naming no open descriptor mounted, then the daemon died at its

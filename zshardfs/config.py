@@ -222,7 +222,9 @@ def parse_options(cfg: MountConfig, opts: list[str]) -> MountConfig:
 
 
 def describe_options() -> str:
-    return "\n".join(f"  {name:<16} {help}" for name, (_, _, help) in OPTIONS.items())
+    ignored = ", ".join(sorted(IGNORED_OPTIONS)) + ", x-*, comment=..."
+    return ("\n".join(f"  {name:<16} {help}" for name, (_, _, help) in OPTIONS.items())
+            + f"\n\naccepted and ignored (fstab and mount(8) words; the view is always nosuid, nodev):\n  {ignored}")
 
 
 __all__ = ["ConfigError", "MountConfig", "OptionError", "OPTIONS", "describe_options", "fields", "parse_options", "parse_size"]
