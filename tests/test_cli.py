@@ -1032,6 +1032,26 @@ def test_mount_help_names_every_option_it_accepts():
     assert "x-*" in result.stdout and "comment=" in result.stdout
 
 
+def test_fsck_takes_a_mounts_options_and_says_which_change_nothing(store, tmp_path):
+    """fsck takes the same ``-o`` as mount, so a mount's OPTIONS can be given
+    as they are; those about serving, logging and writing change nothing
+    (its report is the same, no log file is made), and its ``--help`` names
+    them (it said only "the mount options that apply")."""
+    from zshardfs.cli import FSCK_IGNORES
+    plain = zs("fsck", store.root, "--json")
+    assert plain.returncode == 0, plain.stderr
+    log = tmp_path / "fsck.log"
+    values = {"log_level": "DEBUG", "log_file": str(log), "fsname": "x", "attr_timeout": "0", "open_fill": "0",
+              "max_dirty": "1M", "flush_delay": "0", "shard": "8", "malloc_trim": "off"}
+    opts = ",".join(f"{o}={values[o]}" if o in values else o for o in FSCK_IGNORES if o != "ro")
+    result = zs("fsck", store.root, "--json", "-o", opts)
+    assert (result.returncode, result.stdout, result.stderr) == (0, plain.stdout, ""), result
+    assert not log.exists()
+    help_text = " ".join(zs("fsck", "--help").stdout.split())
+    for name in FSCK_IGNORES:
+        assert re.search(rf"\b{name}\b[^;]*change nothing", help_text.split("apply;")[1]), name
+
+
 def test_a_ready_fd_that_is_not_open_is_refused(store, mnt):
     """``--ready-fd`` (hidden: how a background ``mount`` hears from its
     daemon) naming no open descriptor mounted, then the daemon died at its

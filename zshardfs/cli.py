@@ -728,7 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(or the source cannot be opened); 2: a bad command line.")
     f.add_argument("source", help="local directory or s3://bucket[/prefix]")
     f.add_argument("-o", action="append", metavar="OPT[,OPT...]",
-                   help="the mount options that apply (timeout, caches, prefetch, ...)")
+                   help="mount options (a mount's OPTIONS can be given as they are): timeout, max_connections, "
+                        "the caches and TTLs, prefetch*, follow_symlinks apply; "
+                        f"{', '.join(FSCK_IGNORES)} change nothing")
     f.add_argument("--data", action="store_true", help="read every file too (the data, not only the indexes)")
     f.add_argument("--json", action="store_true")
     f.add_argument("--endpoint-url", help="S3-compatible endpoint (MinIO, Ceph, ...)")
@@ -739,6 +741,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = ("mount", "umount", "sync", "stats", "fsck")
+#: the mount options fsck accepts (so a mount's own can be passed) that
+#: mean nothing to it: it serves nothing, logs nothing, writes nothing
+FSCK_IGNORES = ("ro", "rw", "allow_other", "debug", "log_level", "log_file", "fsname", "attr_timeout", "open_fill",
+                "max_dirty", "flush_delay", "shard", "malloc_trim")
 
 
 def main(argv: list[str] | None = None) -> int:
