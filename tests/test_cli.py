@@ -1074,6 +1074,12 @@ def test_help_and_the_mount_fuse3_form_still_work(store, mnt):
     name, data = first_chunk(store)
     assert (mnt / name).read_bytes() == data
     assert zs("umount", mnt).returncode == 0
+    # a source that looks like a command is a source: the S3 bucket "sync"
+    # is not a mistyped command (here: no endpoint answers, said in one line)
+    result = zs("s3://sync", mnt, "-o", "ro,timeout=2", "--endpoint-url", "http://127.0.0.1:9")
+    line = assert_one_line_error(result)
+    assert "unknown command" not in line and result.returncode == 1, line
+    assert mounts_at(mnt) == []
 
 
 def _fd_target(pid: int, fd: int) -> str:

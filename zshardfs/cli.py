@@ -754,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         # mount.fuse3 calls "zshardfs SOURCE MOUNTPOINT -o OPTS"; a mistyped
         # command is no source (and "zshardfs umonut /mnt/view" must not
         # try to mount ./umonut there)
-        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        close = [] if "/" in argv[0] else difflib.get_close_matches(argv[0], COMMANDS, n=1)  # (s3://sync: a source)
         if len(argv) < 2 or argv[1].startswith("-") or (close and not os.path.lexists(argv[0])):
             hint = f"did you mean {close[0]}? " if close else ""
             return _fail(f"unknown command {argv[0]!r} ({hint}commands: {', '.join(COMMANDS)}; "
