@@ -1371,3 +1371,20 @@ def test_handler_times_prints_its_sums_at_sigusr1(store, mnt, tmp_path):
     finally:
         _stop(proc)
     assert proc.returncode == 0, lines
+
+
+@pytest.mark.parametrize("text, value", [
+    ("65536", 65536), ("64B", 64), ("64k", 64 << 10), ("64KB", 64 << 10), ("64KiB", 64 << 10),
+    ("1.5M", 3 << 19), ("2g", 2 << 30), ("1TiB", 1 << 40), (" 8M ", 8 << 20),
+])
+def test_sizes_take_a_unit_with_or_without_b(text, value):
+    from zshardfs.config import parse_size
+    assert parse_size(text, "chunk_cache") == value
+
+
+@pytest.mark.parametrize("text", ["64iB", "64ib", "iB", "M", "-1", "1e3", "64 M", "64MM", "64Bi", ""])
+def test_sizes_that_are_not_sizes_are_refused(text):
+    """``64iB`` was taken for 64 bytes: an ``i`` belongs after a unit only."""
+    from zshardfs.config import OptionError, parse_size
+    with pytest.raises(OptionError, match="is not a size"):
+        parse_size(text, "chunk_cache")

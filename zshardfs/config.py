@@ -19,7 +19,8 @@ class OptionError(ConfigError):
     """A bad ``-o`` option: a usage error (exit status 2)."""
 
 
-_SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgGtT]?)(i?[bB])?$")
+#: ``<number>[unit]``: B, or K/M/G/T alone or followed by B or iB (binary either way)
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)(?:([kKmMgGtT])(?:i?[bB])?|[bB])?$")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -27,7 +28,7 @@ def parse_size(text: str, name: str) -> int:
     m = _SIZE.match(text.strip())
     if not m:
         raise OptionError(f"option {name}: {text!r} is not a size (examples: 65536, 64M, 1G)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
 #: the longest ``timeout`` accepted: a day is "never" for one storage
