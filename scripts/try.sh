@@ -11,7 +11,7 @@ if mountpoint -q sample/mnt; then .venv/bin/zshardfs umount sample/mnt; fi
 .venv/bin/zshardfs mount sample/store sample/mnt -o ro
 cat <<MSG
 
-Mounted sample/store (sharded) at sample/mnt (its unsharded view). Try:
+Mounted sample/store (sharded) at sample/mnt (its unsharded view). From $PWD, try:
   find sample/mnt | head                    # one plain file per inner chunk
   cat sample/mnt/image/zarr.json            # metadata rewritten: inner chunks, inner codecs
   ls sample/store/image/c/0/0               # ...while the store holds shards
