@@ -144,7 +144,7 @@ OPTIONS = {
                                   "reopened at SIGHUP or SIGUSR1"),
     "fsname": ("fsname", str, "name shown in /proc/mounts (default: the source)"),
     "prefetch": ("prefetch", str, "read-ahead within shards during scans: on, off (default on)"),
-    "prefetch_max": ("prefetch_max", parse_size, "bytes one read-ahead fetches at most (default 16M)"),
+    "prefetch_max": ("prefetch_max", parse_size, "bytes one read-ahead fetches at most (default 16M; at most a quarter of chunk_cache)"),
     "prefetch_gap": ("prefetch_gap", parse_size, "gap between chunks (or precomputed minishard indexes) still read in "
                      "one range (default 1M)"),
     "prefetch_ahead": ("prefetch_ahead", parse_size, "bytes of shards a scan fetches ahead of the reader, in the "

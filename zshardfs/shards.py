@@ -294,7 +294,8 @@ class ShardCache:
         # load may have read the old version and must not be cached
         self._forgotten: set[str] = set()
         # read-ahead: a scan through shards fetches each shard's chunks in a
-        # few coalesced ranged GETs instead of one GET per chunk
+        # few coalesced ranged GETs instead of one GET per chunk; one fetch
+        # lands in the chunk cache, so it takes at most a quarter of it
         self.prefetch = prefetch
         self.prefetch_max = min(prefetch_max, max(chunk_cache_bytes // 4, 1))
         self.prefetch_gap = prefetch_gap
