@@ -618,3 +618,121 @@ def test_a_zarr_json_whose_index_location_another_client_changes_applies_to_shar
     assert b"".join((m.path / "a" / n).read_bytes() for n in names) == values.tobytes()
     m.umount()
     assert "Traceback" not in m.log_text()
+
+
+def _manifest_of_huge_fragments(count: int = 16) -> bytes:
+    """A multi-resolution mesh manifest (one level of detail) whose ``count``
+    fragments are 4 GiB - 1 bytes each: 64 GiB of fragment data for 16."""
+    import struct
+
+    return b"".join([np.zeros(6, "<f4").tobytes(), struct.pack("<I", 1), np.ones(1, "<f4").tobytes(),
+                     np.zeros(3, "<f4").tobytes(), struct.pack("<I", count), np.zeros(3 * count, "<u4").tobytes(),
+                     np.full(count, 2**32 - 1, "<u4").tobytes()])
+
+
+def test_a_mesh_shard_made_huge_declaring_huge_parts_is_neither_read_nor_allocated(mount, tmp_path):
+    """Another client makes the shards of a sharded multi-resolution mesh
+    directory (gzip data) sparse 1 TiB files (``truncate -s 1T``) and writes new
+    indexes into them that keep most meshes but declare, inside the file, a
+    manifest whose fragments add up to 64 GiB (mesh 4), a manifest 64 GiB long
+    ending in zeros, so its gzip trailer says 0 (mesh 8), and a minishard index
+    64 GiB long (shard 1, minishard 1: mesh 3).  Listing, ``stat``, reading
+    each file, a write to another mesh of the shard (a rewrite reads every kept
+    manifest) and ``zshardfs fsck --data`` neither read nor allocate those
+    sizes (before: a 64 GiB read at once, a MemoryError and a traceback, in
+    ``_fragments``, ``_fragment_entries``, the minishard index load and the
+    decode of a gzip chunk said empty): the damaged files are EIO (or not
+    listed), one log line per shard, the rest read as stored, the write fails
+    at fsync and leaves the shard as it is."""
+    from tests import peers_precomputed as peers
+    from tests.conftest import ZSHARDFS
+    from zshardfs.layouts.precomputed_format import ShardingSpec, _encode_minishard_index
+
+    sharding = peers.sharding("identity", 0, 1, 1, "raw", "gzip")
+    spec = ShardingSpec.from_json(sharding)
+    meshes = {cid: peers.make_mesh(cid, [2, 1]) for cid in (0, 1, 2, 3, 4, 5, 6, 8)}
+    src = peers.write_mesh_twins(tmp_path / "t", sharding, meshes).sharded
+    m = mount(src, "rw", "metadata_ttl=0.2", "index_ttl=0.2", "attr_timeout=0.2")
+    pid = int(os.getxattr(m.path, "user.zshardfs.pid"))
+    good = {name: (m / name).read_bytes() for name in os.listdir(m.path)}
+    assert {n for n in good if n != "info"} == {f"{c}{e}" for c in meshes for e in ("", ".index")}
+    stored = {k: (src / spec.shard_key(k)).read_bytes() for k in (0, 1)}
+
+    size, hdr, gz = 1 << 40, spec.shard_index_size, lambda b: gzip.compress(b, mtime=0)
+    huge = _manifest_of_huge_fragments()
+    for shard in (0, 1):
+        at = size - (1 << 20)
+        tail, entries = bytearray(), {0: [], 1: []}
+
+        def put(data: bytes) -> int:
+            tail.extend(data)
+            return at + len(tail) - len(data)
+
+        for cid in sorted(c for c in meshes if spec.shard_and_minishard(c)[0] == shard and c not in (4, 8)):
+            put(meshes[cid][1])
+            manifest = gz(meshes[cid][0])
+            entries[cid & 1].append((cid, put(manifest), len(manifest)))
+        if shard == 0:
+            manifest = gz(huge)
+            entries[0].append((4, put(manifest), len(manifest)))
+            entries[0].append((8, hdr, 64 << 30))  # zeros: its trailer says 0
+        table = np.zeros((2, 2), "<u8")
+        for k, items in entries.items():
+            items.sort()
+            index = _encode_minishard_index(*(np.array(v, np.uint64) for v in
+                                              ([c for c, _, _ in items], [s - hdr for _, s, _ in items],
+                                               [n for _, _, n in items])))
+            start = put(index) - hdr
+            table[k] = (start, start + len(index))
+        if shard == 1:
+            table[1] = (0, 64 << 30)
+        path = src / spec.shard_key(shard)
+        os.truncate(path, size)
+        with open(path, "r+b") as f:
+            f.write(table.tobytes())
+            f.seek(at)
+            f.write(tail)
+    time.sleep(1)
+
+    damaged = {"4", "8", "8.index", "3", "3.index"}
+    listed = set(os.listdir(m.path))
+    assert listed <= set(good) and set(good) - listed <= damaged, listed
+    assert (m / "4").stat().st_size == 16 * (2**32 - 1)
+    for name in sorted(damaged):
+        with pytest.raises(OSError) as raised:
+            fd = os.open(m / name, os.O_RDONLY)  # (not read_bytes: a 64 GiB file would be allocated here)
+            try:
+                os.read(fd, 4096)
+            finally:
+                os.close(fd)
+        assert raised.value.errno == errno.EIO, name
+    assert (m / "4.index").read_bytes() == huge
+    for name, data in good.items():
+        if name not in damaged and name != "4.index":
+            assert (m / name).read_bytes() == data, name
+    with pytest.raises(OSError) as raised:
+        with open(m / "1", "r+b") as f:
+            f.write(good["1"][:1])
+            f.flush()
+            os.fsync(f.fileno())
+    assert raised.value.errno == errno.EIO
+    fsck = subprocess.run([*ZSHARDFS, "fsck", str(src), "--data", "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert fsck.returncode == 1 and "Traceback" not in fsck.stderr, (fsck.returncode, fsck.stderr[-3000:])
+    problems = json.loads(fsck.stdout)["problems"]
+    for needle in ("4: cannot be read: 0.shard: mesh 4: fragment data", "0.shard: chunk 8", "1.shard: minishard 1"):
+        assert sum(needle in p for p in problems) == 1, (needle, problems)
+    assert all((src / spec.shard_key(k)).stat().st_size == size for k in (0, 1))
+    status = Path(f"/proc/{pid}/status").read_text()
+    peak = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) << 10
+    assert peak < 512 << 20, status
+    for k, data in stored.items():  # repaired: the write is stored at unmount
+        (src / spec.shard_key(k)).write_bytes(data)
+    time.sleep(0.5)
+    m.umount()
+    assert peers.read_mesh_shards(src, sharding) == meshes
+    log = m.log_text()
+    assert "Traceback" not in log, log[-3000:]
+    for k in (0, 1):
+        lines = [line for line in log.splitlines() if f"damaged data: {spec.shard_key(k)}" in line]
+        assert len(lines) == 1, (k, lines)

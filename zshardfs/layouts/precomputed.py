@@ -79,7 +79,7 @@ import numpy as np
 from ..backends.base import (AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, join_key,
                              Unstorable, shared_within_deadline)
 from ..logonce import report_damage
-from ..shards import ByteLRU
+from ..shards import MAX_CHUNK_BYTES, ByteLRU
 from ..singleflight import SingleFlight
 from ..together import first_error, off_loop, outcomes
 from .base import (ChunkEntry, ChunkTarget, Dataset, LayoutContext, dump_json, load_json, load_json_async,
@@ -112,6 +112,10 @@ ANNOTATIONS = "neuroglancer_annotations_v1"
 FRAGMENTS = 1 << 64  # chunk-id flag: the multilod fragment data of id ``chunk_id - FRAGMENTS``
 MAX_MINISHARD_BITS = 20  # the fixed shard index (16 << bits bytes) is read whole: at most 16 MiB
 MAX_MINISHARD_INDEX = 64 << 20  # decoded minishard index bound (gzip bomb guard)
+#: stored minishard index bound (gzip may add 5 bytes per 64 KiB to what it cannot
+#: compress): a longer range is damage, not read (in a shard another client made a
+#: sparse 1 TiB file, it need not point past the end)
+MAX_STORED_MINISHARD_INDEX = MAX_MINISHARD_INDEX + (MAX_MINISHARD_INDEX >> 10)
 MAX_CHUNK = 1 << 30  # decoded chunk bound
 TRAILER_GAP, TRAILER_SPAN = 64 << 10, 1 << 20  # coalescing of gzip trailer reads
 INDEX_GAP, INDEX_SPAN = 1 << 20, 16 << 20  # coalescing of minishard index reads (gap: -o prefetch_gap)
@@ -199,6 +203,9 @@ class PrecomputedShardIndex:
         if end > self.info.size:
             raise CorruptData(f"{self.info.key}: minishard {m} index [{start}, {end}) lies past the end of the "
                               f"shard ({self.info.size} bytes)", self.info.key)
+        if end - start > MAX_STORED_MINISHARD_INDEX:
+            raise CorruptData(f"{self.info.key}: minishard {m} index of {end - start} bytes is larger than the "
+                              f"{MAX_STORED_MINISHARD_INDEX >> 20} MiB an index may have", self.info.key)
         return start, end
 
     async def minishard(self, m: int) -> Minishard:
@@ -291,6 +298,10 @@ class PrecomputedShardIndex:
         key, spec = self.info.key, self.fmt.spec
         starts = [off for _, off, _ in manifests]
         ends = [off + n for _, off, n in manifests]
+        for cid, _, n in manifests:  # (read whole: damage, as for a read of it)
+            if n > MAX_CHUNK_BYTES:
+                raise CorruptData(f"{key}: mesh {cid}: manifest of {n} bytes is larger than the "
+                                  f"{MAX_CHUNK_BYTES >> 20} MiB a chunk may have; not rewriting the shard", key)
         out = []
         for group in _coalesce(starts, ends, range(len(manifests)), self.fmt.gap, INDEX_SPAN):
             lo, hi = min(starts[k] for k in group), max(ends[k] for k in group)
@@ -333,6 +344,9 @@ class PrecomputedShardIndex:
             # nothing), so a damaged trailer saying 0 would show a silently
             # empty file: such a member is decoded once, here, to be sure.
             start, n = int(ms.starts[k]), int(ms.sizes[k])
+            if n > MAX_CHUNK_BYTES:  # (read whole: damage, as for a read of it; in a sparse huge shard
+                ms.shown[k] = -2     # another client made, its zeros say 0 and would be read at once)
+                continue
             blob = await self.store.get(self.info.key, start, n, if_match=self.info.etag)
             try:
                 ms.shown[k] = -2 if len(blob.data) != n or decode_data(blob.data, "gzip", 0) else 0
@@ -729,6 +743,9 @@ class PrecomputedDataset(Dataset):
 
     async def _fragments(self, index: PrecomputedShardIndex, ms: Minishard, i: int) -> bytes:
         start, end = await self._fragment_range(index, ms, i)
+        if end - start > MAX_CHUNK_BYTES:  # (read whole, like a chunk: a manifest's u32 sizes may add up to TiBs)
+            raise CorruptData(f"{index.info.key}: mesh {int(ms.ids[i])}: fragment data of {end - start} bytes is "
+                              f"larger than the {MAX_CHUNK_BYTES >> 20} MiB a chunk may have", index.info.key)
         ckey = (index.info.key, index.info.etag, int(ms.ids[i]) | FRAGMENTS)
         data = self.ctx.shards.chunks.get(ckey) if end > start else b""
         if data is None:
