@@ -37,7 +37,8 @@ With ``--backend s3`` the stores are copied to buckets of a moto server (tests/s
 With ``--live`` (SEMANTICS 5.8) the damage is made under a live mount instead: a good copy
 is mounted (ro, then rw) with TTLs of LIVE_TTL, read whole (caches warm), damaged underneath
 (the kinds above, plus files and directories removed, a directory replaced by a file, and
-locally a file made a sparse 1 TiB one), read at once (old bytes, new bytes, or an error),
+locally a file made a sparse 1 TiB one, its last bytes moved to the new end and its first
+bytes flipped or not, so indexes at either end declare ranges inside the file), read at once (old bytes, new bytes, or an error),
 read again past the TTLs (as a fresh mount of the damaged store reads it, or an error;
 writes; the daemon's peak memory and bytes read bounded), then the good copy is put back
 and everything must read as before, without a remount.
@@ -943,7 +944,20 @@ def live_damage(rng: random.Random, store: Path, files: dict[str, bytes], s3: bo
         else:
             what = "made a sparse 1 TiB file (truncate -s 1T)"
             tail = (store / rel).read_bytes()[-rng.choice([16, 64, 4096]):]
+            with open(store / rel, "rb") as f:
+                head = bytearray(f.read(64))
             os.truncate(store / rel, HUGE)
+            # its first bytes (an index at the start: a precomputed shard index, a zarr index_location
+            # start) with bits flipped: ranges that now end inside the file however long they are.
+            # (A generator of its own, drawn from the seed without drawing from ``rng``: the seeds
+            # of the suite keep the damage they were chosen for.)
+            side = random.Random(f"{rng.getstate()[1][:8]}/{rel}")
+            if head and side.random() < 0.5:
+                for b in sorted(side.randrange(len(head) * 8) for _ in range(side.choice([1, 2, 8]))):
+                    head[b // 8] ^= 1 << (b % 8)
+                with open(store / rel, "r+b") as f:
+                    f.write(head)
+                what += ", bits flipped in its first bytes"
             if tail and rng.random() < 0.5:  # its tail (an index at the end) moved to the new end, bits flipped or not:
                 # entries now point inside the file, however long they say their chunks are
                 if rng.random() < 0.5:

@@ -63,8 +63,10 @@ def test_damaged_stores_answer_clearly(layout, fuzz, tmp_path, capsys):
 LIVE_SEEDS = [
     ("zarr", "local", 164),       # the root zarr.json made a sparse 1 TiB file, a chunk directory replaced by a
                                   # file, a chunk_shape list resized, bytes in a shard, a shard removed
-    ("pc_volume", "local", 248),  # a shard made sparse 1 TiB with its index tail moved to the end, bits flipped;
+    ("pc_volume", "local", 248),  # a shard made sparse 1 TiB, bits flipped in its shard index and its tail moved to its end;
                                   # a shard replaced by a directory, one truncated, hostile chunk_sizes
+    ("pc_kv", "local", 72),       # a shard made sparse 1 TiB with bits flipped in its shard index: a 16 GiB
+                                  # minishard index inside the file (read at once before), a shard removed
     ("zarr2", "s3", 71),          # a shard removed, a chunk directory replaced by a file, an array document
 ]
 
