@@ -736,3 +736,44 @@ def test_a_mesh_shard_made_huge_declaring_huge_parts_is_neither_read_nor_allocat
     for k in (0, 1):
         lines = [line for line in log.splitlines() if f"damaged data: {spec.shard_key(k)}" in line]
         assert len(lines) == 1, (k, lines)
+
+
+def test_a_sparse_huge_shard_declaring_overlapping_minishard_indexes_is_listed_in_bounded_memory(mount, tmp_path):
+    """Another client makes a key-value shard of 16 minishards a sparse 1 TiB file and
+    rewrites its shard index so every minishard's index is the same 40 MiB of zeros,
+    inside the file (ranges may overlap).  A listing leaves the shard out with one line
+    and a read of one of its chunks is EIO, the daemon's peak memory growing by less
+    than 256 MiB (before: +1.3 GiB, the errors kept for the listing held the frames,
+    and so the bytes, of every read; without them, +470 MiB, the 16 reads at once;
+    64 of 60 MiB took a listing to 18 GiB)."""
+    from zshardfs.layouts.precomputed_format import ShardingSpec, encode_shard
+
+    sharding = {"@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity",
+                "minishard_bits": 4, "shard_bits": 0, "minishard_index_encoding": "raw", "data_encoding": "raw"}
+    src = tmp_path / "kv"
+    src.mkdir()
+    (src / "info").write_text(json.dumps({"@type": "neuroglancer_skeletons", "sharding": sharding}))
+    (src / "0.shard").write_bytes(encode_shard({k: b"x" * 10 for k in range(16)}, ShardingSpec.from_json(sharding)))
+    m = mount(src, "ro", "metadata_ttl=0.2", "index_ttl=0.2", "attr_timeout=0.2")
+    pid = int(os.getxattr(m.path, "user.zshardfs.pid"))
+    assert len(os.listdir(m.path)) == 17
+
+    def peak() -> int:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) << 10
+
+    before = peak()
+    os.truncate(src / "0.shard", 1 << 40)
+    table = np.zeros((16, 2), "<u8")
+    table[:, 1] = 40 << 20
+    with open(src / "0.shard", "r+b") as f:
+        f.write(table.tobytes())
+    time.sleep(1)
+    assert os.listdir(m.path) == ["info"]
+    with pytest.raises(OSError) as raised:
+        (m / "3").read_bytes()
+    assert raised.value.errno in (errno.EIO, errno.ENOENT)  # (the kernel may remember the listing: no such file)
+    assert peak() - before < 256 << 20, (peak(), before)
+    m.umount()
+    lines = [line for line in m.log_text().splitlines() if "damaged data: 0.shard" in line]
+    assert len(lines) == 1, lines

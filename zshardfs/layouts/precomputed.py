@@ -135,6 +135,33 @@ def _coalesce(starts: list[int], ends: list[int], todo, gap: int, span: int) -> 
     return groups
 
 
+def _bare(exc: Exception) -> Exception:
+    """``exc`` to keep: without its traceback and the exception it was raised
+    in, whose frames hold what was read and parsed (a 40 MiB minishard index
+    each, kept for as long as the error is)."""
+    exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+    return exc
+
+
+def _batches(groups: list[list[int]], starts: list[int], ends: list[int], budget: int) -> list[list[list[int]]]:
+    """``groups`` (of ``_coalesce``) in batches read at the same time, each
+    spanning at most ``budget`` bytes in all (or one group): the reads of a
+    batch are held at once until parsed.  (Minishard index ranges may
+    overlap: in a shard another client made a sparse 1 TiB file, a small
+    shard index can declare thousands of ranges of up to 64 MiB each; all
+    at once, 64 of 60 MiB took a listing to 18 GiB.)"""
+    out: list[list[list[int]]] = []
+    held = 0
+    for group in groups:
+        span = max(ends[k] for k in group) - min(starts[k] for k in group)
+        if not out or held + span > budget:
+            out.append([])
+            held = 0
+        out[-1].append(group)
+        held += span
+    return out
+
+
 # --------------------------------------------------------------------------
 # the shard format: a fixed shard index, lazily loaded minishard indexes
 
@@ -253,20 +280,25 @@ class PrecomputedShardIndex:
         async def load(group: list[int]) -> None:
             try:
                 out.update(zip(group, await self._load(group)))
-            except CorruptData:
-                for m in group:  # which one is damaged: one by one
-                    try:
-                        out[m] = (await self._load([m]))[0]
-                    except CorruptData as exc:
-                        out[m] = exc
+                return
+            except CorruptData as exc:
+                if len(group) == 1:
+                    out[group[0]] = _bare(exc)
+                    return
+            for m in group:  # which one is damaged: one by one (once the failed read is let go)
+                try:
+                    out[m] = (await self._load([m]))[0]
+                except CorruptData as exc:
+                    out[m] = _bare(exc)
 
         groups = _coalesce(starts, ends, todo, self.fmt.gap, INDEX_SPAN)
-        if len(groups) == 1:
-            await load(groups[0])
-        elif groups:  # the reads overlap instead of queueing (S3: one round trip, not one each)
-            error = first_error(await outcomes(*(functools.partial(load, group) for group in groups)))
-            if error is not None:
-                raise error
+        for batch in _batches(groups, starts, ends, INDEX_SPAN):
+            if len(batch) == 1:
+                await load(batch[0])
+            else:  # the reads overlap instead of queueing (S3: one round trip, not one each)
+                error = first_error(await outcomes(*(functools.partial(load, group) for group in batch)))
+                if error is not None:
+                    raise error
         return dict(sorted(out.items()))
 
     async def locate(self, chunk_id: int) -> tuple[int, int] | None:
