@@ -591,6 +591,138 @@ def test_a_chunk_declared_huge_in_a_sparse_huge_shard_is_neither_read_nor_alloca
     assert len(lines) == 1 and "larger than" in lines[0], lines  # (the failed write has lines of its own)
 
 
+def _rewrite_refused(mount, tmp_path, declare, reason: str) -> None:
+    """A 4x4-chunk shard that another client makes a sparse 1 TiB file with an
+    index at its end whose rows ``declare`` changes: a write to chunk 1/1 and
+    fsync is EIO with one log line giving ``reason``, the shard is left as it is,
+    another shard stays writable and the daemon's peak memory grows by less than
+    256 MiB."""
+    from zarr.codecs import BytesCodec, ShardingCodec
+
+    src = tmp_path / "store"
+    zarr.create_array(str(src / "a"), shape=(16, 12), dtype="u1", chunks=(8, 12), fill_value=0,
+                      serializer=ShardingCodec(chunk_shape=(2, 3), codecs=[BytesCodec()],
+                                               index_codecs=[BytesCodec()]), compressors=None)[...] = 7
+    m = mount(src, "rw", "metadata_ttl=0.2", "index_ttl=0.2", "attr_timeout=0.2")
+    pid = int(os.getxattr(m.path, "user.zshardfs.pid"))
+
+    def peak() -> int:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) << 10
+
+    assert (m / "a/c/0/0").read_bytes() == b"\x07" * 6
+    before = peak()
+    shard = src / "a/c/0/0"
+    index = np.frombuffer(shard.read_bytes()[-256:], "<u8").reshape(16, 2).copy()
+    declare(index)
+    os.truncate(shard, 1 << 40)
+    with open(shard, "r+b") as f:
+        f.seek((1 << 40) - 256)
+        f.write(index.tobytes())
+    damaged = shard.stat()
+    time.sleep(1)
+    with pytest.raises(OSError) as raised:
+        with open(m / "a/c/1/1", "r+b") as f:
+            f.write(b"\x09" * 6)
+            f.flush()
+            os.fsync(f.fileno())
+    assert raised.value.errno == errno.EIO
+    after = shard.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (damaged.st_size, damaged.st_mtime_ns, damaged.st_ino)
+    with open(shard, "rb") as f:
+        f.seek((1 << 40) - 256)
+        assert f.read() == index.tobytes()
+    with open(m / "a/c/4/1", "r+b") as f:  # (in the other shard: still written)
+        f.write(b"\x05" * 6)
+        f.flush()
+        os.fsync(f.fileno())
+    assert peak() - before < 256 << 20, (peak(), before)
+    shard.unlink()  # (gone: the chunk written is stored alone at unmount)
+    m.umount()
+    stored = zarr.open_array(str(src / "a"), mode="r")
+    assert stored[8:10, 3:6].tolist() == [[5] * 3] * 2
+    assert stored[2:4, 3:6].tolist() == [[9] * 3] * 2
+    assert "Traceback" not in m.log_text(), m.log_text()[-3000:]
+    lines = [line for line in m.log_text().splitlines() if "damaged data: a/c/0/0" in line]
+    assert len(lines) == 1 and reason in lines[0], lines  # (the failed write has lines of its own)
+
+
+def test_a_sparse_huge_shard_declaring_every_chunk_at_one_range_is_not_rewritten(mount, tmp_path):
+    """Another client makes a shard a sparse 1 TiB file whose index declares 15 of its
+    16 chunks at the same 64 MiB range inside it: a write to the 16th fails at fsync and
+    leaves the shard as it is (before: the range was read once but kept as one copy per
+    chunk, 15 x 64 MiB, and a shard of 960 MiB written)."""
+    def declare(index):
+        index[[k for k in range(16) if k != 5]] = (1 << 30, 64 << 20)  # (5: chunk 1/1, written)
+
+    _rewrite_refused(mount, tmp_path, declare, "overlap")
+
+
+def test_a_sparse_huge_shard_declaring_chunks_of_1_gib_each_is_not_rewritten(mount, tmp_path):
+    """Another client makes a shard a sparse 1 TiB file whose index declares 5 of its
+    chunks 1 GiB long each, at distinct ranges inside it (no one larger than the 1 GiB a
+    chunk may have): a write to another chunk fails at fsync and leaves the shard as it
+    is (before: the rewrite read them, 5 GiB in one range)."""
+    def declare(index):
+        for k in range(5):
+            index[10 + k] = ((1 << 30) * (k + 1), 1 << 30)
+
+    _rewrite_refused(mount, tmp_path, declare, "a rewrite may keep")
+
+
+def test_a_sparse_huge_precomputed_shard_declaring_every_chunk_at_one_range_is_not_rewritten(mount, tmp_path):
+    """The same for a key-value precomputed shard (its rewrite keeps chunks the same
+    way): another client makes it a sparse 1 TiB file whose minishard index declares
+    its 15 chunks at the same 64 MiB range; writing a 16th chunk fails at fsync with one
+    line, leaves the shard as it is and the daemon's peak memory grows by less than
+    256 MiB (before: 15 copies of the range kept, a shard of 960 MiB written)."""
+    from zshardfs.layouts.precomputed_format import ShardingSpec, encode_shard
+
+    sharding = {"@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity",
+                "minishard_bits": 0, "shard_bits": 0, "minishard_index_encoding": "raw", "data_encoding": "raw"}
+    src = tmp_path / "kv"
+    src.mkdir()
+    (src / "info").write_text(json.dumps({"@type": "neuroglancer_skeletons", "sharding": sharding}))
+    shard = src / "0.shard"
+    shard.write_bytes(encode_shard({k: b"x" * 10 for k in range(15)}, ShardingSpec.from_json(sharding)))
+    m = mount(src, "rw", "metadata_ttl=0.2", "index_ttl=0.2", "attr_timeout=0.2")
+    pid = int(os.getxattr(m.path, "user.zshardfs.pid"))
+
+    def peak() -> int:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) << 10
+
+    assert (m / "3").read_bytes() == b"x" * 10
+    before = peak()
+    rows = np.zeros((3, 15), "<u8")
+    rows[0, 1:] = 1  # ids 0..14
+    rows[1] = np.uint64(2**64 - (64 << 20))  # each at the start of the one before
+    rows[1, 0] = 1 << 30
+    rows[2] = 64 << 20
+    at = (1 << 40) - 4096  # (the minishard index, near the end)
+    os.truncate(shard, 1 << 40)
+    with open(shard, "r+b") as f:
+        f.write(np.array([at - 16, at - 16 + rows.nbytes], "<u8").tobytes())
+        f.seek(at)
+        f.write(rows.tobytes())
+    damaged = shard.stat()
+    time.sleep(1)
+    with pytest.raises(OSError) as raised:
+        with open(m / "15", "wb") as f:
+            f.write(b"y" * 10)
+            f.flush()
+            os.fsync(f.fileno())
+    assert raised.value.errno == errno.EIO
+    after = shard.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (damaged.st_size, damaged.st_mtime_ns, damaged.st_ino)
+    assert peak() - before < 256 << 20, (peak(), before)
+    shard.unlink()  # (gone: the chunk written is stored alone at unmount)
+    m.umount()
+    assert "Traceback" not in m.log_text(), m.log_text()[-3000:]
+    lines = [line for line in m.log_text().splitlines() if "damaged data: 0.shard" in line]
+    assert len(lines) == 1 and "overlap" in lines[0], lines
+
+
 def test_a_zarr_json_whose_index_location_another_client_changes_applies_to_shards_already_read(mount, tmp_path):
     """Another client's ``zarr.json`` that moves the shard index (``end`` to
     ``start``) while the shards stay as they were applies to those shards once

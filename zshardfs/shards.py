@@ -56,6 +56,13 @@ CHUNK_ENTRY_OVERHEAD = 320
 #: inside the file, and every read asked for 64 GiB at once (a MemoryError).
 MAX_CHUNK_BYTES = 1 << 30
 
+#: the most stored bytes a shard rewrite keeps (reads, holds and encodes again):
+#: more is damage, as are kept chunks whose ranges overlap. A shard another
+#: client made a sparse 1 TiB file may declare many chunks under
+#: MAX_CHUNK_BYTES each (read in one range of up to a TiB), or every chunk at
+#: the same range (one copy per chunk in memory and in the new shard).
+MAX_REWRITE_BYTES = 4 << 30
+
 
 class ShardIndex(Protocol):
     """A loaded shard index (one version of one shard)."""

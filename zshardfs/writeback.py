@@ -48,7 +48,7 @@ import trio
 from .backends.base import (AsyncStore, CorruptData, NotFound, PreconditionFailed, StoreError, held_by_deadline,
                             pause_within_deadline)
 from .logonce import log_once
-from .shards import MAX_CHUNK_BYTES, ShardCache, ShardFormat
+from .shards import MAX_CHUNK_BYTES, MAX_REWRITE_BYTES, ShardCache, ShardFormat
 from .together import off_loop
 
 log = logging.getLogger(__name__)
@@ -515,6 +515,7 @@ class WriteBack:
         pinned to the version their index came from."""
         out: dict[int, bytes] = {}
         entries = sorted((off, n, cid) for cid, off, n in entries)
+        _check_kept(key, info, entries)
         i = 0
         while i < len(entries):
             start = entries[i][0]
@@ -523,11 +524,6 @@ class WriteBack:
             while j < len(entries) and entries[j][0] - end <= MAX_GAP:
                 end = max(end, entries[j][0] + entries[j][1])
                 j += 1
-            if end > info.size:
-                raise CorruptData(f"{key}: index points past the end of the shard; not rewriting it", key)
-            if any(n > MAX_CHUNK_BYTES for _, n, _ in entries[i:j]):  # (read whole: damage, as for a read)
-                raise CorruptData(f"{key}: index declares a chunk larger than {MAX_CHUNK_BYTES >> 20} MiB; "
-                                  "not rewriting it", key)
             blob = await self.store.get(key, start, end - start, if_match=info.etag)
             for off, n, cid in entries[i:j]:
                 out[cid] = blob.data[off - start: off - start + n]
@@ -623,3 +619,25 @@ class WriteBack:
             await self._flush_many(self._due(time.monotonic()))  # (failures logged by flush; kept, retried)
             with trio.move_on_after(min(self.idle_delay, 0.5) if self.dirty else 3600):
                 await self._wake.wait()
+
+
+def _check_kept(key: str, info, entries: list[tuple[int, int, int]]) -> None:
+    """Refuse (CorruptData), before anything is read, a rewrite whose kept
+    chunks (``(offset, nbytes, id)``, sorted) are damage: past the end of the
+    shard, one longer than MAX_CHUNK_BYTES (read whole: damage, as for a
+    read), ranges that overlap (a copy of the range per chunk, in memory and
+    in the new shard), or more than MAX_REWRITE_BYTES in all."""
+    if any(off + n > info.size for off, n, _ in entries):
+        raise CorruptData(f"{key}: index points past the end of the shard; not rewriting it", key)
+    if any(n > MAX_CHUNK_BYTES for _, n, _ in entries):
+        raise CorruptData(f"{key}: index declares a chunk larger than {MAX_CHUNK_BYTES >> 20} MiB; "
+                          "not rewriting it", key)
+    end = 0
+    for off, n, cid in entries:
+        if n and off < end:
+            raise CorruptData(f"{key}: index declares chunks whose bytes overlap (chunk {cid} at {off}); "
+                              "not rewriting it", key)
+        end = max(end, off + n)
+    if sum(n for _, n, _ in entries) > MAX_REWRITE_BYTES:
+        raise CorruptData(f"{key}: index declares more than the {MAX_REWRITE_BYTES >> 30} GiB a rewrite may keep; "
+                          "not rewriting it", key)
