@@ -39,7 +39,7 @@ def main() -> int:
     ap.add_argument("--layout", default="basic", choices=sorted(dt.LAYOUTS))
     ap.add_argument("--backend", default="local", choices=["local", "s3"])
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("-o", dest="opts", default=",".join(dt.DEFAULT_OPTS), help="mount options")
+    ap.add_argument("-o", dest="opts", default=",".join(dt.DEFAULT_OPTS), help="mount options; they replace the default (%(default)s), so repeat what you want of it")
     ap.add_argument("--no-kill", action="store_true", help="no kill -9 of the daemon")
     ap.add_argument("--no-conc", action="store_true", help="no concurrent writers")
     ap.add_argument("--faults", type=float, default=0, metavar="W",
