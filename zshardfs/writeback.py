@@ -47,7 +47,7 @@ import trio
 
 from .backends.base import (AsyncStore, CorruptData, NotFound, PreconditionFailed, StoreError, held_by_deadline,
                             pause_within_deadline)
-from .logonce import log_once
+from .logonce import log_once, report_damage
 from .shards import MAX_CHUNK_BYTES, MAX_REWRITE_BYTES, ShardCache, ShardFormat
 from .together import off_loop
 
@@ -434,8 +434,14 @@ class WriteBack:
                 shard.failed_at = time.monotonic()
                 self.flush_errors += 1
                 self.failing = True
-                # retried every second while writers wait: one line a minute
-                log_once(log, logging.ERROR, f"flush of {key} failed (kept in memory, retried): {exc}")
+                if isinstance(exc, CorruptData):
+                    # damage: the one line about the damaged shard (5.2) says it,
+                    # whichever path meets it first (a read, this flush, an fsync)
+                    report_damage(log, CorruptData(f"{exc} (a flush of {key} failed: its new chunks are kept "
+                                                   "in memory, retried)", exc.key or key))
+                else:
+                    # retried every second while writers wait: one line a minute
+                    log_once(log, logging.ERROR, f"flush of {key} failed (kept in memory, retried): {exc}")
             else:
                 shard.error = None
                 shard.failures = 0
