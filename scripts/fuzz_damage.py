@@ -782,16 +782,22 @@ def reference(layout: str, good: Path, work: Path) -> tuple:
     return _REFERENCE[layout, S3 is not None, good]
 
 
-def run_seed(layout: str, seed: int, cache: Path, base: Path, keep: bool = False,
-             verbose: bool = False) -> tuple[list[str], list[dict]]:
-    """Damage a copy of the good store with ``seed``; return the findings and the damage."""
+def _prepared(layout: str, cache: Path, base: Path, name: str):
+    """(good store, a fresh work directory ``base/name``, the good store's reference
+    view, its tree, its noise, its storage files, the dependencies between them)."""
     good = good_store(cache, layout)
-    work = base / f"{layout}-{seed}"
+    work = base / name
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     ref, view, ref_noise = reference(layout, good, base / f"{layout}-reference")
     good_files = storage_files(good)
-    deps = dependencies(layout, good_files, view)
+    return good, work, ref, view, ref_noise, good_files, dependencies(layout, good_files, view)
+
+
+def run_seed(layout: str, seed: int, cache: Path, base: Path, keep: bool = False,
+             verbose: bool = False) -> tuple[list[str], list[dict]]:
+    """Damage a copy of the good store with ``seed``; return the findings and the damage."""
+    good, work, ref, view, ref_noise, good_files, deps = _prepared(layout, cache, base, f"{layout}-{seed}")
     store = work / "store"
     shutil.copytree(good, store)
     rng = random.Random(f"{layout}/{seed}")
@@ -1095,13 +1101,7 @@ def run_live(layout: str, seed: int, cache: Path, base: Path, keep: bool = False
     """Mount a good copy of LAYOUT read-only, then read-write, with short TTLs; read it
     all (warm caches), damage the store underneath, wait past the TTLs, read it all
     again (and write undamaged chunks), restore the good copy, wait, read it all again."""
-    good = good_store(cache, layout)
-    work = base / f"live-{layout}-{seed}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    ref, view, ref_noise = reference(layout, good, base / f"{layout}-reference")
-    good_files = storage_files(good)
-    deps = dependencies(layout, good_files, view)
+    good, work, ref, view, ref_noise, good_files, deps = _prepared(layout, cache, base, f"live-{layout}-{seed}")
     damaged = work / "damaged"
     shutil.copytree(good, damaged)
     rng = random.Random(f"live/{layout}/{seed}")

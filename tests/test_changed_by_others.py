@@ -572,12 +572,7 @@ def test_a_chunk_declared_huge_in_a_sparse_huge_shard_is_neither_read_nor_alloca
     for rel, data in good.items():
         if rel != "0/0":
             assert (m / f"a/c/{rel}").read_bytes() == data, rel
-    with pytest.raises(OSError) as raised:
-        with open(m / "a/c/1/1", "r+b") as f:
-            f.write(b"\x09" * 6)
-            f.flush()
-            os.fsync(f.fileno())
-    assert raised.value.errno == errno.EIO
+    _write_fails_at_fsync(m / "a/c/1/1", b"\x09" * 6)
     assert shard.stat().st_size == 1 << 40
     status = Path(f"/proc/{pid}/status").read_text()
     peak = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) << 10
@@ -590,6 +585,21 @@ def test_a_chunk_declared_huge_in_a_sparse_huge_shard_is_neither_read_nor_alloca
     # one line for the damaged shard, whichever path met it (reads, the flush, the fsync)
     lines = [line for line in m.log_text().splitlines() if "a/c/0/0" in line]
     assert len(lines) == 1 and "damaged data: a/c/0/0" in lines[0] and "larger than" in lines[0], lines
+
+
+def _write_fails_at_fsync(path: Path, data: bytes, mode: str = "r+b") -> None:
+    """Write ``data`` at the start of ``path`` and fsync: the fsync must be EIO."""
+    with pytest.raises(OSError) as raised:
+        with open(path, mode) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    assert raised.value.errno == errno.EIO
+
+
+def _unchanged(shard: Path, before: os.stat_result) -> None:
+    after = shard.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
 
 
 def _rewrite_refused(mount, tmp_path, declare, reason: str) -> None:
@@ -622,14 +632,8 @@ def _rewrite_refused(mount, tmp_path, declare, reason: str) -> None:
         f.write(index.tobytes())
     damaged = shard.stat()
     time.sleep(1)
-    with pytest.raises(OSError) as raised:
-        with open(m / "a/c/1/1", "r+b") as f:
-            f.write(b"\x09" * 6)
-            f.flush()
-            os.fsync(f.fileno())
-    assert raised.value.errno == errno.EIO
-    after = shard.stat()
-    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (damaged.st_size, damaged.st_mtime_ns, damaged.st_ino)
+    _write_fails_at_fsync(m / "a/c/1/1", b"\x09" * 6)
+    _unchanged(shard, damaged)
     with open(shard, "rb") as f:
         f.seek((1 << 40) - 256)
         assert f.read() == index.tobytes()
@@ -709,14 +713,8 @@ def test_a_sparse_huge_precomputed_shard_declaring_every_chunk_at_one_range_is_n
         f.write(rows.tobytes())
     damaged = shard.stat()
     time.sleep(1)
-    with pytest.raises(OSError) as raised:
-        with open(m / "15", "wb") as f:
-            f.write(b"y" * 10)
-            f.flush()
-            os.fsync(f.fileno())
-    assert raised.value.errno == errno.EIO
-    after = shard.stat()
-    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (damaged.st_size, damaged.st_mtime_ns, damaged.st_ino)
+    _write_fails_at_fsync(m / "15", b"y" * 10, "wb")
+    _unchanged(shard, damaged)
     assert peak() - before < 256 << 20, (peak(), before)
     shard.unlink()  # (gone: the chunk written is stored alone at unmount)
     m.umount()
@@ -844,12 +842,7 @@ def test_a_mesh_shard_made_huge_declaring_huge_parts_is_neither_read_nor_allocat
     for name, data in good.items():
         if name not in damaged and name != "4.index":
             assert (m / name).read_bytes() == data, name
-    with pytest.raises(OSError) as raised:
-        with open(m / "1", "r+b") as f:
-            f.write(good["1"][:1])
-            f.flush()
-            os.fsync(f.fileno())
-    assert raised.value.errno == errno.EIO
+    _write_fails_at_fsync(m / "1", good["1"][:1])
     fsck = subprocess.run([*ZSHARDFS, "fsck", str(src), "--data", "--json"], capture_output=True, text=True,
                           timeout=120)
     assert fsck.returncode == 1 and "Traceback" not in fsck.stderr, (fsck.returncode, fsck.stderr[-3000:])
