@@ -873,20 +873,10 @@ def run_seed(layout: str, seed: int, cache: Path, base: Path, keep: bool = False
                 findings.append(f"{tag}: write to undamaged {rel}: {v}")
     findings += fsck(store)
     drop_source(store)
+    _report(layout, seed, findings, damages, verbose)
     if verbose and not findings:
-        for d in damages:
-            print(f"  damage: {d['path']}: {d['what']}")
         hit = sum(affected(layout, r, False, damages, deps) for r in ref["files"])
         print(f"  {len(ref['files']) - hit} of {len(ref['files'])} files undamaged (compared), writes {writes}")
-    if findings:
-        print(f"FINDING {layout} seed {seed}: replay with\n  .venv/bin/python scripts/fuzz_damage.py "
-              f"--layout {layout} --seeds {seed} --keep", flush=True)
-        for d in damages:
-            print(f"  damage: {d['path']}: {d['what']}")
-        for f in findings[:20]:
-            print("  " + f.replace("\n", "\n    "))
-        if len(findings) > 20:
-            print(f"  ... {len(findings) - 20} more")
     if not keep and not findings:
         shutil.rmtree(work, ignore_errors=True)
     return findings, damages
