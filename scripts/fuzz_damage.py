@@ -782,6 +782,22 @@ def reference(layout: str, good: Path, work: Path) -> tuple:
     return _REFERENCE[layout, S3 is not None, good]
 
 
+def _log_findings(tag: str, lines: list[str], ref_noise: int, reached) -> list[str]:
+    """What the daemon's log says wrong: a traceback, or more warning/error lines
+    than LINES_PER_DAMAGE per damaged object ``reached`` (beyond the good store's)."""
+    out = []
+    text = "\n".join(lines)
+    if "Traceback" in text:
+        i = text.index("Traceback")
+        out.append(f"{tag}: traceback in the log:\n{text[max(0, i - 300):i + 2500]}")
+    extra = len(noisy(lines)) - ref_noise
+    NOISE[0] = max(NOISE[0], extra / max(1, len(reached)))
+    if extra > LINES_PER_DAMAGE * max(1, len(reached)):
+        out.append(f"{tag}: {extra} warning/error lines for {len(reached)} damaged objects:\n"
+                   + "\n".join(noisy(lines)[:12]))
+    return out
+
+
 def _prepared(layout: str, cache: Path, base: Path, name: str):
     """(good store, a fresh work directory ``base/name``, the good store's reference
     view, its tree, its noise, its storage files, the dependencies between them)."""
@@ -833,18 +849,10 @@ def run_seed(layout: str, seed: int, cache: Path, base: Path, keep: bool = False
                                          deps, writes)
             if verbose:
                 print(f"  writes to damaged chunks: {res.get('bad_writes')}")
-        text = "\n".join(lines)
         for v in res["files"].values():
             if isinstance(v, int):
                 ERRNOS[f"{tag}:{errno.errorcode.get(-v, -v)}"] = ERRNOS.get(f"{tag}:{errno.errorcode.get(-v, -v)}", 0) + 1
-        if "Traceback" in text:
-            i = text.index("Traceback")
-            findings.append(f"{tag}: traceback in the log:\n{text[max(0, i - 300):i + 2500]}")
-        extra = len(noisy(lines)) - ref_noise
-        NOISE[0] = max(NOISE[0], extra / max(1, len(reached)))
-        if extra > LINES_PER_DAMAGE * max(1, len(reached)):
-            findings.append(f"{tag}: {extra} warning/error lines for {len(reached)} damaged objects:\n"
-                            + "\n".join(noisy(lines)[:12]))
+        findings += _log_findings(tag, lines, ref_noise, reached)
         for what, dt in res["slow"]:
             findings.append(f"{tag}: {what} took {dt} s")
         for rel, v in sorted(res["files"].items()):
@@ -1163,15 +1171,7 @@ def run_live(layout: str, seed: int, cache: Path, base: Path, keep: bool = False
             if err:
                 findings.append(f"{tag}: {err}")
         lines = log_lines(log)
-        text = "\n".join(lines)
-        if "Traceback" in text:
-            i = text.index("Traceback")
-            findings.append(f"{tag}: traceback in the log:\n{text[max(0, i - 300):i + 2500]}")
-        extra = len(noisy(lines)) - ref_noise
-        NOISE[0] = max(NOISE[0], extra / max(1, len(reached)))
-        if extra > LINES_PER_DAMAGE * max(1, len(reached)):
-            findings.append(f"{tag}: {extra} warning/error lines for {len(reached)} damaged objects:\n"
-                            + "\n".join(noisy(lines)[:12]))
+        findings += _log_findings(tag, lines, ref_noise, reached)
         for phase in (warm, during, res, again):
             if isinstance(phase, dict):
                 for v in phase["files"].values():
