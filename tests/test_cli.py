@@ -1019,6 +1019,22 @@ def test_command_line_mistakes_are_one_line(store, mnt, args, words):
     assert mounts_at(mnt) == []
 
 
+@pytest.mark.parametrize("command", ["mount", "fsck"])
+@pytest.mark.parametrize("url", ["notaurl", "http://", "ftp://x", "http://host:notaport", "http://host:99999", "",
+                                 "http://someone:pw-in-the-url@host:bad"])
+def test_a_malformed_endpoint_url_is_a_usage_error(mnt, command, url):
+    """An ``--endpoint-url`` that cannot be one is a bad command line
+    (exit 2, one line naming the option), as every other: it was exit 1,
+    found by the S3 backend (for ``mount``, by a daemon started for it).
+    A ``user:password@`` in it is not shown."""
+    args = ["s3://bucket/prefix", *([mnt] if command == "mount" else [])]
+    result = zs(command, *args, "--endpoint-url", url)
+    line = assert_one_line_error(result, command, "--endpoint-url", "http(s)://host[:port]")
+    assert result.returncode == 2, (result.returncode, line)
+    assert "pw-in-the-url" not in line and "someone" not in line
+    assert mounts_at(mnt) == []
+
+
 def test_mount_help_names_every_option_it_accepts():
     """``zshardfs mount --help`` lists every ``-o`` word the parser takes,
     the fstab and mount(8) ones it ignores (``defaults``, ``_netdev``,

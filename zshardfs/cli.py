@@ -25,7 +25,8 @@ import tempfile
 import sys
 import time
 
-from .config import ConfigError, MountConfig, OptionError, describe_options, parse_options
+from .config import (ConfigError, MountConfig, OptionError, describe_options, parse_options, redact_url,
+                     valid_endpoint_url)
 
 log = logging.getLogger("zshardfs")
 
@@ -691,6 +692,16 @@ def _wait_seconds(text: str) -> float:
     return value
 
 
+def _endpoint_url(text: str) -> str:
+    """``--endpoint-url``: ``http(s)://host[:port]``, checked here, so that a
+    malformed one is a usage error (2) like every other, not a failed mount
+    (1) found by a daemon started for nothing."""
+    if not valid_endpoint_url(text):
+        raise argparse.ArgumentTypeError(f"{redact_url(text)!r} is not an S3 endpoint URL: "
+                                         f"expected http(s)://host[:port]")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zshardfs", description="Mount a sharded array store as its unsharded view.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -700,7 +711,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("mountpoint")
     m.add_argument("-o", action="append", metavar="OPT[,OPT...]", help="mount options (see below)")
     m.add_argument("-f", "--foreground", action="store_true", help="serve in the foreground until unmounted")
-    m.add_argument("--endpoint-url", help="S3-compatible endpoint (MinIO, Ceph, ...)")
+    m.add_argument("--endpoint-url", type=_endpoint_url, help="S3-compatible endpoint (MinIO, Ceph, ...)")
     m.add_argument("--region", help="S3 region")
     m.add_argument("--profile", help="AWS credentials profile")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
@@ -733,7 +744,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{', '.join(FSCK_IGNORES)} change nothing")
     f.add_argument("--data", action="store_true", help="read every file too (the data, not only the indexes)")
     f.add_argument("--json", action="store_true")
-    f.add_argument("--endpoint-url", help="S3-compatible endpoint (MinIO, Ceph, ...)")
+    f.add_argument("--endpoint-url", type=_endpoint_url, help="S3-compatible endpoint (MinIO, Ceph, ...)")
     f.add_argument("--region", help="S3 region")
     f.add_argument("--profile", help="AWS credentials profile")
     f.set_defaults(func=cmd_fsck)

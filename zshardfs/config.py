@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, fields
+from urllib.parse import urlsplit
 
 
 class ConfigError(ValueError):
@@ -17,6 +18,27 @@ class ConfigError(ValueError):
 
 class OptionError(ConfigError):
     """A bad ``-o`` option: a usage error (exit status 2)."""
+
+
+def redact_url(url: str) -> str:
+    """Drop any ``user:password@`` from an endpoint URL before showing it.
+    Plain string surgery, so malformed URLs are redacted too."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    authority, slash, path = rest.partition("/")
+    authority = authority.rpartition("@")[2]
+    return f"{scheme}{sep}{authority}{slash}{path}"
+
+
+def valid_endpoint_url(url: str) -> bool:
+    """``url`` can be an S3 endpoint: ``http(s)://host[:port][/...]``."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # raises ValueError on a bad port
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
 
 
 #: ``<number>[unit]``: B, or K/M/G/T alone or followed by B or iB (binary either way)

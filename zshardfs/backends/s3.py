@@ -41,6 +41,7 @@ import botocore.utils
 from botocore.config import Config
 
 from .. import __version__
+from ..config import redact_url, valid_endpoint_url
 from .base import (
     AccessDenied,
     Blob,
@@ -117,24 +118,9 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return parts.netloc, prefix
 
 
-def _redact(url: str) -> str:
-    """Drop any ``user:password@`` from an endpoint URL before showing it.
-    Plain string surgery, so malformed URLs are redacted too."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    authority, slash, path = rest.partition("/")
-    authority = authority.rpartition("@")[2]
-    return f"{scheme}{sep}{authority}{slash}{path}"
-
-
-def _valid_endpoint(url: str) -> bool:
-    try:
-        parts = urlsplit(url)
-        parts.port  # raises ValueError on a bad port
-    except ValueError:
-        return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
+#: (in config: the command line checks an endpoint URL without loading boto3)
+_redact = redact_url
+_valid_endpoint = valid_endpoint_url
 
 
 def version_mtime(last_modified: float, etag: str) -> float:
