@@ -1079,6 +1079,19 @@ def test_a_ready_fd_that_is_not_open_is_refused(store, mnt):
     assert mounts_at(mnt) == []
 
 
+def test_a_ready_fd_without_foreground_is_refused(store, mnt):
+    """``--ready-fd`` without ``--foreground`` was ignored without a word
+    (the background mount makes its own pipe to its daemon) and mounted:
+    now a usage error, one line, nothing mounted."""
+    try:
+        result = zs("mount", store.root, mnt, "--ready-fd", "2", "-o", "ro")
+        line = assert_one_line_error(result, "mount", "--ready-fd 2", "--foreground")
+        assert result.returncode == 2, (result.returncode, line)
+        assert mounts_at(mnt) == []
+    finally:
+        force_unmount(mnt)
+
+
 def test_help_and_the_mount_fuse3_form_still_work(store, mnt):
     """``--help`` is no error, and ``zshardfs SOURCE MOUNTPOINT -o OPTS``
     (how fuse3's mount.fuse3 calls a ``fuse.zshardfs`` type) still mounts."""

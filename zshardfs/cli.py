@@ -236,6 +236,9 @@ def check_log_file(cfg: MountConfig) -> None:
 
 
 def cmd_mount(args) -> int:
+    if args.ready_fd is not None and not args.foreground:  # (it was ignored: _spawn makes its own)
+        return _fail(f"mount: --ready-fd {args.ready_fd} is for the daemon 'zshardfs mount' starts, which serves in "
+                     f"the foreground; it needs --foreground (see 'zshardfs mount --help')", EXIT_USAGE)
     if args.ready_fd is not None:  # (internal: _spawn's pipe to its daemon)
         try:
             os.fstat(args.ready_fd)
