@@ -16,6 +16,9 @@ run more seeds and steps here after changing the write path.
 On a divergence it prints what differed and the op list, saves it as
 repro-LAYOUT-BACKEND-SEED.json in --base (which --replay reads: the same ops, no
 generator), and with --minimize the smallest subsequence that still diverges.
+A run that passes prints PASS and its summary: ops, remounts, kills, stretches of
+faults, ops failed under them, race ops (races; race_held: with a descriptor held;
+race_watch, race_mover: each kind of observation and of the mover's steps).
 Exit 0: no divergence; 1: a divergence.
 """
 

@@ -1841,7 +1841,7 @@ class Runner:
         self.twin_ap = Applier(env, env.twin, twin=True)
         self.durable: dict[str, bytes] = {}   # file -> bytes at the last durable point
         self.versions: dict[str, list] = {}   # file -> versions since then
-        self.stats = {"ops": 0, "remounts": 0, "kills": 0, "faults": 0, "failed": 0}
+        self.stats = {"ops": 0, "remounts": 0, "kills": 0, "faults": 0, "failed": 0, "races": 0}
         #: chunks past a shrunk array's shape when the daemon was killed: the mount hides them,
         #: whether or not their removal was stored; a resize showing them again adopts them
         self.hidden: set[str] = set()
@@ -1902,6 +1902,8 @@ class Runner:
             return []
         if kind == "faultsoff":
             return self.faults_off(i)
+        if kind == "race":
+            self.count_race(op)
         with self.network_faults(i):
             rm = self.mnt_ap.apply(op)
         self.twin_ap.on_the_way = {}
@@ -2088,6 +2090,17 @@ class Runner:
         self.drop_chunk_temporaries()
         self.mark_durable()
         return out + compare(env, f"step {i} after kill -9 (adopted)")
+
+    def count_race(self, op: dict) -> None:
+        """A race op in the run's summary (its coverage): how many, how many with a held
+        descriptor, and each kind of observation and of the mover's steps."""
+        self.stats["races"] += 1
+        self.stats["race_held"] = self.stats.get("race_held", 0) + bool(op.get("hold"))
+        for key, kinds in (("race_watch", op["watch"]), ("race_mover", [s[0] for s in op["mover"]])):
+            counts = self.stats.setdefault(key, {})
+            for k in kinds:
+                counts[k] = counts.get(k, 0) + 1
+            self.stats[key] = dict(sorted(counts.items()))
 
     def checked_step(self, i: int, op: dict) -> list[str]:
         try:

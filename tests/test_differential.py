@@ -163,3 +163,25 @@ def test_the_race_checker_allows_a_stat_inside_a_write_the_kernel_split(tmp_path
     # nor inside a truncate, which is one request
     grown = [["write", ["rnd", 1, 2005]], ["truncate", 6096]]
     assert "fits no state" in _race_check(tmp_path, grown, [["stat", 2005], ["stat", page]])
+
+
+def test_the_run_summary_counts_race_ops(tmp_path):
+    """A run's summary (what scripts/difftest.py prints for a run that passed) shows its race
+    coverage as it shows remounts and kills: how many race ops, how many held a descriptor,
+    and each kind of observation and of mover step (it counted none of them). A short run of
+    race ops and writes only, without the final check."""
+    weights = {**{k: 0 for k in dt.WEIGHTS}, "race": 3, "write": 1}
+    out = dt.run("basic", "local", base=tmp_path, seed=2, steps=8, weights=weights, final=False)
+    assert out.ok, out.report()
+    races = [op for op in out.ops if op["op"] == "race"]
+    assert len(races) >= 3 and any(op["hold"] for op in races), out.ops  # (the seed's draw)
+    watch, mover = {}, {}
+    for op in races:
+        for k in op["watch"]:
+            watch[k] = watch.get(k, 0) + 1
+        for s in op["mover"]:
+            mover[s[0]] = mover.get(s[0], 0) + 1
+    summary = json.loads(out.summary())
+    assert summary["races"] == len(races), summary
+    assert summary["race_held"] == sum(1 for op in races if op["hold"]), summary
+    assert (summary["race_watch"], summary["race_mover"]) == (watch, mover), summary
