@@ -8,7 +8,8 @@ that the rest of the store reads as before. The suite checks hand-picked cases; 
 draws the damage at random.
 
 For each seed it copies a good store of LAYOUT (built once by the peers in tests/, kept
-in --cache), damages 1-3 of its objects (bit flips and byte runs in shard indexes,
+in --cache; without it, built into a directory of the run's own, as runs at once would
+disturb each other's), damages 1-3 of its objects (bit flips and byte runs in shard indexes,
 minishard indexes and data, truncation, zero-length and extended files, a file where a
 directory is expected and the reverse, metadata JSON made malformed or given wrong types
 and values), then mounts it read-only and read-write (``-o timeout=5``) and, in a child
@@ -64,6 +65,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -1214,8 +1216,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layout", default="all", choices=[*LAYOUTS, "all"])
     ap.add_argument("--seeds", default="0-9", help="e.g. 7, 0-49, 3,8,20-30")
-    ap.add_argument("--cache", default="/tmp/zshardfs-fuzz-damage/stores", help="where good stores are kept")
-    ap.add_argument("--base", default="/tmp/zshardfs-fuzz-damage/runs", help="where runs go")
+    ap.add_argument("--cache", help="where good stores are kept, to be used again by later runs (default: built "
+                                     "anew into this run's own directory, removed at its end)")
+    ap.add_argument("--base", help="where runs go (default: this run's own directory, removed at its end unless "
+                                   "it keeps something: --keep, or findings)")
     ap.add_argument("--keep", action="store_true", help="keep the damaged store and logs of every run")
     ap.add_argument("--backend", default="local", choices=["local", "s3"],
                     help="s3: copy each store to a bucket of a moto server (tests/s3server.py)")
@@ -1232,21 +1236,46 @@ def main() -> int:
     atexit.register(cleanup)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGHUP, _on_signal)
-    if args.backend == "s3":
-        start_s3(Path(args.base) / "moto.log")
-    layouts = LAYOUTS if args.layout == "all" else (args.layout,)
+    cache, base, own = run_dirs(args.cache, args.base)
     found = 0
-    for layout in layouts:
-        for seed in _seeds(args.seeds):
-            t = time.monotonic()
-            f, _ = (run_live if args.live else run_seed)(layout, seed, Path(args.cache), Path(args.base), args.keep,
-                                                         args.verbose)
-            found += bool(f)
-            print(f"{layout} seed {seed}: {'%d findings' % len(f) if f else 'ok'} ({time.monotonic() - t:.1f} s)",
-                  flush=True)
-    print(f"{found} seeds with findings; errors met by the walks: {ERRNOS}; "
-          f"at most {NOISE[0]:.1f} log lines per damaged object")
+    try:
+        if args.backend == "s3":
+            start_s3(base / "moto.log")
+        layouts = LAYOUTS if args.layout == "all" else (args.layout,)
+        for layout in layouts:
+            for seed in _seeds(args.seeds):
+                t = time.monotonic()
+                f, _ = (run_live if args.live else run_seed)(layout, seed, cache, base, args.keep, args.verbose)
+                found += bool(f)
+                print(f"{layout} seed {seed}: {'%d findings' % len(f) if f else 'ok'} ({time.monotonic() - t:.1f} s)",
+                      flush=True)
+        print(f"{found} seeds with findings; errors met by the walks: {ERRNOS}; "
+              f"at most {NOISE[0]:.1f} log lines per damaged object")
+    finally:
+        cleanup()  # (the mounts and the S3 server first: they use the directories)
+        if own is not None:
+            shutil.rmtree(own / "stores", ignore_errors=True)
+            if (args.keep or found) and args.base is None:
+                print(f"kept in {base}", flush=True)
+            else:
+                shutil.rmtree(own, ignore_errors=True)
     return 1 if found else 0
+
+
+#: where a run without --cache or --base makes its own directory
+RUNS_ROOT = Path(tempfile.gettempdir()) / "zshardfs-fuzz-damage"
+
+
+def run_dirs(cache: str | None, base: str | None) -> tuple[Path, Path, Path | None]:
+    """(good store cache, base of the runs, this run's own directory or None): the ones
+    given, else directories of this run's own, so that runs at once do not build the same
+    good store or mount the same reference view in the same place."""
+    own = None
+    if cache is None or base is None:
+        RUNS_ROOT.mkdir(parents=True, exist_ok=True)
+        own = Path(tempfile.mkdtemp(prefix="run-", dir=RUNS_ROOT))
+    return (Path(cache) if cache is not None else own / "stores",
+            Path(base) if base is not None else own / "runs", own)
 
 
 if __name__ == "__main__":

@@ -95,3 +95,42 @@ def test_damage_made_while_mounted_answers_clearly(fuzz, tmp_path, capsys):
         fuzz.cleanup()
     assert not found, capsys.readouterr().out
     assert kinds == {"tree", "metadata", "data", "sparse", "removed"}, f"the live seeds no longer damage every kind: {kinds}"
+
+
+def test_each_run_has_its_own_directories_unless_given(fuzz, tmp_path, monkeypatch, capsys):
+    """Without --cache and --base, every run of the script used the same two directories:
+    two runs at once built the same good store into one another (a JSONDecodeError from a
+    half-written zarr.json) and mounted the same reference view (one's unmount failed: 'not a
+    zshardfs mount point'). Now each run makes its own below RUNS_ROOT and removes it at its
+    end (its runs kept when it found something or was told --keep); a --cache given is used
+    and kept as before. (The runs themselves are stubbed: only the directories are tested.)"""
+    monkeypatch.setattr(fuzz, "RUNS_ROOT", tmp_path / "root", raising=False)
+    monkeypatch.setattr(fuzz.signal, "signal", lambda *a: None)  # (main's handlers: not pytest's to lose)
+    seen, findings = [], []
+
+    def run_seed(layout, seed, cache, base, keep, verbose):
+        assert tmp_path in cache.parents and tmp_path in base.parents, (cache, base)  # (never the shared /tmp ones)
+        seen.append((cache, base))
+        for d in (cache, base):
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "made").write_text("")
+        return list(findings), []
+
+    monkeypatch.setattr(fuzz, "run_seed", run_seed)
+
+    def main(*args):
+        monkeypatch.setattr(fuzz.sys, "argv", ["fuzz_damage.py", "--layout", "pc_kv", "--seeds", "1", *args])
+        return fuzz.main()
+
+    assert main() == 0 and main() == 0
+    (c1, b1), (c2, b2) = seen
+    assert len({c1, c2, b1, b2}) == 4, seen
+    assert not c1.exists() and not b1.exists() and not c2.exists() and not b2.exists()  # removed at the end
+    given = tmp_path / "given-cache"
+    assert main("--cache", str(given)) == 0
+    assert seen[-1][0] == given and (given / "made").exists()  # a --cache given is used and kept
+    assert not seen[-1][1].exists()
+    findings.append("a finding")
+    assert main() == 1
+    assert (seen[-1][1] / "made").exists() and not seen[-1][0].exists()  # runs kept, not the good stores
+    assert f"kept in {seen[-1][1]}" in capsys.readouterr().out
