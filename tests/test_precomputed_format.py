@@ -132,6 +132,26 @@ def test_spec_defaults_and_edges():
         ShardingSpec(2, "sha1", 3, 4)
 
 
+def test_specs_hash_as_their_values_made_any_way():
+    """A spec keys the minishard index cache and hashes once (its hash kept): specs equal in
+    value are equal and hash equal whether parsed, constructed, copied, pickled (in this
+    process: a hash of text differs between processes) or replaced, and a changed value
+    makes another key."""
+    import copy as copy_module
+    import dataclasses
+    import pickle
+    spec = ShardingSpec.from_json(GOOD)
+    made = [ShardingSpec(2, "murmurhash3_x86_128", 3, 4, "gzip", "raw"), copy_module.copy(spec),
+            copy_module.deepcopy(spec), pickle.loads(pickle.dumps(spec)),
+            dataclasses.replace(ShardingSpec.from_json(dict(GOOD, minishard_bits=5)), minishard_bits=3)]
+    for other in made:
+        assert other == spec and hash(other) == hash(spec) and {spec: 1}[other] == 1, other
+    changed = dataclasses.replace(spec, minishard_bits=5)
+    assert changed != spec and changed == ShardingSpec.from_json(dict(GOOD, minishard_bits=5))
+    assert hash(changed) == hash(ShardingSpec.from_json(dict(GOOD, minishard_bits=5)))
+    assert {(k, "etag", 1, spec): k for k in "ab"}.get(("a", "etag", 1, changed)) is None
+
+
 @pytest.mark.parametrize(
     "bad",
     [

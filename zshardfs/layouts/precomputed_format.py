@@ -189,6 +189,20 @@ class ShardingSpec:
     def __post_init__(self) -> None:
         # Run the JSON validation on direct construction too.
         ShardingSpec.from_json(self.to_json())
+        object.__setattr__(self, "_hash", self._fields_hash())
+
+    def _fields_hash(self) -> int:
+        return hash((self.preshift_bits, self.hash, self.minishard_bits, self.shard_bits,
+                     self.minishard_index_encoding, self.data_encoding))
+
+    def __hash__(self) -> int:
+        # Computed once: a spec is part of every minishard index cache key, which the
+        # cache hashes at each lookup (dataclass' own __hash__ builds a tuple each time).
+        return self._hash
+
+    def __reduce__(self):
+        # (a copy or an unpickled spec computes its hash anew: str hashes differ between processes)
+        return ShardingSpec.from_json, (self.to_json(),)
 
     @classmethod
     def from_json(cls, obj: object) -> "ShardingSpec":
@@ -216,6 +230,7 @@ class ShardingSpec:
             ("data_encoding", de),
         ):
             object.__setattr__(spec, k, v)
+        object.__setattr__(spec, "_hash", spec._fields_hash())
         return spec
 
     def to_json(self) -> dict:
