@@ -916,8 +916,11 @@ def test_umount_of_a_busy_mount(store, mnt):
 # S3 arguments
 
 
-@pytest.mark.parametrize("how", ["option", "option_and_endpoint", "environment"])
+@pytest.mark.parametrize("how", ["option", "option_and_endpoint", "environment", "fsck"])
 def test_invalid_region_is_named(mnt, how):
+    """A region that cannot be one is named in one line: given as ``--region``
+    it is a usage error (2), found before any daemon starts; from the
+    environment, botocore finds it (1)."""
     env, extra = dict(os.environ), []
     if how == "environment":
         env["AWS_DEFAULT_REGION"] = env["AWS_REGION"] = "eu west 1"
@@ -925,10 +928,11 @@ def test_invalid_region_is_named(mnt, how):
         extra = ["--region", "eu west 1"]
     if how == "option_and_endpoint":
         extra += ["--endpoint-url", "http://127.0.0.1:9"]
-    result = subprocess.run([*ZSHARDFS, "mount", "s3://some-bucket", str(mnt), *extra], env=env,
-                            capture_output=True, text=True, timeout=60)
+    command = ["fsck", "s3://some-bucket"] if how == "fsck" else ["mount", "s3://some-bucket", str(mnt)]
+    result = subprocess.run([*ZSHARDFS, *command, *extra], env=env, capture_output=True, text=True, timeout=60)
     line = assert_one_line_error(result, "region", "'eu west 1'")
     assert "endpoint" not in line
+    assert result.returncode == (1 if how == "environment" else 2)
     assert mounts_at(mnt) == []
 
 

@@ -26,7 +26,7 @@ import sys
 import time
 
 from .config import (ConfigError, MountConfig, OptionError, describe_options, parse_options, redact_url,
-                     valid_endpoint_url)
+                     valid_endpoint_url, valid_region_name)
 
 log = logging.getLogger("zshardfs")
 
@@ -705,6 +705,15 @@ def _endpoint_url(text: str) -> str:
     return text
 
 
+def _region(text: str) -> str:
+    """``--region``: a host label, checked here (a usage error, 2), as botocore
+    would refuse it only once a daemon had been started for it (1)."""
+    if not valid_region_name(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an S3 region name: expected letters, digits and "
+                                         f"hyphens, such as us-east-1")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zshardfs", description="Mount a sharded array store as its unsharded view.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -715,7 +724,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("-o", action="append", metavar="OPT[,OPT...]", help="mount options (see below)")
     m.add_argument("-f", "--foreground", action="store_true", help="serve in the foreground until unmounted")
     m.add_argument("--endpoint-url", type=_endpoint_url, help="S3-compatible endpoint (MinIO, Ceph, ...)")
-    m.add_argument("--region", help="S3 region")
+    m.add_argument("--region", type=_region, help="S3 region")
     m.add_argument("--profile", help="AWS credentials profile")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     m.set_defaults(func=cmd_mount)
@@ -748,7 +757,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--data", action="store_true", help="read every file too (the data, not only the indexes)")
     f.add_argument("--json", action="store_true")
     f.add_argument("--endpoint-url", type=_endpoint_url, help="S3-compatible endpoint (MinIO, Ceph, ...)")
-    f.add_argument("--region", help="S3 region")
+    f.add_argument("--region", type=_region, help="S3 region")
     f.add_argument("--profile", help="AWS credentials profile")
     f.set_defaults(func=cmd_fsck)
     return p

@@ -41,6 +41,16 @@ def valid_endpoint_url(url: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
 
 
+#: what botocore accepts as a region name (``botocore.utils.validate_region_name``:
+#: a host label), here so that the command line need not load botocore
+_REGION = re.compile(r"^(?![0-9]+$)(?!-)[a-zA-Z0-9-]{1,63}(?<!-)$")
+
+
+def valid_region_name(name: str) -> bool:
+    """``name`` can be an S3 region (``us-east-1``, a MinIO/Ceph zone name)."""
+    return bool(_REGION.match(name))
+
+
 #: ``<number>[unit]``: B, or K/M/G/T alone or followed by B or iB (binary either way)
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)(?:([kKmMgGtT])(?:i?[bB])?|[bB])?$")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
