@@ -377,6 +377,14 @@ class TcpProxy:
     or ``500`` (InternalError) answered by the proxy itself, not forwarded.
     ``fault_counts`` counts what was injected, by kind.
 
+    ``silent``: a black hole.  While it is true, every request that begins
+    (also on a connection opened before) is swallowed: never forwarded, never
+    answered, its connection left open until the client closes it, as an
+    endpoint that stopped answering.  Requests begun after it is set false
+    are served again.  A predicate on a request's first bytes swallows only
+    the requests it accepts.  ``swallowed`` lists the request lines of the
+    requests swallowed.
+
     Counters, since the start or :meth:`reset`: ``bytes`` the server sent back
     (HTTP headers included), ``requests``, ``inflight`` (requests forwarded or
     waiting to be, not yet answered) and its maximum ``max_inflight``.
@@ -395,6 +403,8 @@ class TcpProxy:
         self._go = threading.Event()
         self.faults: Faults | None = None
         self.fault_counts: dict[str, int] = {}
+        self.silent = False  # or a predicate on a request's first bytes
+        self.swallowed: list[str] = []
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(256)
@@ -487,6 +497,13 @@ class TcpProxy:
                             if fault == "cut":
                                 state["cut"] = self.faults.cut_at()
                     if fault == "reset":
+                        break
+                    silent = self.silent
+                    if silent is True or (callable(silent) and silent(data)):  # a black hole
+                        with self.lock:
+                            self.swallowed.append(data.split(b"\r\n", 1)[0].decode("latin-1"))
+                        while client.recv(1 << 18):  # (until the client gives up)
+                            pass
                         break
                     if fault in ("503", "500"):
                         client.sendall(_error_answer(fault, data))

@@ -964,6 +964,67 @@ def test_server_stopped_mid_read(mount, moto_server, bucket, array):
     assert m.stats()["retries"] >= 1
 
 
+def _black_hole_for(proxy: TcpProxy, bucket: str, keys) -> None:
+    """``proxy`` swallows every request for the objects ``keys`` (and
+    answers the rest): an endpoint that stopped answering, for those keys."""
+    lines = tuple(re.compile(rf"^[A-Z]+ /{re.escape(bucket)}/{re.escape(k)}[ ?]".encode()) for k in keys)
+    proxy.silent = lambda first: any(line.match(first) for line in lines)
+
+
+def _given_up_reads(m, proxy, bucket, timeout):
+    """Two files of two shards, opened while the endpoint answers, then read
+    at once while it swallows every request for those shards: both reads
+    fail with EIO at the deadline.  Returns (the files' shard keys, when
+    the reads began, an fd of a third shard's file opened before)."""
+    root = m.path / "arr"
+    victims, later = ["c/0/0/1", "c/4/4/1"], "c/9/9/9"
+    fds = [os.open(root / v, os.O_RDONLY) for v in [*victims, later]]
+    keys = [Array.shard_of(v) for v in victims]
+    _black_hole_for(proxy, bucket, keys)
+    failures = []
+
+    def read(fd):
+        try:
+            os.pread(fd, 4096, 0)
+        except OSError as exc:
+            failures.append(exc.errno)
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(read, fds[:2]))
+    assert failures == [errno.EIO, errno.EIO]
+    assert time.monotonic() - t0 < timeout + 1.0
+    for fd in fds[:2]:
+        os.close(fd)
+    return keys, t0, fds[2]
+
+
+def test_a_call_given_up_sends_no_attempt_after_its_deadline(mount, moto_server, bucket, array):
+    """botocore's retries (3 attempts, each up to half of ``timeout`` for an
+    answer) multiply with the deadline: a call given up at it used to go on
+    sending attempts for up to 1.8 times ``timeout``.  Now no attempt
+    begins after the call's deadline, so its thread ends at most one
+    attempt after it: against an endpoint that swallows the requests,
+    ``timeout=4`` (2 s per attempt), each read's call sent 2 attempts, not
+    3, and no given-up call is still running 2.5 s after the deadline."""
+    timeout = 4.0
+    proxy = TcpProxy(moto_server.port)
+    try:
+        m = s3_mount(mount, moto_server, bucket, f"timeout={timeout:g}", "open_fill=0", "prefetch=off",
+                     endpoint=proxy.endpoint_url)
+        keys, t0, fd = _given_up_reads(m, proxy, bucket, timeout)
+        os.close(fd)
+        # the old third attempt began a backoff (botocore 1.44: at most 0.1 s) after
+        # the second ended, itself at most about 1 s after the deadline
+        time.sleep(max(0.0, t0 + timeout + 4.5 - time.monotonic()))
+        sent = Counter(k for line in proxy.swallowed for k in keys if f"/{k}" in line)
+        assert sent == {k: 2 for k in keys}, (sent, proxy.swallowed)
+        assert m.stats()["storage_calls"]["given_up_running"] == 0
+    finally:
+        proxy.silent = False
+        proxy.close()
+
+
 _REQUEST_LINE = re.compile(r"zshardfs\.requests: (\w+)\((.*)\) -> (\S+).* in ([\d.]+) ms$", re.M)
 
 

@@ -50,6 +50,22 @@ _request_deadline: contextvars.ContextVar[float] = contextvars.ContextVar("zshar
                                                                            default=math.inf)
 
 
+#: when (``time.monotonic()``) the storage call a worker thread runs is
+#: given up by :meth:`AsyncStore._run` (its deadline, or the request's, or
+#: an enclosing cancel scope's: read-ahead's); inf outside such calls.  Set
+#: in the worker thread's own context (see :func:`call_deadline`)
+_call_deadline: contextvars.ContextVar[float] = contextvars.ContextVar("zshardfs_call_deadline", default=math.inf)
+
+
+def call_deadline() -> float:
+    """In a backend's worker thread: when (``time.monotonic()``) nobody
+    waits for the call it runs any longer.  A backend that retries (S3)
+    begins no attempt after it: the call was given up, and its thread
+    would otherwise go on asking a dead endpoint for the time of all its
+    attempts."""
+    return _call_deadline.get()
+
+
 def request_deadline_now() -> float:
     """The request's deadline in ``trio.current_time()`` terms (inf if none):
     trio's clock is the monotonic clock plus an offset."""
@@ -353,6 +369,37 @@ COUNTER_NAMES = (
 # async adapter
 
 
+class _Slot:
+    """The ``max_connections`` slot of one storage call, as the limiter
+    ``trio.to_thread.run_sync`` takes (it releases the slot when the call's
+    thread ends, also a thread given up long before).  :meth:`given_up`
+    counts a call given up at its deadline whose thread still runs."""
+
+    __slots__ = ("store", "borrower", "abandoned")
+
+    def __init__(self, store: "AsyncStore"):
+        self.store = store
+        self.borrower = None  # trio's placeholder for the thread, while the slot is held
+        self.abandoned = False
+
+    async def acquire_on_behalf_of(self, borrower) -> None:
+        await self.store.limiter.acquire_on_behalf_of(borrower)
+        self.borrower = borrower
+
+    def release_on_behalf_of(self, borrower) -> None:
+        """(trio, on its loop: the thread has ended)"""
+        if self.abandoned:
+            self.store.given_up_running -= 1
+        self.store.limiter.release_on_behalf_of(borrower)
+        self.borrower = None
+
+    def given_up(self) -> None:
+        """The call was given up at its deadline (on the loop)."""
+        if self.borrower is not None and not self.abandoned:  # (its thread runs)
+            self.abandoned = True
+            self.store.given_up_running += 1
+
+
 class AsyncStore:
     """Runs backend calls off the trio loop, bounded and with a deadline.
 
@@ -407,6 +454,8 @@ class AsyncStore:
         self.keeps_empty_dirs = backend.keeps_empty_dirs
         self.symlinks = getattr(backend, "symlinks", False)
         self.limiter = trio.CapacityLimiter(max_connections)
+        #: calls given up at their deadline whose worker thread has not ended
+        self.given_up_running = 0
         self.timeout = timeout
         # optional non-blocking fast path (local files in the page cache)
         self._nowait = getattr(backend, "get_nowait", None)
@@ -482,12 +531,15 @@ class AsyncStore:
         begun = threading.Lock()  # guards ``state``: begun, or given up before it began
         state = {"begun": False, "given_up": False}
 
+        until = math.inf  # (monotonic: see call_deadline)
+
         def call():
             with begun:
                 if state["given_up"]:  # (given up while waiting for a thread: never asks)
                     done.set()
                     return None
                 state["begun"] = True
+            _call_deadline.set(until)  # (the thread's own copy of the context)
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -516,8 +568,10 @@ class AsyncStore:
         mark = not _speculative
         try:
             with trio.move_on_at(min(trio.current_time() + self.timeout, deadline)) as scope:
+                until = trio.current_effective_deadline() - trio.current_time() + time.monotonic()
+                slot = _Slot(self)
                 try:
-                    result = await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
+                    result = await trio.to_thread.run_sync(call, limiter=slot, abandon_on_cancel=True)
                 except StoreError as exc:
                     if not isinstance(exc, Unavailable):  # an answer too (not found, denied, ...)
                         self._unanswered.clear()
@@ -527,6 +581,7 @@ class AsyncStore:
                 self._trace(what, args, started)
                 return result
             if scope.cancelled_caught:
+                slot.given_up()
                 bump(self.backend.counters, "errors")  # worker threads bump concurrently
                 with begun:
                     state["given_up"] = True
@@ -912,6 +967,6 @@ def bump(counters: Counter, name: str, n: int = 1) -> None:
 __all__ = [
     "AccessDenied", "AsyncStore", "Backend", "Blob", "COUNTER_NAMES", "CorruptData",
     "Listing", "NotFound", "ObjectInfo", "PreconditionFailed", "StoreError",
-    "Unavailable", "bump", "end_request", "held_by_deadline", "join_key", "no_request_deadline",
+    "Unavailable", "bump", "call_deadline", "end_request", "held_by_deadline", "join_key", "no_request_deadline",
     "pause_within_deadline", "request_deadline_at", "shared_within_deadline", "waited_within_deadline",
 ]

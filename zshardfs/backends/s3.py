@@ -53,6 +53,7 @@ from .base import (
     TooLarge,
     Unavailable,
     bump,
+    call_deadline,
 )
 
 # check() must answer within seconds even if the endpoint is a black hole.
@@ -88,6 +89,11 @@ _CREDENTIAL_ERRORS = (
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _USER_AGENT = f"zshardfs/{__version__} botocore/{botocore.__version__}"
 _CONTENT_RANGE = re.compile(r"bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)")
+
+
+class _PastDeadline(Exception):
+    """Raised by the ``before-send`` hook in place of an attempt that would
+    begin after the call's deadline: botocore does not retry it."""
 
 
 class S3URLError(StoreError, ValueError):
@@ -171,10 +177,12 @@ class S3Backend:
         addressing_style: str | None = None,
     ):
         """``max_attempts`` counts the first try too (botocore's
-        ``total_max_attempts``).  Worst case for one call against a hung
-        endpoint is about ``max_attempts * (connect_timeout + read_timeout)``
-        plus backoff; keep AsyncStore's deadline above that, or abandoned
-        worker threads hold limiter slots until they give up.
+        ``total_max_attempts``).  Against a hung endpoint one call could take
+        ``max_attempts * (connect_timeout + read_timeout)`` plus backoff;
+        AsyncStore gives it up at its deadline (EIO), and no attempt begins
+        after that deadline (``base.call_deadline``, checked before every
+        attempt is sent), so its worker thread ends at most one attempt
+        (``connect_timeout + read_timeout``) after it.
 
         ``addressing_style`` defaults to "path" with a custom endpoint
         (MinIO, Ceph, moto need it) and to botocore's choice for AWS.
@@ -261,6 +269,11 @@ class S3Backend:
         return client
 
     def _count_attempt(self, request=None, **kwargs):
+        if time.monotonic() >= call_deadline():
+            # Given up by AsyncStore (EIO, the slot given back): botocore's
+            # next attempt would only keep this thread asking a dead
+            # endpoint for up to max_attempts * (connect + read timeout)
+            raise _PastDeadline()
         self._tls.attempts = getattr(self._tls, "attempts", 0) + 1
         if request is not None:
             # botocore's wait for ``100 Continue`` reads lines until an empty
@@ -330,6 +343,10 @@ class S3Backend:
             if status in tolerate and code != "NoSuchBucket":
                 return None
             raise self._map(exc, key, op, gone_is_conflict) from None
+        except _PastDeadline:
+            # (AsyncStore counted the error when it gave the call up)
+            where = f"{self.url}: {key}" if key else self.url
+            raise Unavailable(f"{where}: given up at its deadline; no further attempt sent", key) from None
         except Exception as exc:
             raise self._map(exc, key, op) from None
         finally:
