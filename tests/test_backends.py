@@ -934,15 +934,17 @@ def test_outcomes_keep_each_error_itself_in_call_order():
 
 def test_a_write_given_up_before_it_began_never_blocks_its_key(tmp_path):
     """A write that reaches the deadline while it still waits for a worker
-    (all of them stuck on a hung endpoint) never asked anything: it cannot
-    land later, so the next write of its key does not wait for it.  Before,
-    it was remembered as "may still land" for good: every later write of the
-    key waited the whole deadline and failed, until a remount."""
+    (all of them stuck on a hung endpoint: the first call given up gives its
+    slot back, the second, beyond ``max_connections`` such calls, keeps it)
+    never asked anything: it cannot land later, so the next write of its key
+    does not wait for it.  Before, it was remembered as "may still land" for
+    good: every later write of the key waited the whole deadline and failed,
+    until a remount."""
     gate = threading.Event()
 
     class Hung(LocalBackend):
         def put(self, key, *args, **kwargs):
-            if key == "hang":
+            if key.startswith("hang"):
                 gate.wait()
             return super().put(key, *args, **kwargs)
 
@@ -950,11 +952,13 @@ def test_a_write_given_up_before_it_began_never_blocks_its_key(tmp_path):
 
     async def main():
         async with trio.open_nursery() as nursery:
-            async def hang():
+            async def hang(key):
                 with pytest.raises(Unavailable):
-                    await store.put("hang", b"x")
+                    await store.put(key, b"x")
 
-            nursery.start_soon(hang)
+            nursery.start_soon(hang, "hang-1")  # given up at 0.5 s: its slot comes back
+            await trio.sleep(0.2)
+            nursery.start_soon(hang, "hang-2")  # runs from 0.5 s, given up at 0.7 s: keeps it
             await trio.sleep(0.05)
             with pytest.raises(Unavailable):
                 await store.put("b", b"1")  # waits for the only worker, given up before it began
@@ -1868,5 +1872,54 @@ def test_a_document_a_fresh_listing_shows_unchanged_is_not_read_again(tmp_path):
         await trio.sleep(0.06)  # no listing lately: read again
         assert (await store.get_document("d/zarr.json")).data == b'{"a": 1}'
         assert backend.gets == gets + 2
+
+    trio.run(main)
+
+
+def test_calls_given_up_give_their_slot_back_up_to_max_connections(tmp_path):
+    """A call given up at its deadline goes on in its thread (it cannot be
+    stopped) but gives its ``max_connections`` slot back at once, so later
+    calls do not queue behind a dead endpoint's threads; for at most
+    ``max_connections`` such calls at a time: beyond, a given-up call keeps
+    its slot until its thread ends (no more than twice ``max_connections``
+    calls ever run at once).  Before, every given-up call kept its slot."""
+    (tmp_path / "k").write_bytes(b"1")
+    backend = LocalBackend(str(tmp_path))
+    release = threading.Event()
+    running = []
+    get = backend.get
+
+    def hung(key, *args, **kwargs):
+        if key.startswith("hang"):
+            running.append(key)
+            release.wait(30)
+        return get("k", *args, **kwargs)
+
+    backend.get = hung
+    astore = AsyncStore(backend, max_connections=2, timeout=0.3)
+
+    async def one(key):
+        try:
+            await astore.get(key)
+            return "ok"
+        except Unavailable as exc:
+            return str(exc)
+
+    async def main():
+        for key in ("hang-a", "hang-b"):  # given up: their slots come back
+            assert "no answer" in await one(key)
+        assert astore.given_up_running == 2 and astore.limiter.borrowed_tokens == 0
+        assert await one("k1") == "ok"  # at once, with a slot
+        for key in ("hang-c", "hang-d"):  # given up too, beyond max_connections: they keep their slots
+            assert "no answer" in await one(key)
+        assert astore.given_up_running == 4 and astore.limiter.borrowed_tokens == 2
+        t0 = trio.current_time()
+        assert "no answer" in await one("k2")  # no slot until its deadline: never asked
+        assert trio.current_time() - t0 >= 0.29 and sorted(running) == ["hang-a", "hang-b", "hang-c", "hang-d"]
+        release.set()
+        with trio.fail_after(10):
+            while astore.given_up_running or astore.limiter.borrowed_tokens:
+                await trio.sleep(0.01)
+        assert await one("k3") == "ok"
 
     trio.run(main)

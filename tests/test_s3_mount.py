@@ -999,6 +999,30 @@ def _given_up_reads(m, proxy, bucket, timeout):
     return keys, t0, fds[2]
 
 
+def test_calls_given_up_at_the_deadline_hold_no_connection_slot(mount, moto_server, bucket, array):
+    """Reads the endpoint never answers end with EIO at the deadline; their
+    worker threads go on in botocore (a thread cannot be stopped) until its
+    own timeouts end them (at most one attempt after the deadline, see the
+    next test), but no longer hold the slots of ``max_connections``:
+    another read, of a shard the endpoint answers, right after them is
+    answered at once.  Before, it waited for a slot until the given-up
+    calls' threads ended: with ``timeout=3`` (2 s per attempt) 1 s, 3 s
+    before the next test's fix; 10 s with the default ``timeout=30``."""
+    timeout = 3.0
+    proxy = TcpProxy(moto_server.port)
+    try:
+        m = s3_mount(mount, moto_server, bucket, f"timeout={timeout:g}", "max_connections=2", "open_fill=0",
+                     "prefetch=off", endpoint=proxy.endpoint_url)
+        _, _, fd = _given_up_reads(m, proxy, bucket, timeout)
+        t0 = time.monotonic()
+        assert os.pread(fd, 4096, 0) == array.chunks["c/9/9/9"][:4096]
+        assert time.monotonic() - t0 < 0.5, "waited for a slot held by a call given up"
+        os.close(fd)
+    finally:
+        proxy.silent = False
+        proxy.close()
+
+
 def test_a_call_given_up_sends_no_attempt_after_its_deadline(mount, moto_server, bucket, array):
     """botocore's retries (3 attempts, each up to half of ``timeout`` for an
     answer) multiply with the deadline: a call given up at it used to go on

@@ -168,7 +168,8 @@ OPTIONS = {
     "attr_timeout": ("attr_timeout", parse_seconds, "kernel entry/attribute cache time in seconds, 0 to inf "
                      "(default 5)"),
     "max_connections": ("max_connections", parse_connections,
-                        f"storage requests in flight at once, 1 to {MAX_CONNECTIONS} (default 16)"),
+                        f"storage requests in flight at once, 1 to {MAX_CONNECTIONS}, and as many "
+                        f"more given up at their deadline and not yet ended (default 16)"),
     "timeout": ("timeout", parse_timeout, f"deadline of one file-system request (all its storage calls together) "
                 f"in seconds, at least {MIN_TIMEOUT:g} and at most {MAX_TIMEOUT:g}; then EIO (default 30)"),
     "log_level": ("log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),

@@ -65,10 +65,13 @@ def open_backend(cfg: MountConfig):
         # answer may take half of it: a server that answers slowly but within
         # -o timeout is waited for, not cut short and retried into EIO.  The
         # deadline itself is kept by the store (AsyncStore), whatever the
-        # attempts still have left.
+        # attempts still have left; a call given up there sends no attempt
+        # after it, and gives its max_connections slot back at once.
         backend = S3Backend(bucket, prefix, endpoint_url=cfg.endpoint_url, region=cfg.region, profile=cfg.profile,
                             connect_timeout=max(1.0, cfg.timeout / 10), read_timeout=max(2.0, cfg.timeout / 2),
-                            max_attempts=3, max_pool_connections=max(10, cfg.max_connections))
+                            max_attempts=3,
+                            # (calls given up at their deadline, as many again, run without a slot)
+                            max_pool_connections=max(10, 2 * cfg.max_connections))
         backend.check()
         return backend
     if "://" in cfg.source:

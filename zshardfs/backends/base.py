@@ -371,16 +371,21 @@ COUNTER_NAMES = (
 
 class _Slot:
     """The ``max_connections`` slot of one storage call, as the limiter
-    ``trio.to_thread.run_sync`` takes (it releases the slot when the call's
-    thread ends, also a thread given up long before).  :meth:`given_up`
-    counts a call given up at its deadline whose thread still runs."""
+    ``trio.to_thread.run_sync`` takes.  trio releases it when the call's
+    thread ends, also a thread given up long before; :meth:`given_up`
+    gives it back at once instead: a thread given up at its deadline goes
+    on (it cannot be stopped) until botocore's timeouts end its attempt,
+    and later calls (the endpoint back, or answers for other keys) must
+    not queue behind it.  At most ``max_connections`` given-up calls run
+    without a slot; beyond that they keep theirs, so no more than twice
+    ``max_connections`` calls ever run at once."""
 
     __slots__ = ("store", "borrower", "abandoned")
 
     def __init__(self, store: "AsyncStore"):
         self.store = store
         self.borrower = None  # trio's placeholder for the thread, while the slot is held
-        self.abandoned = False
+        self.abandoned = False  # given up while its thread ran
 
     async def acquire_on_behalf_of(self, borrower) -> None:
         await self.store.limiter.acquire_on_behalf_of(borrower)
@@ -390,14 +395,20 @@ class _Slot:
         """(trio, on its loop: the thread has ended)"""
         if self.abandoned:
             self.store.given_up_running -= 1
-        self.store.limiter.release_on_behalf_of(borrower)
-        self.borrower = None
+        if self.borrower is not None:
+            self.borrower = None
+            self.store.limiter.release_on_behalf_of(borrower)
 
     def given_up(self) -> None:
         """The call was given up at its deadline (on the loop)."""
-        if self.borrower is not None and not self.abandoned:  # (its thread runs)
-            self.abandoned = True
-            self.store.given_up_running += 1
+        if self.borrower is None or self.abandoned:  # (no thread began, or it has ended)
+            return
+        self.abandoned = True
+        store = self.store
+        store.given_up_running += 1
+        if store.given_up_running <= store.limiter.total_tokens:
+            borrower, self.borrower = self.borrower, None
+            store.limiter.release_on_behalf_of(borrower)
 
 
 class AsyncStore:
