@@ -241,7 +241,8 @@ def test_stats_text_and_json(store, mount):
     result = zs("stats", m.path)
     assert result.returncode == 0, result.stderr
     text = result.stdout
-    for label in ("source", "mountpoint", "requests", "bytes", "errors", "index_cache", "chunk_cache", "inodes",
+    for label in ("source", "mountpoint", "requests", "bytes", "errors", "storage", "index_cache", "chunk_cache",
+                  "inodes",
                   "read-ahead", "kernel", "handles", "write-back", "memory"):
         assert re.search(rf"^{label}\b", text, re.M), f"{label} missing from:\n{text}"
     assert str(store.root) in text and str(m.path) in text
@@ -258,6 +259,7 @@ def test_stats_text_and_json(store, mount):
     assert stats["bytes"]["read"] >= len(data)
     assert stats["index_cache"]["entries"] >= 1
     assert stats["inodes"] >= 1
+    assert stats["storage_calls"] == {"slots_held": 0, "given_up_running": 0}
     # every internal table's entries (what grows over a long life shows there)
     assert 10 << 20 < stats["rss_bytes"] < 4 << 30
     assert stats["tables"]["inodes"] == stats["inodes"] and stats["tables"]["indexes"] >= 1

@@ -602,6 +602,9 @@ def cmd_stats(args) -> int:
     print(f"bytes       read={stats['bytes']['read']}  written={stats['bytes']['written']}")
     print(f"errors      {stats['errors']}  retries={stats['retries']}  "
           f"precondition_failed={stats['precondition_failed']}")
+    calls = stats.get("storage_calls", {})
+    print(f"storage     slots_held={calls.get('slots_held', 0)}  "
+          f"given_up_running={calls.get('given_up_running', 0)} (calls given up at their deadline, still running)")
     for name in ("index_cache", "chunk_cache"):
         c = stats[name]
         print(f"{name:<11} hits={c['hits']} misses={c['misses']} entries={c['entries']} "
