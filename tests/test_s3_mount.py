@@ -1049,6 +1049,47 @@ def test_a_call_given_up_sends_no_attempt_after_its_deadline(mount, moto_server,
         proxy.close()
 
 
+
+def test_cached_chunks_are_served_in_an_outage_only_within_index_ttl(mount, moto_server, bucket, array):
+    """Limits: in an outage the caches answer only within their freshness
+    windows (2.5).  A chunk in the chunk cache reads at once while
+    ``index_ttl`` has not passed since its shard's index was read; after it,
+    the read re-validates the shard (a HEAD) and, the endpoint silent, fails
+    with EIO at the deadline: nothing is served stale.  Once the endpoint is
+    back it reads again."""
+    timeout = 2.0
+    proxy = TcpProxy(moto_server.port)
+    try:
+        m = s3_mount(mount, moto_server, bucket, f"timeout={timeout:g}", "index_ttl=3", "prefetch=off",
+                     endpoint=proxy.endpoint_url)
+        rel = "c/0/0/1"
+        path = m.path / "arr" / rel
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert os.pread(fd, 4096, 0) == array.chunks[rel]
+            proxy.silent = True
+            drop_page_cache(path)
+            t0 = time.monotonic()
+            assert os.pread(fd, 4096, 0) == array.chunks[rel]  # within index_ttl: from the cache
+            assert time.monotonic() - t0 < 0.5
+            time.sleep(3.2)
+            drop_page_cache(path)
+            t0 = time.monotonic()
+            with pytest.raises(OSError) as info:
+                os.pread(fd, 4096, 0)
+            assert info.value.errno == errno.EIO
+            assert timeout - 0.2 < time.monotonic() - t0 < timeout + 1.0
+            assert any(f"HEAD /{bucket}/{Array.shard_of(rel)} " in line for line in proxy.swallowed)
+            proxy.silent = False
+            time.sleep(2.1)  # (FAIL_FAST: the same call is not asked again for 2 s)
+            assert os.pread(fd, 4096, 0) == array.chunks[rel]
+        finally:
+            os.close(fd)
+    finally:
+        proxy.silent = False
+        proxy.close()
+
+
 _REQUEST_LINE = re.compile(r"zshardfs\.requests: (\w+)\((.*)\) -> (\S+).* in ([\d.]+) ms$", re.M)
 
 
