@@ -1092,6 +1092,42 @@ def test_a_chunk_directory_is_listed_a_shard_at_a_time(tmp_path):
     trio.run(main)
 
 
+def test_a_chunk_directory_listing_works_out_each_shards_key_once(tmp_path):
+    """A listing of a chunk directory spanning several shards needs each
+    shard's storage key and extent for three things (loading the indexes
+    together, read-ahead's note of the listing, the shard's slice): it works
+    them out once per shard, not once for each (three times: about a sixth
+    of a warm walk's listing CPU, scripts/list_cpu.py).  The listing is the
+    same, and a directory outside the grid lists nothing."""
+    import trio
+
+    from tests.handmade_zarr import array_doc, write_array_doc, write_shard
+    from zshardfs.backends.local import LocalBackend
+    from zshardfs.config import MountConfig
+    from zshardfs.daemon import build_view
+
+    root = tmp_path / "a"
+    write_array_doc(root, array_doc((2, 24), (2, 8), (1, 1)))
+    for s in range(3):
+        write_shard(root, (0, s), (2, 8), {i: bytes([i]) for i in range(s, 16, 2)})
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt"),
+                      LocalBackend(str(tmp_path)))
+
+    async def main():
+        dataset = await view.dataset_at("a")
+        asked = []
+        where = dataset._shard_where
+        dataset._shard_where = lambda shard: asked.append(shard) or where(shard)
+        row = await view.resolve("a/c/1")
+        names = [c.name async for c in view.listdir(row)]
+        assert names == [str(i) for i in (0, 2, 4, 6, 9, 11, 13, 15, 16, 18, 20, 22)]
+        assert sorted(asked) == [(0, 0), (0, 1), (0, 2)]
+        assert [c.name async for c in view.listdir(await view.resolve("a/c"))] == ["0", "1"]
+        assert [e async for e in dataset.listdir(("c", "5"))] == []
+
+    trio.run(main)
+
+
 def test_listing_an_unchanged_chunk_directory_again_makes_no_nodes(tmp_path):
     """A warm walk lists every directory again after the TTLs; where a
     shard's index is the same version (validated, not reloaded) the view

@@ -423,7 +423,8 @@ class GridDataset(Dataset):
 
     # -- listing ------------------------------------------------------------
 
-    async def _shard_chunks(self, shard, fixed, since: float | None = None) -> list[tuple[str, ChunkEntry]]:
+    async def _shard_chunks(self, shard, fixed, since: float | None = None,
+                            where: tuple[str, Any] | None = None) -> list[tuple[str, ChunkEntry]]:
         """Stored chunks of one shard whose leading coordinates are ``fixed``,
         named as the listing shows them (a list: one shard's slice is
         bounded, and :meth:`listdir_batches` hands it on whole, so that a
@@ -437,10 +438,14 @@ class GridDataset(Dataset):
         version fixes), so listing the directory again (a warm walk, ``ls``
         after ``find``) costs a look-up per shard instead of a walk over its
         index entries.  ``since``: the listing's start (an index loaded or
-        validated since then is not validated again)."""
-        if not self.grid.shard_contains(shard):
-            return []
-        key, extent = self._shard_where(shard)
+        validated since then is not validated again).  ``where``: the
+        shard's :meth:`_shard_where`, if the caller has it (then the shard
+        is known to lie in the grid)."""
+        if where is None:
+            if not self.grid.shard_contains(shard):
+                return []
+            where = self._shard_where(shard)
+        key, extent = where
         try:
             index = await self.ctx.shards.index(self.shard_format, key, extent, checked_since=since)
         except CorruptData as exc:
@@ -501,12 +506,6 @@ class GridDataset(Dataset):
         if keys.sep != "/":
             return keys.format
         return lambda coords: keys.level_name(m, coords[-1])
-
-    async def _preload(self, shards) -> None:
-        """The indexes a listing is about to need, loaded at once."""
-        shards = [s for s in shards if self.grid.shard_contains(s)]
-        if len(shards) > 1:
-            await self.ctx.shards.preload(self.shard_format, [self._shard_where(s) for s in shards])
 
     def _leaf_shards(self, prefix: tuple[int, ...], coords) -> list[tuple[str, Any]]:
         """(key, extent) of every shard below ``prefix + (c,)`` for c in
@@ -593,9 +592,14 @@ class GridDataset(Dataset):
                 if (s := keys.parse_level(m, name)) is not None and 0 <= s < grid.shard_count(m)
             )
         if last:
-            await self._preload([shard_prefix + (s,) for s in shard_coords])
-            self.ctx.shards.listed(fixed, [self._shard_where(shard_prefix + (s,))[0] for s in shard_coords
-                                    if grid.shard_contains(shard_prefix + (s,))])
+            # each shard's (key, extent), worked out once for the preload,
+            # read-ahead's note and the slices below (three times before: a
+            # sixth of a warm walk's listing CPU)
+            wheres = {s: self._shard_where(shard) for s in shard_coords
+                      if grid.shard_contains(shard := shard_prefix + (s,))}
+            if len(wheres) > 1:  # (the indexes this listing is about to need, loaded at once)
+                await self.ctx.shards.preload(self.shard_format, list(wheres.values()))
+            self.ctx.shards.listed(fixed, [key for key, _ in wheres.values()])
         elif self.ctx.shards.prefetch_ahead and grid.shard_count(grid.ndim - 1) <= DIRECT_SHARDS:
             # Work ahead of a walk (S3: read-ahead on), so that its listings
             # find what they need instead of asking for it one at a time:
@@ -610,7 +614,10 @@ class GridDataset(Dataset):
             if not last:
                 yield [(keys.level_name(m, c), DirEntry()) for c in grid.shard_range(m, s)]
                 continue
-            batch = await self._shard_chunks(shard_prefix + (s,), fixed, started)
+            where = wheres.get(s)
+            if where is None:  # (outside the grid)
+                continue
+            batch = await self._shard_chunks(shard_prefix + (s,), fixed, started, where)
             if batch:
                 yield batch
 
