@@ -1128,6 +1128,76 @@ def test_a_chunk_directory_listing_works_out_each_shards_key_once(tmp_path):
     trio.run(main)
 
 
+def test_a_cached_shards_index_loads_without_a_thread_and_changes_are_still_seen(tmp_path):
+    """On a local store, loading a shard's index (the first lookup in each
+    shard) read it in a worker thread even when its pages were cached: a
+    thread hop of 0.4-0.7 ms, most of the lookup.  It is now read on the
+    event loop when the paths and bytes are all cached (openat2
+    RESOLVE_CACHED, preadv2 RWF_NOWAIT), with the checks the thread makes:
+    a shard replaced by rename, or rewritten in place, between two lookups is
+    seen; a damaged one is still damage; a removed one is gone."""
+    import pytest
+    import trio
+
+    from tests.handmade_zarr import array_doc, shard_bytes, write_array_doc, write_shard
+    from zshardfs.backends.base import CorruptData
+    from zshardfs.backends.local import LocalBackend
+    from zshardfs.config import MountConfig
+    from zshardfs.daemon import build_view
+
+    class Threaded(LocalBackend):
+        """Counts the reads that went to a worker thread (get)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.in_thread: list[str] = []
+
+        def get(self, key, *args, **kwargs):
+            self.in_thread.append(key)
+            return super().get(key, *args, **kwargs)
+
+    root = tmp_path / "a"
+    write_array_doc(root, array_doc((2, 8), (2, 8), (1, 1)))
+    shard = write_shard(root, (0, 0), (2, 8), {i: bytes([i]) for i in range(16)})
+    store = Threaded(str(tmp_path))
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=True,
+                                  metadata_ttl=0.05, index_ttl=0.05), store)
+    key = "a/c/0/0"
+
+    async def size() -> int | None:
+        await trio.sleep(0.1)  # (past index_ttl: the next lookup validates the index)
+        if shard.is_file():
+            shard.read_bytes()  # (its pages cached, as they are moments after a write)
+        node = await view.resolve("a/c/1/3")
+        return None if node is None else node.size
+
+    async def main():
+        assert await size() == 1
+        assert key not in store.in_thread, store.in_thread
+        tmp = shard.with_name("new")
+        tmp.write_bytes(shard_bytes((2, 8), {i: b"xy" for i in range(16)}))
+        os.replace(tmp, shard)  # replaced by rename
+        assert await size() == 2
+        with open(shard, "r+b") as f:  # rewritten in place (the same inode)
+            f.write(shard_bytes((2, 8), {i: b"xyz" for i in range(16)}))
+        assert await size() == 3
+        assert key not in store.in_thread, store.in_thread
+        damaged = bytearray(shard_bytes((2, 8), {i: b"xyzw" for i in range(16)}))
+        damaged[-5] ^= 1  # (the last entry's nbytes: the index's checksum no longer matches)
+        shard.write_bytes(bytes(damaged))
+        with pytest.raises(CorruptData):
+            await size()
+        shard.write_bytes(shard_bytes((2, 8), {i: b"xyzw" for i in range(16)}))
+        assert await size() == 4
+        assert key not in store.in_thread, store.in_thread  # (the damaged version's load too)
+        shard.unlink()
+        assert await size() is None
+        os.mkfifo(shard)  # (not opened on the event loop, where its open could wait: no such shard)
+        assert await size() is None
+
+    trio.run(main)
+
+
 def test_listing_an_unchanged_chunk_directory_again_makes_no_nodes(tmp_path):
     """A warm walk lists every directory again after the TTLs; where a
     shard's index is the same version (validated, not reloaded) the view

@@ -782,10 +782,20 @@ class AsyncStore:
     async def get(self, key: str, start: int = 0, length: int | None = None, *,
                   suffix: int | None = None, if_match: str | None = None, speculative: bool = False,
                   max_size: int | None = None) -> Blob:
-        if if_match is not None and length and length <= NOWAIT_MAX and suffix is None and self._nowait is not None:
-            blob = self._nowait(key, start, length, if_match)  # page-cache hit: no thread hop
-            if blob is not None:
-                return blob  # an open file of that version, not news of the current one
+        asked = length if suffix is None else suffix
+        if asked and asked <= NOWAIT_MAX and max_size is None and self._nowait is not None:
+            if if_match is not None:
+                if suffix is None:
+                    blob = self._nowait(key, start, length, if_match)  # page-cache hit: no thread hop
+                    if blob is not None:
+                        return blob  # an open file of that version, not news of the current one
+            else:  # (a shard index's load)
+                started = time.monotonic()
+                blob = self._nowait(key, start, length, None, suffix=suffix)  # path and bytes cached: no thread
+                if blob is not None:
+                    self._trace(("get", key), (key, start, length), started)
+                    self._seen(blob.info)
+                    return blob
         extra = {} if max_size is None else {"max_size": max_size}
         blob = await self._run(self.backend.get, key, start, length, suffix=suffix, if_match=if_match,
                                _speculative=speculative, **extra)

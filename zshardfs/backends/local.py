@@ -65,6 +65,8 @@ _SYS_OPENAT2 = 437
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
+_RESOLVE_CACHED = 0x20  # (Linux 5.12: EAGAIN where the walk would need I/O or a revalidation)
+_AT_FDCWD = -100
 
 
 class _OpenHow(ctypes.Structure):
@@ -92,6 +94,18 @@ def openat2_beneath(dirfd: int, path: str, flags: int, mode: int = 0, no_symlink
         if err != errno.EAGAIN:
             break
     raise OSError(err, os.strerror(err), path)
+
+
+def openat2_cached(dirfd: int, path: str, flags: int, resolve: int) -> int | None:
+    """``openat2(dirfd, path, flags)`` resolved from the kernel's dentry
+    cache alone (``RESOLVE_CACHED`` and ``resolve``), so that it never waits
+    for the disk: safe on the event loop.  None when that cannot be (EAGAIN:
+    a component not cached; an older kernel) or the call fails: the caller
+    then asks in a worker thread, which says what is wrong."""
+    how = _OpenHow(flags | os.O_CLOEXEC, 0, resolve | _RESOLVE_CACHED)
+    fd = _syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dirfd), ctypes.c_char_p(os.fsencode(path)),
+                  ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    return fd if fd >= 0 else None
 
 
 def openat2_missing() -> str | None:
@@ -684,13 +698,19 @@ class LocalBackend:
         for fd in gone:
             os.close(fd)
 
-    def get_nowait(self, key: str, start: int, length: int, if_match: str) -> Blob | None:
-        """A pinned ranged read served from the page cache without blocking,
-        or None when it would block (then the caller uses a thread).
+    def get_nowait(self, key: str, start: int, length: int | None, if_match: str | None,
+                   suffix: int | None = None) -> Blob | None:
+        """A ranged read served from the page cache without blocking, or
+        None when it would block (then the caller uses a thread).
 
         ``preadv2(RWF_NOWAIT)`` fails with EAGAIN instead of waiting for the
         disk, so this is safe to call on the event loop; it saves the thread
-        hop that otherwise dominates reading a small cached chunk."""
+        hop that otherwise dominates reading a small cached chunk.  With
+        ``if_match``: pinned to that version, from a descriptor kept open.
+        Without: the current version (``suffix`` as :meth:`get`), see
+        :meth:`_get_current_nowait`."""
+        if if_match is None:
+            return self._get_current_nowait(key, start, length, suffix)
         with self._fd_lock:
             kept = self._fds.get((key, if_match))
             if kept is None or time.monotonic() - kept[1] > self.NOWAIT_TRUST:
@@ -714,6 +734,74 @@ class LocalBackend:
         etag_size = int(if_match.rsplit("-", 1)[1], 16)
         info = ObjectInfo(key, etag_size, if_match, 0.0)
         return self._count_read(info, start, bytes(buf), None)
+
+    def _get_current_nowait(self, key: str, start: int, length: int | None, suffix: int | None) -> Blob | None:
+        """:meth:`get` of the current version of ``key`` (a shard index's
+        load) on the event loop: what it does, each step asked not to wait
+        (the root directory's and the key's paths resolved from the dentry
+        cache alone, the bytes from the page cache), or None the moment one
+        would wait or finds anything unusual (not a regular file, too short,
+        an error, the root replaced): then :meth:`get`, in a thread, does it
+        all again and answers, its log lines and errors included.  So a
+        first lookup in a shard whose pages are cached costs no thread hop
+        (0.4-0.7 ms, most of the request)."""
+        root = self._root_fd
+        if root is None or (length is None and suffix is None):
+            return None
+        try:
+            self._path(key)
+        except NotFound:
+            return None
+        fd = openat2_cached(_AT_FDCWD, self.root, os.O_PATH, 0)  # (_check_root, not waiting)
+        if fd is None:
+            return None
+        try:
+            now, mounted = os.fstat(fd), os.fstat(root)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if (now.st_dev, now.st_ino) != (mounted.st_dev, mounted.st_ino):
+            return None
+        resolve = _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS if self.confine else 0
+        # only a regular file is opened on the loop: a device's open may wait
+        # (a thread opens anything else, and says what it is)
+        fd = openat2_cached(root, key or ".", os.O_PATH, resolve)
+        if fd is None:
+            return None
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        except OSError:
+            regular = False
+        finally:
+            os.close(fd)
+        if not regular:
+            return None
+        fd = openat2_cached(root, key or ".", os.O_RDONLY | os.O_NONBLOCK, resolve)
+        if fd is None:
+            return None
+        keep = False
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            info = self._info(key, st)
+            if suffix is not None:
+                start = max(0, st.st_size - suffix)
+                length = st.st_size - start
+            data = b""
+            if length > 0:
+                buf = bytearray(length)
+                if os.preadv(fd, [buf], start, os.RWF_NOWAIT) != length:
+                    return None  # partly cached, or past the end: the slow path decides
+                data = bytes(buf)
+            keep = self._keep_fd(key, info.etag, fd)
+        except (OSError, AttributeError):  # (BlockingIOError: not all cached; no RWF_NOWAIT)
+            return None
+        finally:
+            if not keep:
+                os.close(fd)
+        return self._count_read(info, start, data, suffix)
 
     def _ancestry(self, prefix: str) -> set[tuple[int, int]]:
         """(st_dev, st_ino) of ``prefix``'s directory and of every directory
