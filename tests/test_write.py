@@ -2025,6 +2025,36 @@ def test_mode_and_time_changes_on_a_written_file_keep_its_size(store, mount, tmp
     assert store.get("notes.txt") == b"hello\nworld\n"
 
 
+def test_a_chunk_not_stored_yet_keeps_one_mtime_and_touch_changes_none(store, mount, tmp_path):
+    """A chunk written and not stored yet shows the time of its last write,
+    the same at every stat; one opened for writing and left unwritten
+    (``touch``, ``touch -d``) keeps its stored mtime.  Before, every answer
+    for a chunk pending in the write-back gave the time of that answer:
+    ``tar c`` of the directory failed ("file changed as we read it", exit
+    1), ``rsync -a`` sent the chunk at every run, and ``touch -d 2001-01-01``
+    showed the time of the touch (until ``attr_timeout``), not the stored
+    one."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", "attr_timeout=0", extra=store.extra)
+    stored = os.stat(m / "arr/c/0/1").st_mtime
+    write_file(m / "arr/c/0/0", raw_chunk(7))
+    written = os.stat(m / "arr/c/0/0").st_mtime
+    time.sleep(0.3)
+    assert os.stat(m / "arr/c/0/0").st_mtime == written
+    tar = subprocess.run(["tar", "cf", str(tmp_path / "a.tar"), "-C", str(m.path), "arr"], capture_output=True, text=True)
+    assert tar.returncode == 0, tar.stderr
+    for cmd in (["touch", "-d", "2001-01-01"], ["touch"], ["touch", "-m"]):
+        subprocess.run([*cmd, str(m / "arr/c/0/1")], check=True)
+        assert os.stat(m / "arr/c/0/1").st_mtime == stored, cmd
+    assert os.stat(m / "arr/c/0/0").st_mtime == written
+    rsync = subprocess.run(f"rsync -a '{m / 'arr'}/' '{tmp_path}/copy/' && rsync -ai '{m / 'arr'}/' '{tmp_path}/copy/'",
+                           shell=True, capture_output=True, text=True)
+    assert rsync.returncode == 0 and not rsync.stdout.strip(), rsync.stdout + rsync.stderr
+    m.umount()
+    assert stored_chunks(store, "arr", (2, 2))[0, 0] == raw_chunk(7)
+
+
 def test_a_failed_rename_leaves_its_target_as_it_was(tmp_path, mount):
     """A rename that fails (here: its source was removed behind the mount's
     back) leaves the target's open file as it was: appends through a

@@ -523,7 +523,7 @@ class View:
             if dirty is not None:
                 if dirty.data is None:
                     return None
-                return Node(path, False, len(dirty.data), time.time(), dataset=dataset, rel=rel, target=target)
+                return Node(path, False, len(dirty.data), dirty.mtime, dataset=dataset, rel=rel, target=target)
         if entry is None:
             return None
         return Node(path, False, entry.size, entry.mtime, dataset=dataset, rel=rel, target=target)
@@ -1089,7 +1089,8 @@ class View:
                 if self._chunk_version(t) == before:
                     break
             chunk = self.writeback.open_chunk(t.shard_key, node.dataset.shard_format, t.shard_ctx, t.chunk_id,
-                                              initial, t.capacity, node.dataset.shard_home, stored=not truncate)
+                                              initial, t.capacity, node.dataset.shard_home, stored=not truncate,
+                                              mtime=node.mtime)
             if truncate and len(chunk.data):
                 del chunk.data[:]
                 self.writeback.changed(t.shard_key, chunk)
