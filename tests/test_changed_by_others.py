@@ -465,6 +465,46 @@ def test_a_chunk_read_in_pieces_while_its_shard_is_replaced_is_one_version(stora
     assert len(first + rest) == 4 << 20
 
 
+@pytest.mark.parametrize("opened", ["filling", "while_filled"])
+def test_a_chunk_whose_pages_the_kernel_dropped_while_replaced_is_one_version(storage, mount, tmp_path, opened):
+    """A chunk up to ``open_fill`` is handed to the kernel whole at its open,
+    and its reads are served from the page cache; pages the kernel drops
+    while the file is open (memory pressure; here ``POSIX_FADV_DONTNEED``,
+    as a ``mmap`` reader saw happen by itself) are asked for again.  If
+    another client replaced the shard meanwhile (same sizes, other bytes),
+    such a read is EIO with one log line, never the new bytes beside the old
+    ones the reader has had; a new open reads the new version whole.  The
+    same for a file opened while the kernel still held the pages another
+    open filled.  Before, the reader got the first page of one version and
+    the rest of the other."""
+    versions = []
+    for v in (1, 2):
+        a = zarr.create_array(str(tmp_path / f"v{v}"), shape=(256, 256), chunks=(256, 256), shards=(256, 256),
+                              dtype="<u4", compressors=None, fill_value=0)
+        a[:] = v
+        versions.append((tmp_path / f"v{v}" / "c" / "0" / "0").read_bytes())
+    storage.put("a/zarr.json", (tmp_path / "v1" / "zarr.json").read_bytes())
+    storage.put("a/c/0/0", versions[0])
+    m = storage.mount(mount)
+    p = m / "a" / "c" / "0" / "0"
+    if opened == "while_filled":
+        assert np.unique(np.frombuffer(p.read_bytes(), "<u4")).tolist() == [1]  # (fills the page cache; the next open does not)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert np.unique(np.frombuffer(os.pread(fd, 4096, 0), "<u4")).tolist() == [1]
+        storage.put("a/c/0/0", versions[1])
+        time.sleep(1.3)  # past index_ttl: the mount knows of the new version
+        os.posix_fadvise(fd, 4096, 0, os.POSIX_FADV_DONTNEED)
+        with pytest.raises(OSError) as err:
+            got = os.pread(fd, 4096, 8192)
+            print("read", np.unique(np.frombuffer(got, "<u4")))
+        assert err.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+    assert np.unique(np.frombuffer(p.read_bytes(), "<u4")).tolist() == [2]
+    assert m.log_text().count("replaced by another client while open") == 1
+
+
 def test_an_in_place_write_patches_the_newest_stored_version(storage, mount):
     """A file the mount stored, then replaced by another client, and then
     opened for an in-place write (no ``O_TRUNC``) through the mount: the

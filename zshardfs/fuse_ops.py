@@ -150,6 +150,9 @@ class _Inode:
     #: the kernel keeps them (keep_cache) until it sees either change, or
     #: drops them under memory pressure, which a READ then shows (see read)
     filled: tuple | None = None
+    #: Handle.kernel_has of those bytes: a handle opened while the kernel
+    #: holds them is served from them as well
+    kernel_has: tuple | None = None
     #: the attributes last given for this inode, and the (is_dir, size,
     #: mtime) they were made of: a listing gives them again (never changed
     #: after they are made, so sharing them is safe)
@@ -514,6 +517,8 @@ class Operations(pyfuse3.Operations):
             if 0 < node.size <= self.open_fill and entry.handles == 0 and entry.filled != (node.size, node.mtime):
                 await self._fill_page_cache(inode, entry, handle)
                 return pyfuse3.FileInfo(fh=self._new_fh(inode, handle), keep_cache=True)
+            if entry.filled is not None and entry.filled == (node.size, node.mtime):
+                handle.kernel_has = entry.kernel_has
             fh = self._next_fh
             self._next_fh = fh + 1
             self._handles[fh] = (inode, handle)
@@ -530,6 +535,8 @@ class Operations(pyfuse3.Operations):
         if (not write and 0 < node.size <= self.open_fill and entry.handles == 0
                 and entry.filled != (node.size, node.mtime)):
             await self._fill_page_cache(inode, entry, handle)
+        elif not write and entry.filled is not None and entry.filled == (node.size, node.mtime):
+            handle.kernel_has = entry.kernel_has
         # The page cache stays valid across opens: content only changes with
         # the shard's version (through this mount, or noticed by mtime/size).
         return pyfuse3.FileInfo(fh=self._new_fh(inode, handle), keep_cache=True)
@@ -553,6 +560,7 @@ class Operations(pyfuse3.Operations):
         node = handle.node
         if self.view.in_memory(node) is not None:
             return  # being written: the size the kernel knows may differ
+        version = self.view.chunk_version(node)  # (before the read: a change of ours meanwhile skips the check)
         try:  # one byte more than the kernel knows of: a grown file shows
             data = await self.view.read(handle, 0, node.size + 1)
         except Changed:
@@ -568,6 +576,7 @@ class Operations(pyfuse3.Operations):
             if data is None:
                 return
             node = handle.node
+            version = None  # (renewed: no check, as before)
         if len(data) != node.size or entry.handles or self.inodes.get(inode) is not entry:
             return  # changed under us, or another open got in while we waited
         try:
@@ -576,6 +585,7 @@ class Operations(pyfuse3.Operations):
             log.debug("notify_store(%d): %s", inode, exc)
             return
         entry.filled = (node.size, node.mtime)
+        entry.kernel_has = handle.kernel_has = self.view.kernel_holds(data, version)
         self.open_fills += 1
         self.view.handed_to_kernel(node)
 
@@ -592,7 +602,7 @@ class Operations(pyfuse3.Operations):
         if fresh is None or entry.handles or self.inodes.get(inode) is not entry or entry.node is not began:
             return None  # (the inode took another node meanwhile, a truncate's: newer news, see getattr)
         entry.node = handle.node = fresh
-        entry.filled = None
+        entry.filled = entry.kernel_has = None
         try:
             pyfuse3.invalidate_inode(inode)
         except OSError as exc:
@@ -617,11 +627,12 @@ class Operations(pyfuse3.Operations):
             # means the kernel dropped (some of) those pages, so the next
             # open fills them again instead of leaving every read of that
             # open to a request (unless this READ gives it all back: below).
-            ino.filled = None
+            ino.filled = ino.kernel_has = None
         # the size the kernel holds for a chunk it reads: another client may
         # have replaced the shard since (writes of our own change the table)
         expect = (ino.node.size if ino is not None and handle.node.is_chunk and not handle.writable
                   and ino.node.created != _STALE else None)
+        version = self.view.chunk_version(handle.node)
         try:
             data = await self.view.read(handle, off, size, expect)
         except Changed:
@@ -643,6 +654,9 @@ class Operations(pyfuse3.Operations):
             # unfilled made every open after a page drop refill (a copy and
             # notify_store per file, a third of a warm scan's daemon CPU).
             ino.filled = (ino.node.size, ino.node.mtime)
+            ino.kernel_has = self.view.kernel_holds(data, version)
+            if handle.kernel_has is None:  # (its reader has this version now: the rest must be it too)
+                handle.kernel_has = ino.kernel_has
         return data
 
     async def release(self, fh):

@@ -41,6 +41,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
+import crc32c
 import trio
 
 from .backends.base import (AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed,
@@ -137,6 +138,11 @@ class Handle:
     # a stored chunk read in pieces: the version its first piece came from
     # (bytes, and View._chunk_version of it then), so the rest is never another's
     seen: tuple[bytes, tuple] | None = None
+    # a stored chunk whose bytes the kernel's page cache holds for this open
+    # (put there at an open, View.kernel_holds): (length, crc32c, and
+    # View._chunk_version then).  A READ comes only for pages the kernel
+    # dropped since; other bytes then would mix two versions in one open.
+    kernel_has: tuple[int, int, tuple] | None = None
 
 
 class _TTLCache:
@@ -945,6 +951,16 @@ class View:
         if node.is_chunk:
             self.shards.handed_over(node.target.shard_key, node.target.chunk_id)
 
+    def chunk_version(self, node: Node) -> tuple | None:
+        """What changes when this mount changes chunk ``node`` (None: not a chunk)."""
+        return self._chunk_version(node.target) if node.is_chunk else None
+
+    @staticmethod
+    def kernel_holds(data: bytes, version: tuple | None) -> tuple[int, int, tuple] | None:
+        """``Handle.kernel_has`` of a chunk whose ``data`` (read at this
+        mount's ``version`` of it) the kernel's page cache holds."""
+        return None if version is None else (len(data), crc32c.crc32c(data), version)
+
     async def read(self, handle: Handle | Node, offset: int, size: int, expect_size: int | None = None) -> bytes:
         """Bytes of a file (whole chunks are cached by the shard layer).
         ``expect_size``: the size the reader was given; a stored chunk of
@@ -970,6 +986,14 @@ class View:
             if expect_size is not None and len(data) != expect_size and self.in_memory(node) is None:
                 raise Changed(f"{node.path}: replaced by another client (now {len(data)} bytes, not "
                               f"{expect_size}); read it again", node.path)
+            held = handle.kernel_has if isinstance(handle, Handle) else None
+            if (held is not None and held[2] == self._chunk_version(node.target)
+                    and (len(data) != held[0] or crc32c.crc32c(data) != held[1])):
+                # the kernel dropped pages of the version it holds for this
+                # open (memory pressure, fadvise), and another client has
+                # replaced the chunk since: its bytes beside the old pages
+                # the reader has had would be a mix of two versions
+                raise Changed(f"{node.path}: replaced by another client while open; open it again", node.path)
             if isinstance(handle, Handle) and (offset > 0 or offset + size < len(data)):
                 # read in pieces: the rest from this version, even if another
                 # client replaces the shard meanwhile (its chunk cache entry
