@@ -2055,6 +2055,43 @@ def test_a_chunk_not_stored_yet_keeps_one_mtime_and_touch_changes_none(store, mo
     assert stored_chunks(store, "arr", (2, 2))[0, 0] == raw_chunk(7)
 
 
+def test_an_append_after_another_client_grew_the_file_lands_at_its_end(store, mount, tmp_path):
+    """``>>`` (``O_APPEND``) through the mount, shortly after another client
+    made the file longer (within ``attr_timeout``, while the kernel still
+    held the old size), lands at the file's end, a plain file's and a
+    chunk's.  Before, the kernel wrote at the end it knew, which the
+    daemon took as an offset: the append overwrote the other client's last
+    bytes (``line 1\nline 3\nby another client\n``)."""
+    store.put("log.txt", b"line 1\n")
+    values = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=values,
+               compressors=zarr.codecs.GzipCodec(level=1))
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    assert (m / "log.txt").read_bytes() == b"line 1\n"  # (the kernel holds its size now)
+    old_chunk = (m / "arr/c/0/0").read_bytes()
+    store.put("log.txt", b"line 1\nline 2 by another client\n")
+    grown = tmp_path / "grown"
+    seed_array(Store("local", root=grown), tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4",
+               data=np.random.default_rng(1).integers(0, 2**31, (8, 8)).astype("<i4"),
+               compressors=zarr.codecs.GzipCodec(level=1))
+    store.put("arr/c/0/0", (grown / "arr/c/0/0").read_bytes())
+    new_chunk = stored_chunks(store, "arr", (2, 2))[0, 0]
+    assert len(new_chunk) > len(old_chunk)
+    time.sleep(1.5)  # past metadata_ttl and index_ttl, within attr_timeout (5 s)
+    with open(m / "log.txt", "ab") as f:
+        f.write(b"line 3\n")
+    fd = os.open(m / "arr/c/0/0", os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, b"TAIL")
+    finally:
+        os.close(fd)
+    assert (m / "log.txt").read_bytes() == b"line 1\nline 2 by another client\nline 3\n"
+    assert (m / "arr/c/0/0").read_bytes() == new_chunk + b"TAIL"
+    m.umount()
+    assert store.get("log.txt") == b"line 1\nline 2 by another client\nline 3\n"
+    assert stored_chunks(store, "arr", (2, 2))[0, 0] == new_chunk + b"TAIL"
+
+
 def test_a_failed_rename_leaves_its_target_as_it_was(tmp_path, mount):
     """A rename that fails (here: its source was removed behind the mount's
     back) leaves the target's open file as it was: appends through a

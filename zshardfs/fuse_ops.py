@@ -537,9 +537,33 @@ class Operations(pyfuse3.Operations):
             await self._fill_page_cache(inode, entry, handle)
         elif not write and entry.filled is not None and entry.filled == (node.size, node.mtime):
             handle.kernel_has = entry.kernel_has
+        elif write and flags & os.O_APPEND and entry.handles == 0:
+            self._show_grown_end(inode, entry, handle)
         # The page cache stays valid across opens: content only changes with
         # the shard's version (through this mount, or noticed by mtime/size).
         return pyfuse3.FileInfo(fh=self._new_fh(inode, handle), keep_cache=True)
+
+    def _show_grown_end(self, inode: int, entry: _Inode, handle: Handle) -> None:
+        """An open for appending of a file another client made longer since
+        the kernel learned its size: the kernel appends at the end it knows
+        (it does not ask again before an ``O_APPEND`` write), which would
+        overwrite the other client's last bytes.  Tell it the new end: drop
+        what it holds of the file, and store the last page of what the file
+        holds now, which moves its size there (``notify_store`` grows it).
+        Safe only with no other handle open (no READ in flight holds the
+        pages; the caller checks)."""
+        data = handle.buffer.data if handle.buffer is not None else handle.chunk.data if handle.chunk is not None else None
+        told = entry.attrs.st_size if entry.attrs is not None else entry.node.size
+        if not data or len(data) <= told:
+            return
+        start = (len(data) - 1) // 4096 * 4096
+        try:
+            pyfuse3.invalidate_inode(inode)
+            pyfuse3.notify_store(inode, start, bytes(data[start:]))
+        except OSError as exc:
+            log.debug("notify of the end of %d: %s", inode, exc)
+            return
+        entry.filled = entry.kernel_has = None
 
     async def _fill_page_cache(self, inode: int, entry: _Inode, handle: Handle) -> None:
         """Hand a small file's bytes to the kernel while it waits for OPEN.
