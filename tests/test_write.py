@@ -11,8 +11,10 @@ log gives server-side request counts).
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import math
+import mmap
 import os
 import signal
 import shutil
@@ -2090,6 +2092,71 @@ def test_an_append_after_another_client_grew_the_file_lands_at_its_end(store, mo
     m.umount()
     assert store.get("log.txt") == b"line 1\nline 2 by another client\nline 3\n"
     assert stored_chunks(store, "arr", (2, 2))[0, 0] == new_chunk + b"TAIL"
+
+
+def test_mapped_direct_and_kernel_side_copies_of_chunks(store, mount, tmp_path):
+    """Tools that map files or move bytes inside the kernel work on chunk
+    files as on a local file system: ``numpy.memmap`` and ``mmap`` read a
+    chunk (read-only mounts too); ``MAP_SHARED`` writes on a writable mount
+    reach the daemon at ``msync``/``munmap`` and are stored like any write
+    (the kernel sends them as writes); ``O_DIRECT`` reads and writes (``dd
+    iflag=direct``, ``oflag=direct``, any length); ``copy_file_range`` and
+    ``sendfile`` within the mount and into it; ``cp --reflink=auto`` copies,
+    ``--reflink=always`` fails with EOPNOTSUPP (no clones here)."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    ro = mount(store.source, "ro", extra=store.extra)
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+
+    def chunk(i, j):
+        return data[2 * i:2 * i + 2, 2 * j:2 * j + 2].tobytes()
+
+    for mnt in (ro, m):
+        a = np.memmap(mnt / "arr/c/1/1", dtype="<i4", mode="r", shape=(2, 2))
+        assert a.tobytes() == chunk(1, 1)
+        del a
+    a = np.memmap(m / "arr/c/1/2", dtype="<i4", mode="r+", shape=(2, 2))
+    a[:] = 777
+    a.flush()
+    del a
+    with open(m / "arr/c/1/3", "r+b") as f:
+        mp = mmap.mmap(f.fileno(), 0)
+        mp[0:4] = b"\x01\x02\x03\x04"
+        mp.close()  # (munmap, no msync)
+    expected = {(1, 2): np.full((2, 2), 777, "<i4").tobytes(), (1, 3): b"\x01\x02\x03\x04" + chunk(1, 3)[4:]}
+    src = tmp_path / "src"
+    src.write_bytes(b"D" * 16)
+    run = functools.partial(subprocess.run, capture_output=True, text=True)
+    r = run(["dd", f"if={ro / 'arr/c/0/1'}", f"of={tmp_path / 'dd.out'}", "iflag=direct", "bs=4096"])
+    assert r.returncode == 0 and (tmp_path / "dd.out").read_bytes() == chunk(0, 1), r.stderr
+    r = run(["dd", f"if={src}", f"of={m / 'arr/c/2/0'}", "oflag=direct", "bs=4096"])
+    assert r.returncode == 0, r.stderr
+    expected[2, 0] = b"D" * 16
+    r = run(["cp", "--reflink=auto", str(m / "arr/c/0/0"), str(m / "arr/c/2/1")])
+    assert r.returncode == 0, r.stderr
+    expected[2, 1] = chunk(0, 0)
+    r = run(["cp", "--reflink=always", str(m / "arr/c/0/0"), str(m / "arr/c/2/2")])
+    assert r.returncode != 0 and "Operation not supported" in r.stderr, r
+    fin, fout = os.open(m / "arr/c/0/1", os.O_RDONLY), os.open(m / "arr/c/3/0", os.O_WRONLY | os.O_TRUNC)
+    try:
+        assert os.copy_file_range(fin, fout, 100) == 16
+    finally:
+        os.close(fin)
+        os.close(fout)
+    expected[3, 0] = chunk(0, 1)
+    fin, fout = os.open(src, os.O_RDONLY), os.open(m / "arr/c/3/1", os.O_WRONLY | os.O_TRUNC)
+    try:
+        assert os.sendfile(fout, fin, 0, 100) == 16
+    finally:
+        os.close(fin)
+        os.close(fout)
+    expected[3, 1] = b"D" * 16
+    for (i, j), body in expected.items():
+        assert (m / f"arr/c/{i}/{j}").read_bytes() == body, (i, j)
+    m.umount()
+    stored = stored_chunks(store, "arr", (2, 2))
+    for (i, j), body in expected.items():
+        assert stored[i, j] == body, (i, j)
 
 
 def test_a_failed_rename_leaves_its_target_as_it_was(tmp_path, mount):
