@@ -471,6 +471,7 @@ def _mutations(m: Path, chunk: str, missing: str):
         "symlink": lambda: os.symlink("target", m / "arr/link"),
         "link": lambda: os.link(m / chunk, m / "arr/hard"),
         "mknod": lambda: os.mkfifo(m / "arr/fifo"),
+        "mknod_regular": lambda: os.mknod(m / "arr/regular"),
     }
 
 

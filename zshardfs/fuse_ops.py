@@ -936,7 +936,26 @@ class Operations(pyfuse3.Operations):
     async def _unsupported(self, *args, **kwargs):
         raise pyfuse3.FUSEError(errno.EROFS if self.read_only else errno.EPERM)
 
-    mknod = removexattr = _unsupported
+    @_translate
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        """A regular file is made empty, as ``create`` then ``close`` would
+        (``tar --xattrs -x`` makes files so, to set their attributes before
+        their bytes); device nodes, FIFOs and sockets are refused (EPERM)."""
+        if stat.S_IFMT(mode) not in (0, stat.S_IFREG):
+            await self._unsupported()
+        self._writable()
+        handle = await self.view.create(self._node(parent_inode), os.fsdecode(name))
+        try:
+            attrs = self._entry(handle.node)
+        finally:
+            await self.view.release(handle)
+        return attrs
+
+    @_translate
+    async def removexattr(self, inode, name, ctx):
+        # (there are none to remove: listxattr shows none, getxattr finds none)
+        self._writable()
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
 
     @_translate
     async def readlink(self, inode, ctx):
