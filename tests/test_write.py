@@ -2057,6 +2057,22 @@ def test_a_chunk_not_stored_yet_keeps_one_mtime_and_touch_changes_none(store, mo
     assert stored_chunks(store, "arr", (2, 2))[0, 0] == raw_chunk(7)
 
 
+def test_touch_of_a_plain_file_keeps_its_stored_mtime(store, mount, tmp_path):
+    """``touch``/``touch -d`` of a stored plain file (an open for writing,
+    then ``futimens``) changes no time: the answer to the ``futimens``,
+    which the kernel keeps for ``attr_timeout``, gives the stored mtime.
+    Before, it gave the time of the open (the buffer the open made took
+    it), and ``stat`` showed that for 5 s, then the stored time again."""
+    store.put("notes.txt", b"0123456789")
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    stored = os.stat(m / "notes.txt").st_mtime
+    time.sleep(1.1)
+    for cmd in (["touch", "-d", "2001-01-01"], ["touch"]):
+        subprocess.run([*cmd, str(m / "notes.txt")], check=True)
+        assert os.stat(m / "notes.txt").st_mtime == stored, cmd
+    assert (m / "notes.txt").read_bytes() == b"0123456789"
+
+
 def test_an_append_after_another_client_grew_the_file_lands_at_its_end(store, mount, tmp_path):
     """``>>`` (``O_APPEND``) through the mount, shortly after another client
     made the file longer (within ``attr_timeout``, while the kernel still

@@ -1130,7 +1130,10 @@ class View:
             # another open may have made one while we read: share it
             buf = self.buffers.get(node.path)
             if buf is None:
-                buf = self.buffers[node.path] = FileBuffer(node.path, node.key, bytearray(data))
+                # (its mtime stays the stored one until it changes: an open
+                # that writes nothing, ``touch -d``, changes no time)
+                buf = self.buffers[node.path] = FileBuffer(node.path, node.key, bytearray(data),
+                                                           mtime=node.mtime if not truncate and node.mtime else time.time())
         if truncate and (buf.data or node.size):  # (``: > f`` empties f, written to or not)
             del buf.data[:]
             buf.changed()
