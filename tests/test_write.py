@@ -2057,6 +2057,25 @@ def test_a_chunk_not_stored_yet_keeps_one_mtime_and_touch_changes_none(store, mo
     assert stored_chunks(store, "arr", (2, 2))[0, 0] == raw_chunk(7)
 
 
+def test_a_directory_made_here_keeps_one_mtime(store, mount, tmp_path):
+    """A directory made through the mount that only the mount knows of yet
+    (its parent not listed since; on S3 an empty one) shows the time it was
+    made, the same at every stat.  Before, every lookup gave the time of
+    that lookup (``find -newer`` found it newer than anything, ``rsync -a``
+    out of the mount set its time at every run)."""
+    m = mount(store.source, "flush_delay=60", "shard=2", "attr_timeout=0", extra=store.extra)
+    local = tmp_path / "t"
+    zarr.create_array(store=str(local), shape=(8, 8), chunks=(2, 2), dtype="<i4", compressors=None)
+    (m / "new").mkdir()
+    (m / "new/zarr.json").write_bytes((local / "zarr.json").read_bytes())
+    (m / "new/c/0").mkdir(parents=True)
+    (m / "empty").mkdir()
+    seen = {p: os.stat(m / p).st_mtime for p in ("new/c", "new/c/0", "empty")}
+    time.sleep(0.3)
+    assert {p: os.stat(m / p).st_mtime for p in seen} == seen
+    assert all(0 < time.time() - t < 60 for t in seen.values()), seen
+
+
 def test_touch_of_a_plain_file_keeps_its_stored_mtime(store, mount, tmp_path):
     """``touch``/``touch -d`` of a stored plain file (an open for writing,
     then ``futimens``) changes no time: the answer to the ``futimens``,

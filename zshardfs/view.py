@@ -289,6 +289,9 @@ class View:
         # often (the kernel's lookups again after one, slower, let the next
         # rename land inside them)
         self._new_dirs_stored: OrderedDict[str, None] = OrderedDict()
+        # when each directory made here was made (its mtime while only this
+        # mount knows it: the same at every lookup; the last NEW_DIRS_MAX)
+        self._made_at: OrderedDict[str, float] = OrderedDict()
         # (S3) directories whose last file or subdirectory this mount just
         # removed: path -> when.  Storage has nothing left to show them by;
         # they stay for the rmdir that follows (rm -r), briefly
@@ -590,16 +593,17 @@ class View:
         if made and path in self._new_dirs_stored:
             self._new_dirs_stored.move_to_end(path)  # (used: the last to be forgotten)
         if made and self._in_dataset(parent):
-            return Node(path, True, 0, time.time(), dataset=parent.dataset, rel=parent.rel + (name,))
+            return Node(path, True, 0, self._made_at.get(path, self.started), dataset=parent.dataset,
+                        rel=parent.rel + (name,))
         if self._in_dataset(parent):
             return await self._dataset_child(path, parent.dataset, parent.rel + (name,))
         dataset = await self.dataset_at(parent.key)
         if dataset is not None and dataset.claims((name,)):
             if made:  # the chunk directory of an array, made before it held anything
-                return Node(path, True, 0, time.time(), dataset=dataset, rel=(name,))
+                return Node(path, True, 0, self._made_at.get(path, self.started), dataset=dataset, rel=(name,))
             return await self._dataset_child(path, dataset, (name,))
         if made:
-            return Node(path, True, 0, time.time(), key=join_key(parent.key, name))
+            return Node(path, True, 0, self._made_at.get(path, self.started), key=join_key(parent.key, name))
         key = join_key(parent.key, name)
         info = await self.store.stat(key, listed_ok=True, links=not self._is_dataset_document(key))
         if info is not None and info.link is not None:
@@ -1847,6 +1851,10 @@ class View:
         storage holds it too (see _new_dirs_stored)."""
         self.new_dirs.setdefault(parent_path, set()).add(name)
         path = _prefix(parent_path) + name
+        self._made_at[path] = time.time()
+        self._made_at.move_to_end(path)
+        while len(self._made_at) > self.NEW_DIRS_MAX:
+            self._made_at.popitem(last=False)
         if not stored:
             self._new_dirs_stored.pop(path, None)
             return
