@@ -63,8 +63,15 @@ sync that succeeded is a durable point as always). Ops that fail otherwise, or s
 differently, diverge. ``faultsoff``: ``zshardfs sync`` must succeed again (retried for up to
 30 s: a storage call that failed fails fast for FAIL_FAST seconds), then the mount and the
 twin agree, and a fresh read-only mount of the store shows the twin's files (minus those
-living in memory only): every shard whole, none a mix. Not drawn under faults: remounts (an
-unmount must store everything), documents, resizes, mesh pairs and races (``NOT_UNDER_FAULTS``).
+living in memory only): every shard whole, none a mix. Under faults a remount's unmount either stores everything (the
+durable point) or is refused, leaving the mount as it was (SEMANTICS 4.8), and its mount may
+fail (storage unreachable: a message, no traceback; it is then made with the faults off). A
+document's edit or a mesh op that failed is followed by what a user would do where the mount
+was left in a state the twin does not follow (:meth:`Runner.mend`, faults off): a document
+missing or not JSON is written again as the edit meant (a backup moved back first), a mesh pair
+left inconsistent is written as the op meant. A document's states since the durable point are
+then its versions too (compared as JSON after a kill -9). Not drawn under faults: resizes and
+races (``NOT_UNDER_FAULTS``).
 
 The ``race`` op (off unless weighted: ``scripts/difftest.py --race W``, test_differential's
 RACE_CASES) has one process change a file while another watches it; the watcher's
@@ -1617,9 +1624,9 @@ WEIGHTS = {"write": 18, "pwrite": 10, "append": 5, "otrunc": 3, "truncate": 6, "
            "race": 0,  # (scripts/difftest.py --race W; fixed seeds: test_differential RACE_CASES)
            "mesh": 0, "meshrm": 0, "meshmv": 0, "meshbad": 0,
            "faults": 0}  # (S3 only, when asked: scripts/difftest.py --faults, CASES)
-#: not drawn while network faults are on: an unmount (which must store everything), and ops
-#: whose partial failure the twin does not follow (documents, resizes, mesh pairs, a race's watched steps)
-NOT_UNDER_FAULTS = {"remount", "meta", "consolidate", "resize", "mesh", "meshrm", "meshmv", "meshbad", "faults", "race"}
+#: not drawn while network faults are on: ops whose partial failure the twin does not follow
+#: (a resize's deletions and document, a race's watched steps)
+NOT_UNDER_FAULTS = {"resize", "faults", "race"}
 #: what an op may answer for a storage call that failed under network faults (SEMANTICS 5.5)
 FAULT_ERRNOS = ("EIO",)
 
@@ -1825,13 +1832,35 @@ def fault_failed(result) -> bool:
     return result in FAULT_ERRNOS
 
 
-def op_names(op: dict) -> set[str]:
-    """The names an op (not a document's, a resize's or a mesh op) changes."""
+def op_names(op: dict, names: Names, mnt: Path | None = None) -> set[str]:
+    """The names an op (not a resize) changes: a document's edit its temporaries too (a
+    consolidation the ``zarr.<hex>.partial`` temporaries zarr-python left in ``mnt``), a
+    mesh op both files of each pair it names and its temporary."""
+    kind = op["op"]
+    if kind == "meta":
+        return {op["path"] + x for x in ("", ".tmp", "~", ".bak")}
+    if kind == "consolidate":
+        return {"zarr.json"} | ({p.name for p in mnt.glob("zarr.*.partial")} if mnt is not None else set())
+    if kind in ("mesh", "meshrm", "meshmv", "meshbad"):
+        ids = [op["src"], op["dst"]] if kind == "meshmv" else [op["id"]]
+        out = {f"{names.mesh_root}/{i}{x}" for i in ids for x in ("", ".index")}
+        if op.get("how") == "tmp":
+            out.add(f"{names.mesh_root}/.mesh-tmp.{op['seed']}")
+        return out
     out = {op[k] for k in ("path", "src", "dst", "tmp") if isinstance(op.get(k), str)}
     for job in op.get("jobs", ()):
         out |= {path for path, _, _ in job}
     return out
 
+
+def _same_doc(a: bytes | None, b: bytes | None) -> bool:
+    """Are two states of a metadata document the same (None: no file; else compared as JSON)?"""
+    if a is None or b is None:
+        return a is b
+    try:
+        return json.loads(a) == json.loads(b)
+    except ValueError:
+        return a == b
 
 
 class Runner:
@@ -1885,15 +1914,11 @@ class Runner:
         kind = op["op"]
         self.stats["ops"] += 1
         before = self.twin_files()
+        if self.faults is not None and kind != "faultsoff":
+            under = self.stats.setdefault("under_faults", {})
+            under[kind] = under.get(kind, 0) + 1
         if kind == "remount":
-            r = env.umount()
-            if r != "ok":
-                return [f"[step {i}] umount: {r}"]
-            self.drop_chunk_temporaries()
-            env.mount()
-            self.stats["remounts"] += 1
-            self.mark_durable()
-            return compare(env, f"step {i} after remount")
+            return self.remount(i)
         if kind == "kill9":
             return self.kill9(i, op)
         if kind == "faults":
@@ -1913,11 +1938,13 @@ class Runner:
         if self.faults is not None:
             self.settle()
         if failed:
-            self.unsure |= op_names(op)
+            self.unsure |= op_names(op, env.names)
             # failed under network faults: the op may have done any part of its work, and what
             # it stored may land or not; its files are taken from the mount into the twin
             self.stats["failed"] += 1
-            intended = self.adopt(op)
+            self.stats.setdefault("failed_kinds", []).append(kind)
+            intended, shown = self.adopt(op)
+            self.mend(op, shown, intended)
         if kind == "resize" and rt == "ok":
             tmps = [rel for rel in before if env.names.kind(rel) == "chunktmp"]
             env.names.resize(op["path"], op["shape"])
@@ -1957,6 +1984,115 @@ class Runner:
             print(f"  {i}: {json.dumps(op)} -> {rm}", flush=True)
         return out + compare(env, f"step {i}")
 
+    def remount(self, i: int) -> list[str]:
+        """Unmount (which stores everything: the durable point) and mount again. Under network
+        faults the unmount's sync may fail: ``zshardfs umount`` then refuses and leaves the
+        mount, holding every file (SEMANTICS 4.8), and the op counts as failed under faults; the
+        mount after a successful unmount may fail (storage unreachable: exit 1 and a message,
+        no traceback), and is then made again with the faults off."""
+        env = self.env
+        with self.network_faults(i):
+            r = env.umount()
+        if r != "ok":
+            if self.faults is None or "not unmounted, the data is still held by the daemon" not in r:
+                return [f"[step {i}] umount: {r}"]
+            self.stats["failed"] += 1
+            self.stats.setdefault("failed_kinds", []).append("umount")
+            if self.verbose:
+                print(f"  {i}: unmount refused under network faults: {r}", flush=True)
+            self.settle()
+            return compare(env, f"step {i} after an unmount refused under network faults")
+        self.drop_chunk_temporaries()
+        self.mark_durable()
+        failed = None
+        with self.network_faults(i):
+            try:
+                env.mount()
+            except RuntimeError as e:
+                if self.faults is None:
+                    raise
+                failed = str(e)
+        if failed is not None:
+            if "Traceback" in failed or os.path.ismount(env.mnt):
+                return [f"[step {i}] a mount under network faults failed badly: {failed[-1500:]}"]
+            self.stats["failed"] += 1
+            self.stats.setdefault("failed_kinds", []).append("mount")
+            if self.verbose:
+                print(f"  {i}: mount failed under network faults: {failed.strip()[-300:]}", flush=True)
+            env.mount()
+        self.stats["remounts"] += 1
+        if self.faults is not None:
+            self.settle()
+        return compare(env, f"step {i} after remount")
+
+    def mend(self, op: dict, shown: dict, intended: dict) -> None:
+        """After a document's edit or a mesh op failed under network faults (its files taken
+        from the mount): what a user does next, with the faults off, where the mount was left
+        in a state the tester does not follow: a document missing (an editor's save, ``rm``
+        and put back or ``mv`` away and back cut between its steps) or not JSON (emptied first)
+        is put back as the edit meant (a backup moved back first: SEMANTICS 4.15), and a mesh
+        pair left inconsistent (one file of it written) is written as the op meant (its
+        shard's flush is refused until then: SEMANTICS, Limits). ``shown`` (what the mount
+        showed of each file) also counts as a version since the durable point; ``intended``:
+        what the twin had made of them."""
+        env = self.env
+        fixes: list[str] = []
+        if op["op"] == "consolidate":  # (zarr-python's temporaries: removed)
+            for rel in op_names(op, env.names, env.mnt) - {"zarr.json"}:
+                fixes.append(rel)
+                os.unlink(env.mnt / rel)
+        if op["op"] in ("meta", "consolidate"):
+            rel = op.get("path", "zarr.json")
+            doc = shown.get(rel)
+            try:
+                good = isinstance(doc, bytes) and json.loads(doc) is not None
+            except ValueError:
+                good = False
+            if not good:
+                fixes.append(rel)
+                for bak in (rel + "~", rel + ".bak"):
+                    if doc is None and (env.mnt / bak).is_file():
+                        os.rename(env.mnt / bak, env.mnt / rel)
+                        break
+                with open(env.mnt / rel, "wb") as f:
+                    f.write(intended.get(rel) or b"")
+        elif op["op"] in ("mesh", "meshrm", "meshmv", "meshbad"):
+            root = self.env.names.mesh_root
+            for i in [op["src"], op["dst"]] if op["op"] == "meshmv" else [op["id"]]:
+                index, frags = self.mnt_ap._mesh(i)
+                m = index.read_bytes() if index.is_file() else None
+                f = frags.read_bytes() if frags.is_file() else None
+                if (not f) if m is None else pp.manifest_fragment_bytes(m) == len(f or b""):
+                    continue
+                fixes.append(str(i))
+                want_m, want_f = intended.get(f"{root}/{i}.index"), intended.get(f"{root}/{i}")
+                if want_m is not None:
+                    frags.write_bytes(want_f or b"")
+                    index.write_bytes(want_m)
+                elif m is not None:
+                    os.unlink(index)  # (its fragment data goes with it)
+                else:
+                    os.unlink(frags)
+        if not fixes:
+            return
+        self.stats["mended"] = self.stats.get("mended", 0) + 1
+        if self.verbose:
+            print(f"  mended {fixes} (faults off)", flush=True)
+        for rel, state in shown.items():
+            if state != "dir":
+                self.versions.setdefault(rel, []).append(state)
+        for rel in op_names(op, env.names) | set(shown):  # the twin takes the mended files
+            self.adopt_file(rel)
+
+    def adopt_file(self, rel: str) -> None:
+        """The twin's ``rel`` becomes what the mount shows (a file, or nothing)."""
+        m, t = self.env.mnt / rel, self.env.twin / rel
+        if m.is_file():
+            t.parent.mkdir(parents=True, exist_ok=True)
+            t.write_bytes(m.read_bytes())
+        elif t.is_file():
+            t.unlink()
+
     @contextlib.contextmanager
     def network_faults(self, i: int):
         """Network faults on (S3, within a stretch of them) while the mount does step ``i``."""
@@ -1977,15 +2113,16 @@ class Runner:
         wait_for(lambda: not any(p.endswith("EIO") for p in snapshot(self.env.mnt, self.env.names)[2]),
                  timeout=10, interval=0.3)
 
-    def adopt(self, op: dict) -> dict[str, bytes | None]:
+    def adopt(self, op: dict) -> tuple[dict[str, bytes | None], dict]:
         """The twin takes the files (and directories) ``op`` names as the mount shows them;
-        returns what the twin had made of them (the op's intended result)."""
+        returns what the twin had made of them (the op's intended result), and what the
+        mount showed."""
         env, intended = self.env, {}
         shown: dict = {}
 
         def read_mount() -> bool:  # (a name no listing showed may still fail fast: asked again)
             try:
-                for rel in op_names(op):
+                for rel in op_names(op, env.names, env.mnt):
                     m = env.mnt / rel
                     shown[rel] = "dir" if m.is_dir() else m.read_bytes() if m.is_file() else None
             except OSError as e:
@@ -1994,7 +2131,7 @@ class Runner:
                 return False
             return True
         if not wait_for(read_mount, timeout=10, interval=0.3):
-            raise RuntimeError(f"the mount still fails (EIO) on {sorted(op_names(op))} 10 s after the op")
+            raise RuntimeError(f"the mount still fails (EIO) on {sorted(op_names(op, env.names))} 10 s after the op")
         for rel in sorted(shown):
             m, t = shown[rel], env.twin / rel
             if m == "dir" or t.is_dir():
@@ -2009,7 +2146,7 @@ class Runner:
                 t.write_bytes(m)
             elif t.is_file():
                 t.unlink()
-        return intended
+        return intended, shown
 
     def faults_off(self, i: int) -> list[str]:
         """The end of a stretch of network faults: ``zshardfs sync`` succeeds again (once a
@@ -2073,13 +2210,17 @@ class Runner:
             elif env.names.kind(rel) == "plain" and rel not in env.names.meta and rel not in self.unsure:
                 allowed = [cur.get(rel)]  # stored at close (unless storing failed under network faults)
             if rel in env.names.meta:
+                if rel in self.unsure and not any(_same_doc(got, a) for a in allowed):
+                    # (an edit that failed under network faults may not have been stored)
+                    out.append(f"[step {i} after kill -9] {rel}: mount {h(got)} not among the document's "
+                               f"versions {[h(a) for a in allowed]} (twin now {h(cur.get(rel))})")
                 continue
             if not any(got == a for a in allowed):
                 out.append(f"[step {i} after kill -9] {rel}: mount {h(got)} not among "
                            f"{[h(a) for a in allowed]} (twin now {h(cur.get(rel))})")
         # adopt the surviving state into the twin
         for rel in set(cur) | set(fm):
-            if rel in env.names.meta:
+            if rel in env.names.meta and rel not in self.unsure:
                 continue
             p = env.twin / rel
             if rel in fm:

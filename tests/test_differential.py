@@ -54,12 +54,18 @@ CASES = [
     ("pc_mesh_identity_datagzip", "local", 1, 120),  # identity, gzip data: two shards of two minishards
     ("pc_mesh_identity_datagzip", "s3", 3, 120),
 ]
-#: (layout, backend, seed, steps) with stretches of network faults between the mount and S3
-#: (the ops faults/faultsoff; each seed's run has an op fail under them, asserted)
+#: (layout, backend, seed, steps, weight) with stretches of network faults between the mount
+#: and S3 (the ops faults/faultsoff, drawn at ``weight``; each seed's run has an op fail under
+#: them, asserted, and with FAULT_KINDS one of those kinds too)
 FAULT_CASES = [
-    ("be_nocrc_dot_edges", "s3", 1, 100),  # answers cut in their headers and bodies, resets, 503/500
+    ("be_nocrc_dot_edges", "s3", 1, 100, 6),  # answers cut in their headers and bodies, resets, 503/500
+    ("hier", "s3", 19, 100, 25),  # documents edited (and consolidated, remounts) under faults
+    ("pc_mesh_identity_datagzip", "s3", 13, 100, 25),  # mesh pairs changed (and remounts) under faults
 ]
-FAULT_WEIGHT = 6
+#: ops that fail under faults in the runs of the layouts named (difftest's stats: failed_kinds;
+#: umount: a remount whose unmount was refused, mount: its mount failed)
+FAULT_KINDS = {"hier": {"meta", "consolidate", "umount", "mount"},
+               "pc_mesh_identity_datagzip": {"mesh", "meshrm", "meshmv", "meshbad", "umount", "mount"}}
 
 
 #: the race op (a file watched by one process while another changes it: difftest's
@@ -116,16 +122,21 @@ def test_a_file_watched_while_another_process_changes_it(layout, backend, seed, 
         f"temporaries renamed over them in its race ops ({len(races)}): choose another seed")
 
 
-@pytest.mark.parametrize("layout,backend,seed,steps", FAULT_CASES,
-                         ids=[f"{layout}-{backend}-{seed}-faults" for layout, backend, seed, _ in FAULT_CASES])
-def test_network_faults_lose_nothing(layout, backend, seed, steps, tmp_path, request):
+@pytest.mark.parametrize("layout,backend,seed,steps,weight", FAULT_CASES,
+                         ids=[f"{layout}-{backend}-{seed}-faults" for layout, backend, seed, _, _ in FAULT_CASES])
+def test_network_faults_lose_nothing(layout, backend, seed, steps, weight, tmp_path, request):
     """As above, with stretches of network faults between the mount and S3 (difftest's ops
-    faults/faultsoff): an op may fail with EIO under them, and once they end and a sync
-    succeeds, the mount, the twin and the store read afresh agree, every shard whole."""
-    out = _run(layout, backend, seed, steps, tmp_path, request, weights={"faults": FAULT_WEIGHT})
+    faults/faultsoff): an op may fail with EIO under them (remounts, documents' edits and mesh
+    ops among them), and once they end and a sync succeeds, the mount, the twin and the store
+    read afresh agree, every shard whole."""
+    out = _run(layout, backend, seed, steps, tmp_path, request, weights={"faults": weight})
     assert out.stats["faults"] and out.stats["failed"], (
         f"seed {seed} of {layout}/{backend} no longer has an op fail under network faults "
         f"within {steps} steps ({out.summary()}): choose another seed")
+    kinds = FAULT_KINDS.get(layout, set())
+    assert not kinds or kinds & set(out.stats.get("failed_kinds", ())), (
+        f"seed {seed} of {layout}/{backend} no longer has one of {sorted(kinds)} fail under network "
+        f"faults within {steps} steps ({out.summary()}): choose another seed")
 
 
 def _race_check(tmp_path, mover, obs, final_size=None):
