@@ -69,9 +69,9 @@ fail (storage unreachable: a message, no traceback; it is then made with the fau
 document's edit or a mesh op that failed is followed by what a user would do where the mount
 was left in a state the twin does not follow (:meth:`Runner.mend`, faults off): a document
 missing or not JSON is written again as the edit meant (a backup moved back first), a mesh pair
-left inconsistent is written as the op meant. A document's states since the durable point are
-then its versions too (compared as JSON after a kill -9). Not drawn under faults: resizes and
-races (``NOT_UNDER_FAULTS``).
+left inconsistent is written as the op meant, a resize is tried again. A document's states
+since the durable point are then its versions too (compared as JSON after a kill -9). Not
+drawn under faults: races (``NOT_UNDER_FAULTS``).
 
 The ``race`` op (off unless weighted: ``scripts/difftest.py --race W``, test_differential's
 RACE_CASES) has one process change a file while another watches it; the watcher's
@@ -1624,9 +1624,8 @@ WEIGHTS = {"write": 18, "pwrite": 10, "append": 5, "otrunc": 3, "truncate": 6, "
            "race": 0,  # (scripts/difftest.py --race W; fixed seeds: test_differential RACE_CASES)
            "mesh": 0, "meshrm": 0, "meshmv": 0, "meshbad": 0,
            "faults": 0}  # (S3 only, when asked: scripts/difftest.py --faults, CASES)
-#: not drawn while network faults are on: ops whose partial failure the twin does not follow
-#: (a resize's deletions and document, a race's watched steps)
-NOT_UNDER_FAULTS = {"resize", "faults", "race"}
+#: not drawn while network faults are on: a race (its watched steps' partial failures are not followed)
+NOT_UNDER_FAULTS = {"faults", "race"}
 #: what an op may answer for a storage call that failed under network faults (SEMANTICS 5.5)
 FAULT_ERRNOS = ("EIO",)
 
@@ -1833,12 +1832,14 @@ def fault_failed(result) -> bool:
 
 
 def op_names(op: dict, names: Names, mnt: Path | None = None) -> set[str]:
-    """The names an op (not a resize) changes: a document's edit its temporaries too (a
+    """The names an op changes (a resize: its document): a document's edit its temporaries too (a
     consolidation the ``zarr.<hex>.partial`` temporaries zarr-python left in ``mnt``), a
     mesh op both files of each pair it names and its temporary."""
     kind = op["op"]
     if kind == "meta":
         return {op["path"] + x for x in ("", ".tmp", "~", ".bak")}
+    if kind == "resize":
+        return {f"{op['path']}/zarr.json"}
     if kind == "consolidate":
         return {"zarr.json"} | ({p.name for p in mnt.glob("zarr.*.partial")} if mnt is not None else set())
     if kind in ("mesh", "meshrm", "meshmv", "meshbad"):
@@ -1851,6 +1852,20 @@ def op_names(op: dict, names: Names, mnt: Path | None = None) -> set[str]:
     for job in op.get("jobs", ()):
         out |= {path for path, _, _ in job}
     return out
+
+
+def _again(fn) -> None:
+    """``fn()``, asked again while it fails with EIO (up to 10 s): right after network faults a
+    storage call that got no answer fails fast for FAIL_FAST seconds (SEMANTICS 5.5)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            fn()
+            return
+        except OSError as e:
+            if e.errno != errno.EIO or time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
 
 
 def _same_doc(a: bytes | None, b: bytes | None) -> bool:
@@ -2030,13 +2045,20 @@ class Runner:
         from the mount): what a user does next, with the faults off, where the mount was left
         in a state the tester does not follow: a document missing (an editor's save, ``rm``
         and put back or ``mv`` away and back cut between its steps) or not JSON (emptied first)
-        is put back as the edit meant (a backup moved back first: SEMANTICS 4.15), and a mesh
+        is put back as the edit meant (a backup moved back first: SEMANTICS 4.15), a resize is
+        tried again, zarr-python's temporaries of a consolidation are removed, and a mesh
         pair left inconsistent (one file of it written) is written as the op meant (its
         shard's flush is refused until then: SEMANTICS, Limits). ``shown`` (what the mount
         showed of each file) also counts as a version since the durable point; ``intended``:
         what the twin had made of them."""
         env = self.env
         fixes: list[str] = []
+        if op["op"] == "resize":  # tried again (the chunks past the shape deleted, the document written)
+            fixes.append(op["path"])
+            tries = []
+            if not wait_for(lambda: tries.append(self.mnt_ap.apply(op)) or tries[-1] != "EIO", timeout=10,
+                            interval=0.3) or tries[-1] != "ok":
+                raise RuntimeError(f"a resize tried again after it failed under network faults: {tries[-1]}")
         if op["op"] == "consolidate":  # (zarr-python's temporaries: removed)
             for rel in op_names(op, env.names, env.mnt) - {"zarr.json"}:
                 fixes.append(rel)
@@ -2054,8 +2076,7 @@ class Runner:
                     if doc is None and (env.mnt / bak).is_file():
                         os.rename(env.mnt / bak, env.mnt / rel)
                         break
-                with open(env.mnt / rel, "wb") as f:
-                    f.write(intended.get(rel) or b"")
+                _again(lambda: (env.mnt / rel).write_bytes(intended.get(rel) or b""))
         elif op["op"] in ("mesh", "meshrm", "meshmv", "meshbad"):
             root = self.env.names.mesh_root
             for i in [op["src"], op["dst"]] if op["op"] == "meshmv" else [op["id"]]:
@@ -2067,8 +2088,8 @@ class Runner:
                 fixes.append(str(i))
                 want_m, want_f = intended.get(f"{root}/{i}.index"), intended.get(f"{root}/{i}")
                 if want_m is not None:
-                    frags.write_bytes(want_f or b"")
-                    index.write_bytes(want_m)
+                    _again(lambda: frags.write_bytes(want_f or b""))
+                    _again(lambda: index.write_bytes(want_m))
                 elif m is not None:
                     os.unlink(index)  # (its fragment data goes with it)
                 else:

@@ -59,12 +59,12 @@ CASES = [
 #: them, asserted, and with FAULT_KINDS one of those kinds too)
 FAULT_CASES = [
     ("be_nocrc_dot_edges", "s3", 1, 100, 6),  # answers cut in their headers and bodies, resets, 503/500
-    ("hier", "s3", 19, 100, 25),  # documents edited (and consolidated, remounts) under faults
+    ("hier", "s3", 60, 100, 25),  # documents edited (and consolidated, resized, remounts) under faults
     ("pc_mesh_identity_datagzip", "s3", 13, 100, 25),  # mesh pairs changed (and remounts) under faults
 ]
 #: ops that fail under faults in the runs of the layouts named (difftest's stats: failed_kinds;
 #: umount: a remount whose unmount was refused, mount: its mount failed)
-FAULT_KINDS = {"hier": {"meta", "consolidate", "umount", "mount"},
+FAULT_KINDS = {"hier": {"meta", "consolidate", "resize", "umount", "mount"},
                "pc_mesh_identity_datagzip": {"mesh", "meshrm", "meshmv", "meshbad", "umount", "mount"}}
 
 
