@@ -813,6 +813,53 @@ def test_a_file_whose_delete_may_have_landed_is_not_shown_from_the_kernel_s_cach
             assert read_file(m.path / f"moved-{name}") == b"D" * 300
     assert "Traceback" not in m.log_text()
 
+@pytest.mark.parametrize("delete", ["cut", "stored"])
+def test_a_file_whose_store_failed_stays_when_its_directory_s_last_stored_file_goes(mount, moto_server, bucket, delete):
+    """A new plain file whose close failed (every PUT refused: kept in
+    memory and retried, 4.6) in a directory whose only stored file is then
+    removed, by an unlink that fails after its DELETE landed (``cut``) or
+    one that succeeds (``stored``): storage holds nothing in the directory
+    any more, and the mount showed neither the directory nor the file (the
+    differential tester's network faults, hier seed 62: ``g/plain/c/1/0``
+    gone after a failed unlink of ``g/plain/c/1/1``; after a successful one,
+    once the emptied directory's EMPTIED_KEEP had passed).  A directory
+    with a file held in memory below it is now shown, and the file is
+    stored once the network is whole."""
+    d = f"dir-{uuid.uuid4().hex[:8]}"
+    client = moto_server.client()
+    client.put_object(Bucket=bucket, Key=f"{PREFIX}/{d}/old.bin", Body=b"O" * 300)
+    with TcpProxy(moto_server.port) as proxy:
+        m = mount(f"s3://{bucket}/{PREFIX}", "attr_timeout=0.2", "flush_delay=inf",
+                  extra=["--endpoint-url", proxy.endpoint_url])
+        assert os.listdir(m.path / d) == ["old.bin"]
+        proxy.faults = Faults(1.0, ("503",), methods=frozenset({"PUT"}))
+        with pytest.raises(OSError) as failed:
+            (m.path / d / "new.bin").write_bytes(b"N" * 1000)
+        assert failed.value.errno == errno.EIO
+        assert read_file(m.path / d / "new.bin") == b"N" * 1000
+        if delete == "cut":
+            proxy.faults = Faults(1.0, ("cut",), methods=frozenset({"DELETE"}), cuts=(0,))
+            with pytest.raises(OSError) as failed:
+                os.unlink(m.path / d / "old.bin")
+            assert failed.value.errno == errno.EIO
+        else:
+            proxy.faults = Faults(1.0, ("503",), methods=frozenset({"PUT"}))
+            os.unlink(m.path / d / "old.bin")
+        assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix=f"{PREFIX}/{d}/")  # (nothing stored there now)
+        for _ in range(2):
+            time.sleep(0.5 + (6 if delete == "stored" else 0))
+            assert d in os.listdir(m.path), "the directory of the file held in memory is gone"
+            assert os.listdir(m.path / d) == ["new.bin"], "the file held in memory is gone"
+            assert read_file(m.path / d / "new.bin") == b"N" * 1000
+        with pytest.raises(OSError) as failed:
+            os.rmdir(m.path / d)
+        assert failed.value.errno == errno.ENOTEMPTY
+        proxy.faults = None
+        assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0,
+                        timeout=15, interval=0.3), "the file is not stored once the network is whole"
+        assert client.get_object(Bucket=bucket, Key=f"{PREFIX}/{d}/new.bin")["Body"].read() == b"N" * 1000
+    assert "Traceback" not in m.log_text()
+
 
 def _reads(path: Path) -> bool:
     try:

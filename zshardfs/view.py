@@ -613,7 +613,18 @@ class View:
         if info is not None or await self.store.is_dir(key) or await self._named_by_info(parent.key, name):
             # (an empty object named like a directory, as some S3 tools leave: the directory wins)
             return Node(path, True, 0, self.started, key=key)
+        if self._buffered_below(path):
+            # (S3) a file below it is only in memory (its store failed, or is
+            # still to come) and storage holds nothing there any more: the
+            # directory's last stored file was removed (4.6: never hidden)
+            return Node(path, True, 0, self._made_at.get(path, self.started), key=key)
         return None
+
+    def _buffered_below(self, path: str) -> bool:
+        """Does a file below directory ``path`` have a write buffer (a file
+        made or written here, held in memory until stored)?"""
+        prefix = path + "/"
+        return any(p.startswith(prefix) for p in self.buffers)
 
     async def _named_by_listed_info(self, dir_key: str, listing) -> list[str]:
         """(S3) The directories of _named_by_info that the listing of
