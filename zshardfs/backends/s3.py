@@ -124,11 +124,6 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return parts.netloc, prefix
 
 
-#: (in config: the command line checks an endpoint URL without loading boto3)
-_redact = redact_url
-_valid_endpoint = valid_endpoint_url
-
-
 def version_mtime(last_modified: float, etag: str) -> float:
     """Last-Modified in whole seconds (all S3 gives), plus a fraction of a
     second derived from the ETag.  The kernel (and rsync, make) tell a
@@ -210,14 +205,14 @@ class S3Backend:
 
     @property
     def _where(self) -> str:
-        return f"S3 endpoint {_redact(self.endpoint_url)}" if self.endpoint_url else "AWS S3"
+        return f"S3 endpoint {redact_url(self.endpoint_url)}" if self.endpoint_url else "AWS S3"
 
     def _new_client(self, connect_timeout, read_timeout, attempts, pool):
         """Build a client; the caller holds ``self._lock`` (sessions are not
         thread-safe)."""
-        if self.endpoint_url is not None and not _valid_endpoint(self.endpoint_url):
+        if self.endpoint_url is not None and not valid_endpoint_url(self.endpoint_url):
             raise StoreError(
-                f"Invalid S3 endpoint URL {_redact(self.endpoint_url)!r}: expected http(s)://host[:port]."
+                f"Invalid S3 endpoint URL {redact_url(self.endpoint_url)!r}: expected http(s)://host[:port]."
             )
         try:
             if self._session is None:
@@ -257,7 +252,7 @@ class S3Backend:
             if self.endpoint_url is None:
                 raise StoreError(f"Cannot set up the S3 client for {self.url}: {type(exc).__name__}.") from None
             raise StoreError(
-                f"Invalid S3 endpoint URL {_redact(self.endpoint_url)!r}: expected http(s)://host[:port]."
+                f"Invalid S3 endpoint URL {redact_url(self.endpoint_url)!r}: expected http(s)://host[:port]."
             ) from None
         except bce.BotoCoreError as exc:
             raise StoreError(f"Cannot set up the S3 client for {self.url}: {type(exc).__name__}.") from None
