@@ -2563,7 +2563,13 @@ def test_zarr2_shrinking_a_transformer_array_removes_the_chunks_outside(store, m
     assert expected[6:].sum() == 0 and expected[:, 4:].sum() == 0 and expected[:5, :3].all()
     np.testing.assert_array_equal(zarr2(m / "t", "read"), expected)
     assert "shape shrank: 10 chunks outside it removed" in m.log_text()
+    # the document zarr 2.18 wrote (indented by 4, sorted keys) is stored in its
+    # layout, with the transformer put back, so the view shows the twin's bytes
+    doc = "meta/root/arr.array.json"
+    assert (m / "t" / doc).read_bytes() == (tmp_path / "twin" / doc).read_bytes()
     m.umount()
+    stored = store.get(f"t/{doc}")
+    assert stored.startswith(b'{\n    "attributes"') and json.loads(stored)["storage_transformers"], stored[:60]
     np.testing.assert_array_equal(zarr2(store.local_copy(tmp_path / "copy") / "t", "read"), expected)
     # of the shards (2x2 chunks each), those wholly outside (5, 3) are gone
     assert {k for k in store.keys() if "/data/" in k and k.startswith("t/")} == {"t/data/root/arr/c0/0",

@@ -244,16 +244,73 @@ async def load_json_async(data: bytes, what: str) -> dict | None:
 COMPACT_ABOVE = 1 << 20
 
 
-def dump_json(doc: dict) -> bytes:
-    """How rewritten documents are serialised: indented by 2 (zarr-python's own
-    style) for people reading them, compact above :data:`COMPACT_ABOVE` (a large
-    consolidated ``zarr.json``), where indenting is Python's pure-Python encoder,
-    which holds the loop about 7x longer (47 MiB: 2.7 s against 0.4 s) and makes
-    the document 2-3x larger for a reader that is a program."""
+def dump_json(doc: dict, like: bytes | None = None) -> bytes:
+    """How rewritten documents are serialised: in the layout of ``like`` (the
+    document it is rewritten from: the stored one for the view, the written one
+    for storage) when :func:`json_style` can tell it, so the view of a sharded
+    array has the very bytes of the unsharded twin its peer writes
+    (tensorstore: compact with sorted keys; zarr-python 2.18: indented by 4,
+    sorted keys); else indented by 2 (zarr-python 3's own style) for people
+    reading them. Compact above :data:`COMPACT_ABOVE` (a large consolidated
+    ``zarr.json``), where indenting is Python's pure-Python encoder, which
+    holds the loop about 7x longer (47 MiB: 2.7 s against 0.4 s) and makes the
+    document 2-3x larger for a reader that is a program."""
+    style = json_style(like) if like is not None else None
+    if style is not None and style[0].get("indent") is None:
+        return (json.dumps(doc, **style[0]) + style[1]).encode()
     compact = json.dumps(doc)
     if len(compact) > COMPACT_ABOVE:
         return compact.encode()
+    if style is not None:
+        return (json.dumps(doc, **style[0]) + style[1]).encode()
     return json.dumps(doc, indent=2).encode()
+
+
+def _keys_sorted(value) -> bool:
+    if isinstance(value, dict):
+        keys = list(value)
+        return keys == sorted(keys) and all(_keys_sorted(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_keys_sorted(v) for v in value)
+    return True
+
+
+def json_style(data: bytes) -> tuple[dict, str] | None:
+    """(``json.dumps`` arguments, text after it) that give back ``data``, a
+    JSON object, exactly: indent (or compact, with or without spaces),
+    sorted keys when every object in it has them sorted, non-ASCII text
+    escaped or not.  None when ``json.dumps`` cannot reproduce it (another
+    serialiser's spacing or number format) or it is larger than
+    :data:`COMPACT_ABOVE`.  Only the layout is guessed: whichever is used,
+    the output is the same JSON."""
+    if len(data) > COMPACT_ABOVE or not data.startswith(b"{"):
+        return None
+    try:
+        text = data.decode()
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or not doc:
+        return None
+    body = text.rstrip("\n")
+    tail = text[len(body):]
+    if body.startswith("{\n"):
+        line = body[2:body.find("\n", 2)] if body.find("\n", 2) > 0 else ""
+        indent = len(line) - len(line.lstrip(" "))
+        if not indent:
+            return None
+        kwargs = {"indent": indent, "separators": (",", ": ")}
+    else:
+        pair = (", ", ": ") if '": ' in body else (",", ":")
+        kwargs = {"indent": None, "separators": pair}
+    kwargs["sort_keys"] = _keys_sorted(doc)
+    kwargs["ensure_ascii"] = text.isascii()
+    try:
+        if json.dumps(doc, **kwargs) != body:
+            return None
+    except (ValueError, RecursionError):
+        return None
+    return kwargs, tail
 
 
 def parse_index_name(name: str) -> int | None:

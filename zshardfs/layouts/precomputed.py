@@ -872,7 +872,7 @@ def rewrite_document(key: str, data: bytes) -> bytes | None:
     parts = parse_info(doc, key)
     for part in parts:
         del part.holder["sharding"]
-    return dump_json(doc) if parts else None
+    return dump_json(doc, data) if parts else None
 
 
 def accept_document(key: str, new: bytes, stored: bytes | None, shard_option) -> bytes | None:
@@ -909,7 +909,7 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option) ->
             raise ValueError(f"{where}: changing the grid of sharded data would make its stored chunks unreadable")
         holder["sharding"] = part.holder["sharding"]
         changed = True
-    return dump_json(doc) if changed else None
+    return dump_json(doc, new) if changed else None
 
 
 async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored: bytes | None,

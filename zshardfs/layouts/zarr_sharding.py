@@ -160,7 +160,7 @@ def rewrite_document(key: str, data: bytes) -> bytes | None:
     if doc.get("node_type") == "array":
         new = _rewrite_array(doc, key)
         _remember(key, data if new is not None else None)
-        return dump_json(new) if new is not None else None
+        return dump_json(new, data) if new is not None else None
     cm = doc.get("consolidated_metadata")
     if doc.get("node_type") == "group" and isinstance(cm, dict) and isinstance(cm.get("metadata"), dict):
         changed = False
@@ -172,7 +172,7 @@ def rewrite_document(key: str, data: bytes) -> bytes | None:
         if changed:
             out = dict(doc)
             out["consolidated_metadata"] = {**cm, "metadata": members}
-            return dump_json(out)
+            return dump_json(out, data)
     return None
 
 
@@ -418,7 +418,7 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
         return None
     if doc.get("node_type") == "group":
         out = _accept_group(key, doc, load_json(stored, key) if stored is not None else None, members)
-        return dump_json(out) if out is not None else None
+        return dump_json(out, new) if out is not None else None
     if doc.get("node_type") != "array":
         return None
     out = None
@@ -452,8 +452,8 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
                 log.warning("%s: stored unsharded, as written: -o shard has %d factors but the array has %d "
                             "dimensions", key, len(shard_option), ndim)
     result = out if out is not None else doc
-    _remember(key, dump_json(result) if _meta_or_none(result) else None)
-    return dump_json(out) if out is not None else None
+    _remember(key, dump_json(result, new) if _meta_or_none(result) else None)
+    return dump_json(out, new) if out is not None else None
 
 
 async def _stored_document(ctx: LayoutContext, key: str) -> dict | None:

@@ -77,7 +77,7 @@ def rewrite_document(key: str, data: bytes) -> bytes | None:
         out["storage_transformers"] = rest
     else:
         del out["storage_transformers"]
-    return dump_json(out)
+    return dump_json(out, data)
 
 
 #: fields the stored shards are laid out by: a document written through the
@@ -114,7 +114,7 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option=Non
         raise ValueError(f"changing {', '.join(changed)} would make the stored shards unreadable")
     out = dict(doc)
     out["storage_transformers"] = [_transformer(old), *(doc.get("storage_transformers") or [])]
-    return dump_json(out)
+    return dump_json(out, new)
 
 
 def _dataset_params(doc: dict, what: str):
