@@ -1812,6 +1812,34 @@ def test_cp_r_copies_an_array_into_a_shard_mount(store, mount, tmp_path):
     np.testing.assert_array_equal(zarr.open_array(str(m / "arr"), mode="r")[...], data)
 
 
+@pytest.mark.parametrize("shard", [None, "2"])
+def test_mv_of_a_sharded_array_within_the_mount_stores_it_as_a_new_array(store, mount, tmp_path, shard):
+    """A limit (SEMANTICS Limits, directories): ``mv`` of a sharded array to
+    another name in the same mount gets EXDEV from rename and copies, so the
+    copy is a new array written through the view: stored unsharded (one object
+    per chunk) without ``-o shard``, sharded by K with it (not by the shard
+    shape it had); its data and the view of it are the same, and the old
+    array is gone."""
+    data = np.arange(8 * 8, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (8, 8), "<i4", data=data)
+    assert {k for k in store.keys() if k.startswith("arr/c/")} == {"arr/c/0/0"}
+    m = mount(store.source, "flush_delay=60", *([f"shard={shard}"] if shard else []), extra=store.extra)
+    out = subprocess.run(["mv", str(m / "arr"), str(m / "moved")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert not (m / "arr").exists()
+    np.testing.assert_array_equal(zarr.open_array(str(m / "moved"), mode="r")[...], data)
+    m.umount()
+    root = store.local_copy(tmp_path / "copy")
+    stored = zarr.open_array(str(root / "moved"), mode="r")
+    np.testing.assert_array_equal(stored[...], data)
+    chunks = {k for k in store.keys() if k.startswith("moved/c/")}
+    if shard is None:
+        assert stored.shards is None and len(chunks) == 16, chunks
+    else:
+        assert stored.shards == (4, 4) and len(chunks) == 4, chunks
+    assert not any(k.startswith("arr/") for k in store.keys())
+
+
 # ---------------------------------------------------------------------------
 # back-pressure
 
