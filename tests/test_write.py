@@ -2102,6 +2102,15 @@ def test_a_directory_made_here_keeps_one_mtime(store, mount, tmp_path):
     time.sleep(0.3)
     assert {p: os.stat(m / p).st_mtime for p in seen} == seen
     assert all(0 < time.time() - t < 60 for t in seen.values()), seen
+    # and once their parents are listed (``ls``, ``find``): the same time,
+    # in the listing and in a lookup after it, not the mount's start
+    # (it went back to that: ``find -newer``/``rsync -a`` saw it change)
+    listed = {}
+    for parent in ("", "new", "new/c"):
+        with os.scandir(m / parent) as it:
+            listed.update({f"{parent}/{e.name}".lstrip("/"): e.stat().st_mtime for e in it if e.is_dir()})
+    assert {p: listed[p] for p in seen} == seen
+    assert {p: os.stat(m / p).st_mtime for p in seen} == seen
 
 
 def test_touch_of_a_plain_file_keeps_its_stored_mtime(store, mount, tmp_path):

@@ -549,7 +549,7 @@ class View:
 
     def _virtual(self, path: str, dataset: Dataset, rel: tuple[str, ...], entry) -> Node | None:
         if isinstance(entry, DirEntry):
-            return Node(path, True, 0, entry.mtime or self.started, dataset=dataset, rel=rel)
+            return Node(path, True, 0, entry.mtime or self._made_at.get(path, self.started), dataset=dataset, rel=rel)
         return self._chunk_node(path, dataset, rel, entry, None)
 
     async def _dataset_child(self, path: str, dataset: Dataset, rel: tuple) -> Node | None:
@@ -567,7 +567,7 @@ class View:
             if (dataset.root in self.born_here and path not in self.written_dirs
                     and (path in self.removed_dirs or not await self._listed(dataset, rel))):
                 return None  # (made here: as in a directory store, not there until made or stored)
-            return Node(path, True, 0, entry.mtime or self.started, dataset=dataset, rel=rel)
+            return Node(path, True, 0, entry.mtime or self._made_at.get(path, self.started), dataset=dataset, rel=rel)
         return self._chunk_node(path, dataset, rel, entry, target)
 
     @staticmethod
@@ -612,7 +612,7 @@ class View:
             return await self._stored_file(path, info)
         if info is not None or await self.store.is_dir(key) or await self._named_by_info(parent.key, name):
             # (an empty object named like a directory, as some S3 tools leave: the directory wins)
-            return Node(path, True, 0, self.started, key=key)
+            return Node(path, True, 0, self._made_at.get(path, self.started), key=key)
         if self._buffered_below(path):
             # (S3) a file below it is only in memory (its store failed, or is
             # still to come) and storage holds nothing there any more: the
@@ -839,7 +839,8 @@ class View:
                 if both.get(name) or name in links:
                     continue
                 if dataset is None or not dataset.claims((name,)):
-                    out.append(Node(join_key(node.path, name), True, 0, self.started, key=join_key(node.key, name)))
+                    path = join_key(node.path, name)
+                    out.append(Node(path, True, 0, self._made_at.get(path, self.started), key=join_key(node.key, name)))
             for info in listing.files:
                 name = info.key.rsplit("/", 1)[-1]
                 if both.get(name) == 0 or name in links:
