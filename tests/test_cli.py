@@ -1264,6 +1264,45 @@ def test_the_systemd_unit_mounts_on_the_host_and_clears_a_dead_mount(store, mnt)
     assert zs("umount", mnt).returncode == 0
 
 
+def test_under_systemd_each_log_line_carries_its_priority(store, mnt, tmp_path):
+    """With stderr connected to the journal (``$JOURNAL_STREAM`` names its
+    device and inode, as systemd sets it), each line starts with its
+    sd-daemon priority (``<3>`` an error, ``<4>`` a warning, ``<6>`` info)
+    and carries no time or pid of its own (the journal has them): before,
+    every line was stored at priority info with both twice, so
+    ``journalctl -p err`` never showed a failure, "lost" data included.
+    Where stderr is something else (the variable inherited), lines are as
+    always. (Under systemd itself: test_systemd_unit.py.)"""
+    def run(argv, journal: bool, wait_mounted: bool = False) -> list[str]:
+        read, write = os.pipe()
+        st = os.fstat(write)
+        stream = f"{st.st_dev}:{st.st_ino}" if journal else f"{st.st_dev}:{st.st_ino + 1}"
+        proc = subprocess.Popen([*ZSHARDFS, *map(str, argv)], env={**os.environ, "JOURNAL_STREAM": stream},
+                                stdout=subprocess.DEVNULL, stderr=write)
+        os.close(write)
+        try:
+            if wait_mounted:
+                assert wait_for(lambda: mounts_at(mnt), timeout=30)
+                proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        finally:
+            with os.fdopen(read) as f:
+                lines = f.read().splitlines()
+        return lines
+
+    lines = run(["mount", "--foreground", store.root, mnt, "-o", "ro"], journal=True, wait_mounted=True)
+    assert lines == [f"<6>INFO zshardfs.daemon: mounted {store.root} on {mnt} (ro)",
+                     "<6>INFO zshardfs.daemon: signal SIGTERM: storing what is in memory, then unmounting",
+                     f"<6>INFO zshardfs.daemon: unmounted {mnt}"], lines
+    lines = run(["mount", "--foreground", tmp_path / "nothere", mnt], journal=True)
+    assert lines == [f"<3>zshardfs: source '{tmp_path / 'nothere'}' does not exist"], lines
+    lines = run(["mount", "--foreground", tmp_path / "nothere", mnt], journal=False)
+    assert lines == [f"zshardfs: source '{tmp_path / 'nothere'}' does not exist"], lines
+    lines = run(["mount", "--foreground", store.root, mnt, "-o", "ro"], journal=False, wait_mounted=True)
+    assert len(lines) == 3 and re.match(r"\d{4}-\d\d-\d\d .* zshardfs\[\d+\] INFO zshardfs.daemon: mounted ",
+                                        lines[0]), lines
+
+
 def _systemd_env_file(text: str) -> dict[str, str]:
     """An EnvironmentFile= as systemd reads it: ``KEY=VALUE`` lines, ``#``
     only at a line's start, the value's outer whitespace stripped (its

@@ -39,8 +39,27 @@ EXIT_LOST = 3
 DEAD = (errno.ENOTCONN, errno.ECONNABORTED)
 
 
+def _stderr_is_journal() -> bool:
+    """systemd connected stderr to the journal: ``$JOURNAL_STREAM`` names
+    its device and inode (a child whose stderr went elsewhere inherits the
+    variable, hence the check)."""
+    try:
+        dev, ino = (int(part) for part in os.environ["JOURNAL_STREAM"].split(":"))
+        st = os.fstat(2)
+    except (KeyError, ValueError, OSError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
+#: sd-daemon(3) priority prefixes, which the journal takes off each line
+_PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
+
+
 def _fail(message: str, status: int = EXIT_FAIL) -> int:
-    print(f"zshardfs: {message}", file=sys.stderr)
+    # under systemd, an error (a status 0 one: a warning) at its own priority,
+    # so `journalctl -p err` shows it; the journal stores everything else as info
+    prefix = f"<{3 if status != EXIT_OK else 4}>" if _stderr_is_journal() else ""
+    print(f"{prefix}zshardfs: {message}", file=sys.stderr)
     return status
 
 
@@ -59,8 +78,14 @@ class _Formatter(logging.Formatter):
     they are written as ``\\xNN``, so the line reaches the file, syslog or
     stderr instead of being lost to an encoding error."""
 
+    journal = False  # (stderr is the journal: each line gets its priority prefix)
+
     def format(self, record: logging.LogRecord) -> str:
-        return _SURROGATE.sub(_escape_surrogate, super().format(record))
+        text = _SURROGATE.sub(_escape_surrogate, super().format(record))
+        if self.journal:
+            prefix = f"<{_PRIORITY.get(record.levelno, 6 if record.levelno < logging.WARNING else 3)}>"
+            text = "\n".join(prefix + line for line in text.split("\n"))
+        return text
 
 
 #: where a background daemon without ``-o log_file`` logs
@@ -124,7 +149,12 @@ def _setup_logging(cfg: MountConfig, background: bool) -> logging.Handler:
         fmt = "zshardfs[%(process)d]: %(levelname)s %(name)s: %(message)s"
     else:
         handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter(fmt))
+    journal = isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr and _stderr_is_journal()
+    if journal:  # (systemd's journal: its own time and pid, the level as the line's priority)
+        fmt = "%(levelname)s %(name)s: %(message)s"
+    formatter = _Formatter(fmt)
+    formatter.journal = journal
+    handler.setFormatter(formatter)
     root.addHandler(handler)
     root.setLevel(cfg.log_level)
     # boto's own chatter (which could include request details) stays quiet
