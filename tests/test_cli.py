@@ -1258,8 +1258,12 @@ def test_the_systemd_unit_mounts_on_the_host_and_clears_a_dead_mount(store, mnt)
     pid = daemon_pid(mnt)
     os.kill(pid, signal.SIGKILL)
     assert wait_for(lambda: not process_running(pid), timeout=20)
-    assert zs("umount", "--if-dead", mnt).returncode == 0
+    removed = zs("umount", "--if-dead", mnt)
+    assert removed.returncode == 0
     assert mounts_at(mnt) == []  # dead: removed, and the unit's ExecStart can mount again
+    # (and says so: in the unit's journal, the one trace that data may be lost)
+    assert removed.stderr == (f"zshardfs: removed the dead mount at {mnt} (its daemon had died); anything it "
+                              f"had not stored yet is lost (a read-only mount: nothing was)\n"), removed.stderr
     run_mount(store.root, mnt, "ro")
     assert zs("umount", mnt).returncode == 0
 

@@ -572,6 +572,7 @@ def cmd_umount(args) -> int:
             if exc.errno not in DEAD:
                 return EXIT_OK
         args.lazy = True
+        dead_ro = "ro" in _zshardfs_mounts().get(mnt, ())
     refused = _not_owner(mnt, "unmount")
     if refused:  # (before its sync: fusermount3 would refuse the unmount after it)
         return _fail(refused)
@@ -582,6 +583,9 @@ def cmd_umount(args) -> int:
         result = subprocess.run(["fusermount3", "-uz", mnt], capture_output=True, text=True)
         if result.returncode != 0:
             return _fail(f"cannot unmount {mnt}: {result.stderr.strip() or 'fusermount3 failed'}")
+        if args.if_dead:  # (the unit's start after a crash: the one trace in its journal that data may be lost)
+            return _fail(f"removed the dead mount at {mnt} (its daemon had died); anything it had not "
+                         f"stored yet is lost{' (a read-only mount: nothing was)' if dead_ro else ''}", EXIT_OK)
         return EXIT_OK
     try:
         pid: int | None = int(_control(mnt, "user.zshardfs.pid"))
