@@ -26,6 +26,8 @@ import json
 import logging
 import os
 import signal
+import sys
+import tempfile
 import time
 
 import pyfuse3
@@ -138,6 +140,38 @@ def build_view(cfg: MountConfig, backend) -> View:
     return View(store, shards, writeback, metadata_ttl=cfg.metadata_ttl, read_only=cfg.read_only,
                 shard_option=cfg.shard)
 
+
+def _fuse_init(ops, mountpoint: str, options) -> None:
+    """``pyfuse3.init``, with what libfuse (or the fusermount3 it runs) writes
+    to stderr when the mount fails taken into the RuntimeError ("fuse: failed
+    to open /dev/fuse: Operation not permitted"): one line says why, also in
+    a foreground daemon's log (the systemd unit's journal), where that was a
+    line of its own, at priority info, before a bare "fuse_session_mount
+    failed". Anything said by a mount that worked is passed on as it was."""
+    with tempfile.TemporaryFile() as said:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        saved = os.dup(2)
+        os.dup2(said.fileno(), 2)
+        try:
+            pyfuse3.init(ops, mountpoint, options)
+            failure = None
+        except RuntimeError as exc:
+            failure = exc
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        said.seek(0)
+        text = said.read()
+    if failure is None:
+        if text:
+            os.write(2, text)
+        return
+    lines = [ln.strip() for ln in text.decode(errors="replace").splitlines() if ln.strip()]
+    raise RuntimeError(f"{failure} ({'; '.join(lines)})" if lines else str(failure)) from None
 
 class Mount:
     """Everything one mount owns, wired bottom-up."""
@@ -253,7 +287,7 @@ class Mount:
         return None
 
     async def serve(self, ready=None) -> None:
-        pyfuse3.init(self.ops, self.cfg.mountpoint, fuse_options(self.cfg))
+        _fuse_init(self.ops, self.cfg.mountpoint, fuse_options(self.cfg))
         log.info("mounted %s on %s (%s)", self.store.url, self.cfg.mountpoint, "ro" if self.cfg.read_only else "rw")
         if ready is not None:
             ready()
