@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up everything zshardfs needs on a fresh Debian-like machine:
-# FUSE (Debian fuse3, libfuse3-dev; rsync for the tests), a Python 3.12 virtualenv in .venv with
+# FUSE (Debian fuse3, libfuse3-dev; rsync and systemd-container for the tests), a Python 3.12 virtualenv in .venv with
 # zshardfs and its test peers, and .venv-zarr2 with zarr-python 2.18 (the
 # storage-transformer oracle, which cannot share an environment with zarr 3).
 # Idempotent: a second run only checks.
@@ -12,6 +12,8 @@ command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
 dpkg -s libfuse3-dev >/dev/null 2>&1 || need_apt+=(libfuse3-dev)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 command -v rsync >/dev/null 2>&1 || need_apt+=(rsync)  # tests and scripts/bench_copy_s3.py copy with it
+# tests/test_systemd_unit.py boots this machine's root with systemd as PID 1 (tests/nspawn.py)
+command -v systemd-nspawn >/dev/null 2>&1 || need_apt+=(systemd-container)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "setup: installing ${need_apt[*]}"
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
