@@ -53,13 +53,14 @@ class BootError(RuntimeError):
 
 
 class Container:
-    def __init__(self, scratch: Path, binds: list[Path] = (), name: str | None = None):
+    def __init__(self, scratch: Path, binds: list[Path] = (), name: str | None = None, private_network: bool = True):
         self.scratch = Path(scratch)
         self.binds = [ROOT, *map(Path, binds)]
         self.name = name or f"zshardfs-test-{os.getpid()}"
         self.proc: subprocess.Popen | None = None
         self.leader: int | None = None
         self.log = self.scratch / "nspawn.log"
+        self.private_network = private_network  # (False: the host's network, e.g. for pip)
 
     # ------------------------------------------------------------------
     def start(self) -> float:
@@ -73,7 +74,8 @@ class Container:
         rootdir.mkdir(exist_ok=True)
         os.makedirs("/run/systemd", exist_ok=True)
         nspawn = ["systemd-nspawn", "--quiet", "-D", str(rootdir), "--volatile=overlay",
-                  "--register=no", "--keep-unit", "--link-journal=no", "--private-network",
+                  "--register=no", "--keep-unit", "--link-journal=no",
+                  *(["--private-network"] if self.private_network else []),
                   f"--machine={self.name}", "--bind=/dev/fuse",
                   *(f"--bind={p}" for p in self.binds),
                   "--system-call-filter=bpf", "--boot", "systemd.unit=basic.target"]
