@@ -34,6 +34,7 @@ import zarr
 
 from tests import util
 from tests.conftest import ZSHARDFS
+from tests.handmade_zarr import shard_bytes
 from tests.util import process_running
 
 EMPTY = 2**64 - 1
@@ -2164,6 +2165,78 @@ def test_an_append_after_another_client_grew_the_file_lands_at_its_end(store, mo
     m.umount()
     assert store.get("log.txt") == b"line 1\nline 2 by another client\nline 3\n"
     assert stored_chunks(store, "arr", (2, 2))[0, 0] == new_chunk + b"TAIL"
+
+
+@pytest.mark.parametrize("case", ["shorter", "grown_while_open", "own_handles", "mapped"])
+def test_an_append_lands_at_the_end_this_mount_holds(store, mount, tmp_path, case):
+    """Each ``O_APPEND`` write lands at the end of the file as this mount
+    holds it (libfuse: without the writeback cache the file system appends,
+    the kernel's offset is its cached end), a plain file's and a chunk's:
+    after another client made the file shorter (within ``attr_timeout``, the
+    kernel still holding the longer size), after another client made it
+    longer while another handle of it was open (the kernel not told the new
+    end), and for this mount's own handles appending in turn.  Before, the
+    kernel's end was taken as the offset: the first left a hole of zeros
+    (``line 1\\n\\0\\0...line 3\\n``), the second overwrote the other
+    client's last bytes.  The kernel's offset is not simply ignored: the
+    pages of a shared writable mapping of an ``O_APPEND`` descriptor are
+    written back through it, and land where they lie, as on ext4
+    (``mapped``: appending every write doubled the file)."""
+    values = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=values)
+    store.put("log.txt", b"line 1\nline 2 by another client\n")
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    chunk = m / "arr/c/0/0"
+    old_log, old_chunk = (m / "log.txt").read_bytes(), chunk.read_bytes()  # (the kernel holds their sizes)
+    readers = []
+
+    def put_chunk(body):  # (the view passes a chunk's bytes through: any bytes will do)
+        chunks = stored_chunks(store, "arr", (2, 2))
+        store.put("arr/c/0/0", shard_bytes((2, 2), {2 * i + j: body if (i, j) == (0, 0) else chunks[i, j]
+                                                    for i in range(2) for j in range(2)}))
+
+    if case == "shorter":
+        store.put("log.txt", b"line 1\n")
+        put_chunk(b"short")
+        base_log = b"line 1\n"
+    elif case == "grown_while_open":
+        readers = [os.open(m / "log.txt", os.O_RDONLY), os.open(chunk, os.O_RDONLY)]
+        store.put("log.txt", old_log + b"line 3 by another client\n")
+        put_chunk(old_chunk + b"grown by another client")
+        base_log = old_log + b"line 3 by another client\n"
+    else:
+        base_log = old_log
+    base_chunk = stored_chunks(store, "arr", (2, 2))[0, 0]
+    assert (base_chunk != old_chunk) == (case in ("shorter", "grown_while_open"))
+    time.sleep(1.5)  # past metadata_ttl and index_ttl, within attr_timeout (5 s)
+    try:
+        for path, base in ((m / "log.txt", base_log), (chunk, base_chunk)):
+            a = os.open(path, os.O_WRONLY | os.O_APPEND)
+            b = os.open(path, os.O_RDWR | os.O_APPEND) if case in ("own_handles", "mapped") else a
+            try:
+                os.write(a, b"A1\n")
+                os.write(b, b"B1\n")
+                if case == "mapped":
+                    mapped = mmap.mmap(b, 0)
+                    mapped[0:2] = b"M0"
+                    mapped.close()  # (munmap: the page is written back through b)
+                    base = b"M0" + base[2:]
+                os.write(a, b"A2\n")
+            finally:
+                os.close(a)
+                if b != a:
+                    os.close(b)
+            assert path.read_bytes() == base + b"A1\nB1\nA2\n", (case, path)
+            if path.name == "log.txt":
+                base_log = base
+            else:
+                base_chunk = base
+    finally:
+        for fd in readers:
+            os.close(fd)
+    m.umount()
+    assert store.get("log.txt") == base_log + b"A1\nB1\nA2\n"
+    assert stored_chunks(store, "arr", (2, 2))[0, 0] == base_chunk + b"A1\nB1\nA2\n"
 
 
 def test_mapped_direct_and_kernel_side_copies_of_chunks(store, mount, tmp_path):

@@ -528,6 +528,7 @@ class Operations(pyfuse3.Operations):
         if write and self.read_only:
             raise pyfuse3.FUSEError(errno.EROFS)
         handle = await self.view.open(node, write=write, truncate=bool(flags & os.O_TRUNC))
+        handle.append = write and bool(flags & os.O_APPEND)
         if self.by_path.get(node.path) != inode or inode not in self.inodes:
             await self.view.release(handle)  # replaced while it was opened (see above)
             raise pyfuse3.FUSEError(errno.ESTALE)
@@ -537,29 +538,38 @@ class Operations(pyfuse3.Operations):
             await self._fill_page_cache(inode, entry, handle)
         elif not write and entry.filled is not None and entry.filled == (node.size, node.mtime):
             handle.kernel_has = entry.kernel_has
-        elif write and flags & os.O_APPEND and entry.handles == 0:
-            self._show_grown_end(inode, entry, handle)
+        elif write and flags & os.O_APPEND:
+            await self._show_grown_end(inode, entry, handle)
+            if self.by_path.get(node.path) != inode or self.inodes.get(inode) is not entry:
+                await self.view.release(handle)  # (replaced while the kernel was told: as above)
+                raise pyfuse3.FUSEError(errno.ESTALE)
         # The page cache stays valid across opens: content only changes with
         # the shard's version (through this mount, or noticed by mtime/size).
         return pyfuse3.FileInfo(fh=self._new_fh(inode, handle), keep_cache=True)
 
-    def _show_grown_end(self, inode: int, entry: _Inode, handle: Handle) -> None:
+    async def _show_grown_end(self, inode: int, entry: _Inode, handle: Handle) -> None:
         """An open for appending of a file another client made longer since
         the kernel learned its size: the kernel appends at the end it knows
         (it does not ask again before an ``O_APPEND`` write), which would
         overwrite the other client's last bytes.  Tell it the new end: drop
         what it holds of the file, and store the last page of what the file
         holds now, which moves its size there (``notify_store`` grows it).
-        Safe only with no other handle open (no READ in flight holds the
-        pages; the caller checks)."""
+        From a thread (see ``_notify_limiter``): another handle of the file
+        may be open, and a READ of it in flight holds the pages.  (A file
+        made shorter cannot be told so: View.write appends at its end.)"""
         data = handle.buffer.data if handle.buffer is not None else handle.chunk.data if handle.chunk is not None else None
         told = entry.attrs.st_size if entry.attrs is not None else entry.node.size
         if not data or len(data) <= told:
             return
         start = (len(data) - 1) // 4096 * 4096
-        try:
+        tail = bytes(data[start:])
+
+        def notify():
             pyfuse3.invalidate_inode(inode)
-            pyfuse3.notify_store(inode, start, bytes(data[start:]))
+            pyfuse3.notify_store(inode, start, tail)
+
+        try:
+            await trio.to_thread.run_sync(notify, limiter=self._notify_limiter)
         except OSError as exc:
             log.debug("notify of the end of %d: %s", inode, exc)
             return
@@ -758,6 +768,7 @@ class Operations(pyfuse3.Operations):
     async def create(self, parent_inode, name, mode, flags, ctx):
         self._writable()
         handle = await self.view.create(self._node(parent_inode), os.fsdecode(name))
+        handle.append = bool(flags & os.O_APPEND)
         attrs = self._entry(handle.node)
         return pyfuse3.FileInfo(fh=self._new_fh(attrs.st_ino, handle), keep_cache=True), attrs
 

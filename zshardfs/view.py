@@ -143,6 +143,11 @@ class Handle:
     # View._chunk_version then).  A READ comes only for pages the kernel
     # dropped since; other bytes then would mix two versions in one open.
     kernel_has: tuple[int, int, tuple] | None = None
+    # opened with O_APPEND: the kernel gives each write the end it holds of
+    # the file (libfuse leaves O_APPEND to the file system when the kernel
+    # does not cache writes), which may be from before another client's
+    # change: see write
+    append: bool = False
 
 
 class _TTLCache:
@@ -1266,8 +1271,15 @@ class View:
             await self.writeback.wait_for_room()
             if held_by_renames:
                 await self._while_renamed(handle)  # (a rename may have begun meanwhile)
-        self._check_size(handle.node, offset + len(data))
         target = handle.buffer.data if handle.buffer is not None else handle.chunk.data
+        if handle.append and offset > len(target or b""):
+            # the kernel appends at the end it holds, past this file's: another
+            # client made it shorter within attr_timeout.  Appended at the end
+            # here (no hole of zeros).  A lower offset is honoured: the kernel
+            # was told a grown end at the open, and writes back a page of a
+            # shared mapping of an O_APPEND descriptor where it lies, as ext4
+            offset = len(target or b"")
+        self._check_size(handle.node, offset + len(data))
         if target is None:  # the chunk was unlinked while open: keep writing into a fresh buffer
             handle.chunk.data = target = bytearray()
         if offset > len(target):
