@@ -2245,7 +2245,7 @@ def test_mapped_direct_and_kernel_side_copies_of_chunks(store, mount, tmp_path):
     chunk (read-only mounts too); ``MAP_SHARED`` writes on a writable mount
     reach the daemon at ``msync``/``munmap`` and are stored like any write
     (the kernel sends them as writes); ``O_DIRECT`` reads and writes (``dd
-    iflag=direct``, ``oflag=direct``, any length); ``copy_file_range`` and
+    iflag=direct``, ``oflag=direct``; unaligned: the next test); ``copy_file_range`` and
     ``sendfile`` within the mount and into it; ``cp --reflink=auto`` copies,
     ``--reflink=always`` fails with EOPNOTSUPP (no clones here)."""
     data = np.arange(64, dtype="<i4").reshape(8, 8)
@@ -2302,6 +2302,55 @@ def test_mapped_direct_and_kernel_side_copies_of_chunks(store, mount, tmp_path):
     stored = stored_chunks(store, "arr", (2, 2))
     for (i, j), body in expected.items():
         assert stored[i, j] == body, (i, j)
+
+
+def test_o_direct_reads_and_writes_of_any_alignment(store, mount, tmp_path):
+    """``O_DIRECT`` I/O at any offset, of any length, from any buffer address
+    is served, as on NFS and other FUSE file systems: the kernel's FUSE
+    module passes it on unaligned (there are no blocks here to align to),
+    where ext4 refuses it with EINVAL.  A buffered reader of the file, whose
+    pages its open filled, then reads what the direct write wrote (the
+    kernel drops the pages it covers), as does a direct read; past the end a
+    direct read gives nothing.  A direct write is held as any write (as a
+    disk's volatile cache may hold one); with ``O_DSYNC`` it is stored when
+    it returns.  (``dd oflag=direct`` of a short file does not show this:
+    dd turns O_DIRECT off for a short last block.)"""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    store.put("plain.bin", bytes(range(100)))
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    expected = {}
+    for name in ("plain.bin", "arr/c/1/1"):
+        path = m / name
+        body = bytearray(path.read_bytes())
+        reader = os.open(path, os.O_RDONLY)  # (its open fills the page cache)
+        direct = os.open(path, os.O_RDWR | os.O_DIRECT)
+        try:
+            assert os.pread(reader, 200, 0) == body
+            payload = memoryview(b"_XYZWV")[1:]  # (an odd buffer address)
+            assert os.pwrite(direct, payload, 3) == 5
+            body[3:8] = b"XYZWV"
+            assert os.pwrite(direct, b"!", len(body) + 2) == 1  # (past the end: zeros between)
+            body += b"\0\0!"
+            assert os.pread(direct, 7, 1) == body[1:8]
+            assert os.pread(direct, 4096, 0) == body
+            assert os.pread(direct, 10, len(body)) == b""
+            assert os.pread(reader, 200, 0) == body
+            synced = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_DSYNC)
+            try:  # (stored when it returns, as any O_DSYNC write: the kernel asks FSYNC)
+                assert os.pwrite(synced, b"S", 0) == 1
+                body[0:1] = b"S"
+                assert (store.get(name) if name == "plain.bin" else stored_chunks(store, "arr", (2, 2))[1, 1]) == body
+            finally:
+                os.close(synced)
+        finally:
+            os.close(direct)
+            os.close(reader)
+        assert path.read_bytes() == body
+        expected[name] = bytes(body)
+    m.umount()
+    assert store.get("plain.bin") == expected["plain.bin"]
+    assert stored_chunks(store, "arr", (2, 2))[1, 1] == expected["arr/c/1/1"]
 
 
 def test_tar_xattrs_extracts_files_it_makes_with_mknod(store, mount, tmp_path):
