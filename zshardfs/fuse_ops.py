@@ -554,9 +554,9 @@ class Operations(pyfuse3.Operations):
         overwrite the other client's last bytes.  Tell it the new end: drop
         what it holds of the file, and store the last page of what the file
         holds now, which moves its size there (``notify_store`` grows it).
-        From a thread (see ``_notify_limiter``): another handle of the file
-        may be open, and a READ of it in flight holds the pages.  (A file
-        made shorter cannot be told so: View.write appends at its end.)"""
+        With another handle of the file open, from a thread (see
+        ``_notify_limiter``): a READ of it in flight holds the pages.  (A
+        file made shorter cannot be told so: View.write appends at its end.)"""
         data = handle.buffer.data if handle.buffer is not None else handle.chunk.data if handle.chunk is not None else None
         told = entry.attrs.st_size if entry.attrs is not None else entry.node.size
         if not data or len(data) <= told:
@@ -569,7 +569,10 @@ class Operations(pyfuse3.Operations):
             pyfuse3.notify_store(inode, start, tail)
 
         try:
-            await trio.to_thread.run_sync(notify, limiter=self._notify_limiter)
+            if entry.handles == 0:
+                notify()  # (no READ can be in flight: nothing holds the pages)
+            else:
+                await trio.to_thread.run_sync(notify, limiter=self._notify_limiter)
         except OSError as exc:
             log.debug("notify of the end of %d: %s", inode, exc)
             return
