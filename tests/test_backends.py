@@ -1010,6 +1010,38 @@ def test_the_calls_of_one_request_share_its_deadline(tmp_path):
     trio.run(main)
 
 
+def test_calls_answered_on_the_event_loop_keep_the_deadline_and_clear_fail_fast_marks(tmp_path):
+    """A local store answers a shard index's load and a stat of a regular
+    file on the event loop when the kernel's caches hold all they need
+    (get_nowait, stat_nowait); they take the deadline and the fail-fast
+    marks as the calls a thread makes: past the request's deadline such a
+    call is not asked, and an answer is news that the store answers, which
+    ends the fail-fast window of every call (before: the load was made
+    after the deadline too, and left the marks as they were)."""
+    (tmp_path / "s").write_bytes(b"0123456789")
+    (tmp_path / "s").read_bytes()  # (its pages cached)
+    backend = LocalBackend(str(tmp_path))
+    store = AsyncStore(backend, timeout=0.05)
+
+    async def main():
+        assert (await store.get("s", suffix=4)).data == b"6789"  # (on the loop: all cached)
+        assert (await store.stat("s")).size == 10
+        with store.request_deadline():
+            await trio.sleep(0.1)  # (the request's deadline passes)
+            gets, heads = backend.counters["get_range"], backend.counters["head"]
+            with pytest.raises(Unavailable, match="not asked"):
+                await store.get("s", suffix=4)
+            with pytest.raises(Unavailable, match="not asked"):
+                await store.stat("s")
+            assert (backend.counters["get_range"], backend.counters["head"]) == (gets, heads)
+        for answered in (lambda: store.get("s", suffix=4), lambda: store.stat("s")):
+            store._unanswered[("get", "other")] = time.monotonic()  # (a call that got no answer a moment ago)
+            await answered()
+            assert not store._unanswered
+
+    trio.run(main)
+
+
 def test_own_writes_keep_listings_fresh_instead_of_dropping_them(tmp_path):
     """A listing kept for ``list_ttl`` is brought up to date by the mount's
     own writes: a file stored joins its directory's listing (and the new

@@ -412,6 +412,7 @@ def test_a_close_during_a_rename_of_its_file_never_brings_the_old_name_back(tmp_
 
     class SlowToFindTheNewName(SlowStore):
         slow = False
+        stat_nowait = None  # (every stat in a worker thread, where it is slowed)
 
         def stat(self, key, *args, **kwargs):
             if self.slow and key == "b.txt":

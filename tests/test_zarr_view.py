@@ -1216,6 +1216,83 @@ def test_a_cached_shards_index_loads_without_a_thread_and_changes_are_still_seen
     trio.run(main)
 
 
+def test_a_cached_shards_revalidation_needs_no_thread_and_changes_are_still_seen(tmp_path):
+    """After ``index_ttl`` a lookup validates its shard's cached index again
+    (a stat of the shard: on bench_read's store 8 per warm pass).  On a
+    local store that stat went to a worker thread even when the kernel had
+    the shard's path and inode cached (about 140 us of CPU more per
+    validation, scripts/lookup_cpu.py --revalidate).  It is now answered on
+    the event loop from those caches (LocalBackend.stat_nowait), and what the
+    thread's answer showed still shows: a shard replaced by rename or
+    rewritten in place since is loaded again, damage in the new version is
+    still damage, a removed shard is gone, a FIFO in its place is no shard."""
+    import pytest
+    import trio
+
+    from tests.handmade_zarr import array_doc, shard_bytes, write_array_doc, write_shard
+    from zshardfs.backends.base import CorruptData
+    from zshardfs.backends.local import LocalBackend
+    from zshardfs.config import MountConfig
+    from zshardfs.daemon import build_view
+
+    class Threaded(LocalBackend):
+        """Counts the stats that went to a worker thread."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.in_thread: list[str] = []
+
+        def stat(self, key, *args, **kwargs):
+            self.in_thread.append(key)
+            return super().stat(key, *args, **kwargs)
+
+    root = tmp_path / "a"
+    write_array_doc(root, array_doc((2, 8), (2, 8), (1, 1)))
+    shard = write_shard(root, (0, 0), (2, 8), {i: bytes([i]) for i in range(16)})
+    store = Threaded(str(tmp_path))
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=True,
+                                  metadata_ttl=3600, index_ttl=0.05), store)
+    key = "a/c/0/0"
+
+    async def main():
+        row = await view.resolve("a/c/1")  # (held, as the kernel holds its inode)
+
+        async def size() -> int | None:
+            await trio.sleep(0.1)  # (past index_ttl: the lookup validates the index)
+            if shard.is_file():
+                shard.read_bytes()  # (its pages cached, as they are moments after a write)
+            node = await view.lookup(row, "3")
+            return None if node is None else node.size
+
+        assert await size() == 1
+        heads = store.counters["head"]
+        assert await size() == 1
+        assert store.counters["head"] == heads + 1  # (validated: asked again)
+        assert key not in store.in_thread, store.in_thread
+        tmp = shard.with_name("new")
+        tmp.write_bytes(shard_bytes((2, 8), {i: b"xy" for i in range(16)}))
+        os.replace(tmp, shard)  # replaced by rename
+        assert await size() == 2
+        with open(shard, "r+b") as f:  # rewritten in place (the same inode)
+            f.write(shard_bytes((2, 8), {i: b"xyz" for i in range(16)}))
+        assert await size() == 3
+        assert key not in store.in_thread, store.in_thread
+        damaged = bytearray(shard_bytes((2, 8), {i: b"xyzw" for i in range(16)}))
+        damaged[-5] ^= 1  # (the last entry's nbytes: the index's checksum no longer matches)
+        shard.write_bytes(bytes(damaged))
+        with pytest.raises(CorruptData):
+            await size()
+        shard.write_bytes(shard_bytes((2, 8), {i: b"xyzw" for i in range(16)}))
+        assert await size() == 4
+        assert key not in store.in_thread, store.in_thread
+        shard.unlink()
+        assert await size() is None  # (not found from the caches: the thread says so)
+        os.mkfifo(shard)  # (never opened on the event loop, where its open could wait: no such shard)
+        assert await size() is None
+
+    trio.run(main)
+
+
 def test_listing_an_unchanged_chunk_directory_again_makes_no_nodes(tmp_path):
     """A warm walk lists every directory again after the TTLs; where a
     shard's index is the same version (validated, not reloaded) the view

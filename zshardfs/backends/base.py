@@ -470,6 +470,7 @@ class AsyncStore:
         self.timeout = timeout
         # optional non-blocking fast path (local files in the page cache)
         self._nowait = getattr(backend, "get_nowait", None)
+        self._stat_nowait = getattr(backend, "stat_nowait", None)
         self.observers: list[Callable[[ObjectInfo], None]] = []
         self.list_ttl = list_ttl
         self._listings: OrderedDict[str, tuple[Listing, float]] = OrderedDict()
@@ -614,6 +615,17 @@ class AsyncStore:
                     self._unanswered.popitem(last=False)
             raise
 
+    def _answered_nowait(self, what: tuple, args: tuple, started: float) -> None:
+        """A call answered on the event loop (a backend's ``*_nowait``), as
+        :meth:`_run` takes an answer: the storage is back for everyone (the
+        fail-fast marks go), and the trace line.  The caller asks only
+        before the request's deadline (after it, :meth:`_run` says "not
+        asked").  A fail-fast mark of the same call does not stop it: it
+        waits for nothing, so there is no dead endpoint to spare it."""
+        if self._unanswered:
+            self._unanswered.clear()
+        self._trace(what, args, started)
+
     async def _after_landing(self, key: str, where: str, deadline: float = math.inf) -> None:
         """Wait (up to the deadline, or the request's) for a write of ``key``
         given up earlier to end; Unavailable if it does not."""
@@ -705,7 +717,16 @@ class AsyncStore:
             if listing is not None and key not in listing.unconfirmed:
                 return (links and listing.link(key)) or listing.file(key)
         generation = self._list_generation
-        info = await self._run(self.backend.stat, key, **({"links": True} if links else {}))
+        info = None
+        if not links and self._stat_nowait is not None and time.monotonic() < _request_deadline.get():
+            # (a cached shard index's re-validation, mostly: a regular file
+            # found from the kernel's caches alone needs no thread)
+            started = time.monotonic()
+            info = self._stat_nowait(key)
+            if info is not None:
+                self._answered_nowait(("stat", key), (key,), started)
+        if info is None:
+            info = await self._run(self.backend.stat, key, **({"links": True} if links else {}))
         if info is not None and info.link is not None:
             return info  # (the link itself: no version of an object, nothing to confirm)
         self._seen(info)
@@ -789,11 +810,11 @@ class AsyncStore:
                     blob = self._nowait(key, start, length, if_match)  # page-cache hit: no thread hop
                     if blob is not None:
                         return blob  # an open file of that version, not news of the current one
-            else:  # (a shard index's load)
+            elif time.monotonic() < _request_deadline.get():  # (a shard index's load; past it: _run's "not asked")
                 started = time.monotonic()
                 blob = self._nowait(key, start, length, None, suffix=suffix)  # path and bytes cached: no thread
                 if blob is not None:
-                    self._trace(("get", key), (key, start, length), started)
+                    self._answered_nowait(("get", key), (key, start, length), started)
                     self._seen(blob.info)
                     return blob
         extra = {} if max_size is None else {"max_size": max_size}

@@ -745,38 +745,12 @@ class LocalBackend:
         all again and answers, its log lines and errors included.  So a
         first lookup in a shard whose pages are cached costs no thread hop
         (0.4-0.7 ms, most of the request)."""
-        root = self._root_fd
-        if root is None or (length is None and suffix is None):
+        if length is None and suffix is None:
             return None
-        try:
-            self._path(key)
-        except NotFound:
+        found = self._regular_cached(key)
+        if found is None:
             return None
-        fd = openat2_cached(_AT_FDCWD, self.root, os.O_PATH, 0)  # (_check_root, not waiting)
-        if fd is None:
-            return None
-        try:
-            now, mounted = os.fstat(fd), os.fstat(root)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        if (now.st_dev, now.st_ino) != (mounted.st_dev, mounted.st_ino):
-            return None
-        resolve = _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS if self.confine else 0
-        # only a regular file is opened on the loop: a device's open may wait
-        # (a thread opens anything else, and says what it is)
-        fd = openat2_cached(root, key or ".", os.O_PATH, resolve)
-        if fd is None:
-            return None
-        try:
-            regular = stat.S_ISREG(os.fstat(fd).st_mode)
-        except OSError:
-            regular = False
-        finally:
-            os.close(fd)
-        if not regular:
-            return None
+        root, resolve, _ = found
         fd = openat2_cached(root, key or ".", os.O_RDONLY | os.O_NONBLOCK, resolve)
         if fd is None:
             return None
@@ -802,6 +776,55 @@ class LocalBackend:
             if not keep:
                 os.close(fd)
         return self._count_read(info, start, data, suffix)
+
+    def _regular_cached(self, key: str) -> tuple[int, int, os.stat_result] | None:
+        """``key`` resolved from the dentry cache alone, as :meth:`_open`
+        resolves it, if it is a regular file: (the root's descriptor, the
+        ``resolve`` flags, its ``fstat``); None the moment that would wait or
+        finds anything unusual (not a regular file, not found, an error, the
+        root replaced: :meth:`_check_root`'s case).  Only a regular file is
+        ever opened on the loop after this: a device's open may wait."""
+        root = self._root_fd
+        if root is None:
+            return None
+        try:
+            self._path(key)
+        except NotFound:
+            return None
+        fd = openat2_cached(_AT_FDCWD, self.root, os.O_PATH, 0)  # (_check_root, not waiting)
+        if fd is None:
+            return None
+        try:
+            now, mounted = os.fstat(fd), os.fstat(root)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if (now.st_dev, now.st_ino) != (mounted.st_dev, mounted.st_ino):
+            return None
+        resolve = _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS if self.confine else 0
+        fd = openat2_cached(root, key or ".", os.O_PATH, resolve)
+        if fd is None:
+            return None
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return (root, resolve, st) if stat.S_ISREG(st.st_mode) else None
+
+    def stat_nowait(self, key: str) -> ObjectInfo | None:
+        """:meth:`stat` of a regular file on the event loop (a cached shard
+        index's re-validation after ``index_ttl``), from the dentry and inode
+        caches alone; None when that cannot answer (anything but a regular
+        file found so: then :meth:`stat`, in a thread, answers, its log lines
+        and errors included).  Saves the thread hop, most of such a call."""
+        found = self._regular_cached(key)
+        if found is None:
+            return None
+        bump(self.counters, "head")
+        return self._info(key, found[2])
 
     def _ancestry(self, prefix: str) -> set[tuple[int, int]]:
         """(st_dev, st_ino) of ``prefix``'s directory and of every directory
