@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import shutil
 import threading
 import time
@@ -1157,3 +1158,75 @@ def test_directories_made_here_and_listed_since_leave_the_bounded_memory_of_them
         assert "b" not in view.new_dirs and len(view._new_dirs_stored) == 43  # (a, b, c and their 40)
 
     trio.run(main)
+
+
+def _one_shard_array(root, fill: int) -> None:
+    """arr: 4x4 uint8, one shard, inner chunks 2x2; chunk i holds 4 bytes
+    of ``fill + i``."""
+    from tests.handmade_zarr import array_doc, write_array_doc, write_shard
+
+    write_array_doc(root / "arr", array_doc((4, 4), (4, 4), (2, 2)))
+    write_shard(root / "arr", (0, 0), (2, 2), {i: bytes([fill + i]) * 4 for i in range(4)})
+
+
+def _replace_shard(root, fill: int) -> None:
+    """Another client replaces the shard (by rename: a new version) with
+    chunks of the same sizes and other bytes."""
+    from tests.handmade_zarr import shard_bytes
+
+    shard = root / "arr" / "c" / "0" / "0"
+    tmp = shard.with_name("new")
+    tmp.write_bytes(shard_bytes((2, 2), {i: bytes([fill + i]) * 4 for i in range(4)}))
+    os.replace(tmp, shard)
+
+
+def test_reads_of_one_open_in_flight_together_across_a_replacement_give_one_version(tmp_path):
+    """A chunk file read in pieces gives the version of its open's first
+    piece (Handle.seen, SEMANTICS 2.2), also when the kernel sends two READs
+    of one open at once (read-ahead, threads sharing a descriptor) and
+    another client replaces the shard between their fetches: the piece whose
+    fetch ends last is cut from the version the other one fixed.  Before,
+    each READ that began before the first had ended returned what its own
+    fetch found: the first half of one version and the second of the
+    other."""
+    _one_shard_array(tmp_path, 1)
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=True,
+                                  index_ttl=0), LocalBackend(str(tmp_path)))
+    got = {}
+
+    async def main():
+        node = await view.resolve("arr/c/0/0")
+        handle = view.open_reader(node)
+        read = node.dataset.read
+        gates = [trio.Event(), trio.Event()]
+        calls = []
+
+        async def gated(target):  # (each fetch waits for its gate: the overlap every time)
+            gate = gates[len(calls)]
+            calls.append(target)
+            await gate.wait()
+            return await read(target)
+
+        node.dataset.read = gated
+
+        async def piece(offset):
+            got[offset] = await view.read(handle, offset, 2)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(piece, 0)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(piece, 2)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(calls) == 2
+            gates[0].set()
+            while 0 not in got:
+                await trio.sleep(0.01)
+            _replace_shard(tmp_path, 9)
+            gates[1].set()
+        del node.dataset.read
+        assert got[0] + got[2] == bytes([1]) * 4  # (before: b"\x01\x01\x09\x09")
+        assert await view.read(view.open_reader(await view.resolve("arr/c/0/0")), 0, 4) == bytes([9]) * 4
+
+    import trio.testing  # noqa: F401
+    trio.run(main)
+

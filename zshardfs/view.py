@@ -1004,6 +1004,13 @@ class View:
                     raise Changed(f"{node.path}: replaced by another client while open; open it again", node.path)
                 return seen[0][offset: offset + size]
             data = await self.content(node)
+            seen = handle.seen if isinstance(handle, Handle) else None
+            if seen is not None and seen[1] == self._chunk_version(node.target):
+                # another READ of this open, in flight with this one, fixed
+                # its version meanwhile (and checked it): the rest is that one
+                if expect_size is not None and len(seen[0]) != expect_size:
+                    raise Changed(f"{node.path}: replaced by another client while open; open it again", node.path)
+                return seen[0][offset: offset + size]
             if expect_size is not None and len(data) != expect_size and self.in_memory(node) is None:
                 raise Changed(f"{node.path}: replaced by another client (now {len(data)} bytes, not "
                               f"{expect_size}); read it again", node.path)
