@@ -19,6 +19,7 @@ import time
 
 import pytest
 import trio
+import trio.testing
 
 from zshardfs.backends.base import NotFound, Unavailable
 from zshardfs.backends.local import LocalBackend
@@ -1227,6 +1228,51 @@ def test_reads_of_one_open_in_flight_together_across_a_replacement_give_one_vers
         assert got[0] + got[2] == bytes([1]) * 4  # (before: b"\x01\x01\x09\x09")
         assert await view.read(view.open_reader(await view.resolve("arr/c/0/0")), 0, 4) == bytes([9]) * 4
 
-    import trio.testing  # noqa: F401
     trio.run(main)
 
+
+def test_a_whole_chunk_read_again_after_a_page_drop_takes_one_crc32c_and_a_replacement_is_still_eio(
+        tmp_path, monkeypatch):
+    """A chunk file an open handed to the kernel whole (open_fill) is read
+    again by a READ only when the kernel dropped its pages; that READ's bytes
+    are checked against the ones handed over (a CRC32C: one version per
+    open, SEMANTICS 2.2).  When that one READ gives the whole file back, the
+    handler then took a second CRC32C of the very same bytes to remember
+    them: now the one checked is kept.  A shard another client replaced
+    meanwhile is still EIO for that open, and a new open reads the new
+    version."""
+    import crc32c
+    import pyfuse3
+
+    from zshardfs.fuse_ops import Operations
+
+    monkeypatch.setattr(pyfuse3, "notify_store", lambda *args: None)
+    monkeypatch.setattr(pyfuse3, "invalidate_inode", lambda *args, **kwargs: None)
+    crcs = []
+    real_crc = crc32c.crc32c
+    monkeypatch.setattr(crc32c, "crc32c", lambda data, *rest: crcs.append(len(data)) or real_crc(data, *rest))
+    _one_shard_array(tmp_path, 1)
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=True,
+                                  index_ttl=0.05), LocalBackend(str(tmp_path)))
+    ops = Operations(view, read_only=True, open_fill=1 << 20)
+
+    async def main():
+        ino = pyfuse3.ROOT_INODE
+        for name in ("arr", "c", "0", "0"):
+            ino = (await ops.lookup(ino, name.encode())).st_ino
+        fh = (await ops.open(ino, os.O_RDONLY, None)).fh  # (fills the page cache)
+        assert ops.open_fills == 1
+        del crcs[:]
+        assert await ops.read(fh, 0, 4096) == bytes([1]) * 4  # (its pages dropped: the kernel asks)
+        assert crcs == [4]  # (before: [4, 4])
+        await trio.sleep(0.1)  # (past index_ttl)
+        _replace_shard(tmp_path, 9)
+        with pytest.raises(pyfuse3.FUSEError) as err:
+            await ops.read(fh, 0, 4096)
+        assert err.value.errno == errno.EIO
+        await ops.release(fh)
+        fh = (await ops.open(ino, os.O_RDONLY, None)).fh
+        assert await ops.read(fh, 0, 4096) == bytes([9]) * 4
+        await ops.release(fh)
+
+    trio.run(main)

@@ -691,7 +691,12 @@ class Operations(pyfuse3.Operations):
             # unfilled made every open after a page drop refill (a copy and
             # notify_store per file, a third of a warm scan's daemon CPU).
             ino.filled = (ino.node.size, ino.node.mtime)
-            ino.kernel_has = self.view.kernel_holds(data, version)
+            held = handle.kernel_has
+            if (held is not None and held[2] == version and held[0] == len(data)
+                    and self.view.chunk_version(handle.node) == version):
+                ino.kernel_has = held  # (view.read found these bytes to be the ones held: no second CRC32C)
+            else:
+                ino.kernel_has = self.view.kernel_holds(data, version)
             if handle.kernel_has is None:  # (its reader has this version now: the rest must be it too)
                 handle.kernel_has = ino.kernel_has
         return data
