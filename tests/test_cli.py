@@ -161,6 +161,65 @@ def test_umount_is_prompt(store, mnt):
     assert time.monotonic() - started < 1.0
 
 
+def test_umount_ends_the_daemon_when_a_copy_of_the_mount_lives_in_another_namespace(store, mnt, tmp_path):
+    """A private mount namespace made while the mount exists (``unshare -m``,
+    a container: the suite's own tests/nspawn.py) holds a copy of it, which
+    an unmount here does not reach: the kernel kept the FUSE connection, the
+    daemon served that copy for as long as it lived, and ``zshardfs umount``
+    waited its whole ``--timeout`` ("unmounted, but daemon N is still running
+    after 120s": a difftest remount failed so while another test's container
+    ran). The daemon now ends as asked, after storing what it holds, in one
+    log line; the copy fails (ENOTCONN); the mount point is not unmounted by
+    name again (a new mount may be there)."""
+    assert shutil.which("unshare") and shutil.which("nsenter"), "unshare(1) and nsenter(1) are needed"
+    log = tmp_path / "d.log"
+    run_mount(store.root, mnt, f"log_file={log}")
+    pid = daemon_pid(mnt)
+    (mnt / "new.txt").write_bytes(b"written before the unmount\n")
+    holder = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sleep", "120"])
+    try:
+        ours = os.readlink("/proc/self/ns/mnt")
+
+        def copied() -> bool:
+            try:
+                return (os.readlink(f"/proc/{holder.pid}/ns/mnt") != ours
+                        and f" {mnt} " in Path(f"/proc/{holder.pid}/mountinfo").read_text())
+            except OSError:
+                return False
+
+        assert wait_for(copied, timeout=10), "the namespace holding a copy did not come up"
+        started = time.monotonic()
+        result = zs("umount", "--timeout", "20", mnt)
+        took = time.monotonic() - started
+        assert result.returncode == 0, result.stderr
+        assert took < 10, took
+        assert wait_for(lambda: not process_running(pid), timeout=5)
+        assert mounts_at(mnt) == []
+        assert (store.root / "new.txt").read_bytes() == b"written before the unmount\n"
+        copy = subprocess.run(["nsenter", "-t", str(holder.pid), "-m", "stat", str(mnt)],
+                              capture_output=True, text=True, timeout=30)
+        assert copy.returncode != 0 and "not connected" in copy.stderr, (copy.stdout, copy.stderr)
+        text = log.read_text()
+        assert text.count("a copy of the mount lives on in another mount namespace") == 1, text
+        assert "failed to unmount" not in text and "Traceback" not in text, text
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_umount_without_a_copy_elsewhere_says_nothing_of_one(store, mnt, tmp_path):
+    """The usual unmount (the connection ends with it) logs no word of a copy."""
+    log = tmp_path / "d.log"
+    run_mount(store.root, mnt, f"log_file={log}")
+    pid = daemon_pid(mnt)
+    (mnt / "new.txt").write_bytes(b"x")
+    assert zs("umount", mnt).returncode == 0
+    assert not process_running(pid)
+    time.sleep(1.5)  # (past the watch's grace)
+    text = log.read_text()
+    assert "unmounted" in text and "another mount namespace" not in text, text
+
+
 def test_relative_paths(store, tmp_path, mnt):
     """Relative SOURCE, MOUNTPOINT and log_file are taken from the caller's
     directory, although the daemon itself runs in /."""
@@ -909,6 +968,10 @@ def test_umount_of_a_busy_mount(store, mnt):
         assert result.returncode == 0, result.stderr
         assert time.monotonic() - started < 10  # does not wait for the file to be closed
         assert mounts_at(mnt) == []  # detached at once ...
+        # (past daemon.CONNECTION_GRACE: the refused umount's watch for a copy
+        # in another mount namespace ended, it must not end the daemon now)
+        time.sleep(1.5)
+        assert process_running(pid)
         assert busy.read() == data  # ... while the open file still reads
     # the daemon ends once the last file is closed
     assert wait_for(lambda: not process_running(pid), timeout=20)

@@ -603,9 +603,21 @@ def cmd_umount(args) -> int:
                          f"and {lost}")
         if problem:
             return _fail(problem + "; not unmounted, the data is still held by the daemon")
+        if not args.lazy:
+            # the daemon then ends also when a copy of the mount in another mount
+            # namespace would keep it serving (see daemon.Mount._watch_unmount)
+            try:
+                os.getxattr(mnt, "user.zshardfs.unmounting")
+            except OSError:
+                pass  # (a daemon of an older zshardfs: ENODATA; it is waited for as before)
     result = subprocess.run(["fusermount3", "-u", *(["-z"] if args.lazy else []), mnt],
                             capture_output=True, text=True)
     if result.returncode != 0:
+        if pid is not None and not args.lazy:
+            try:  # (the daemon's watch for the unmount ends: see daemon.Mount._watch_unmount)
+                os.getxattr(mnt, "user.zshardfs.unmount_refused")
+            except OSError:
+                pass
         return _fail(f"cannot unmount {mnt}: {result.stderr.strip() or 'fusermount3 failed'}")
     if pid is None:
         # a dead mount removed: not a clean unmount, unless it held nothing to store

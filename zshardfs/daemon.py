@@ -16,6 +16,9 @@ secure, no extra file in the view.  Anyone who may read the root may read
 those; ``user.zshardfs.sync`` (store everything now) only the daemon's user
 and root may ask for (EACCES): another user of an ``allow_other`` mount
 syncing after each of the owner's writes would defeat write merging.
+``user.zshardfs.unmounting`` (the same users): ``zshardfs umount`` says an
+unmount follows, after which the daemon ends also when a copy of the mount
+in another mount namespace would keep it serving (see _watch_unmount).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import gc
 import json
 import logging
 import os
+import re
+import select
 import signal
 import sys
 import tempfile
@@ -48,6 +53,18 @@ log = logging.getLogger(__name__)
 XATTR_STATS = "user.zshardfs.stats"
 XATTR_PID = "user.zshardfs.pid"
 XATTR_SYNC = "user.zshardfs.sync"
+#: ``zshardfs umount`` reads it right before its ``fusermount3 -u``: see
+#: Mount._watch_unmount
+XATTR_UNMOUNTING = "user.zshardfs.unmounting"
+#: ... and this one when that ``fusermount3 -u`` failed (busy): the watch
+#: ends (a ``umount -z`` after it must leave the daemon serving open files)
+XATTR_UNMOUNT_REFUSED = "user.zshardfs.unmount_refused"
+#: seconds an unmount announced so is watched for
+UNMOUNT_WATCH = 30.0
+#: seconds the FUSE connection may outlive the mount here before it is
+#: taken as held by a copy of the mount in another mount namespace (the
+#: kernel ends it as the unmount returns: at once)
+CONNECTION_GRACE = 1.0
 
 #: "reopen your log file" (what logrotate postrotate scripts send: HUP, or
 #: USR1 as for nginx); never a stop
@@ -141,6 +158,57 @@ def build_view(cfg: MountConfig, backend) -> View:
                 shard_option=cfg.shard)
 
 
+def _own_mount(mountpoint: str) -> tuple[str, str, str] | None:
+    """(mount ID, device, mount point) of the FUSE mount on ``mountpoint``
+    in this process's mount namespace (the last one, /proc/self/mountinfo),
+    or None."""
+    found = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 5 or " - " not in line:
+                    continue
+                fstype = line.split(" - ", 1)[1].split()[0]
+                where = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+                if where == mountpoint and fstype.startswith("fuse"):
+                    found = (fields[0], fields[2], fields[4])
+    except OSError:
+        return None
+    return found
+
+
+def _mounted_here(mount: tuple[str, str, str]) -> bool:
+    """Whether /proc/self/mountinfo still lists ``mount`` (see _own_mount)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return any(tuple(line.split()[0:3:2] + line.split()[4:5]) == mount for line in f)
+    except OSError:
+        return True  # (cannot tell: as if mounted, nothing is ended)
+
+
+def _fuse_fd() -> int | None:
+    """This process's /dev/fuse descriptor (the session's), or None."""
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
+                    return int(name)
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return None
+
+
+def _connection_alive(fd: int) -> bool:
+    """Whether the kernel still serves the FUSE connection of ``fd`` (it
+    reports POLLERR once the connection ended: the last mount of it gone)."""
+    p = select.poll()
+    p.register(fd, 0)
+    return not any(ev & (select.POLLERR | select.POLLNVAL) for _, ev in p.poll(0))
+
+
 def _fuse_init(ops, mountpoint: str, options) -> None:
     """``pyfuse3.init``, with what libfuse (or the fusermount3 it runs) writes
     to stderr when the mount fails taken into the RuntimeError ("fuse: failed
@@ -192,6 +260,11 @@ class Mount:
                                malloc_trim() if cfg.malloc_trim == "on" else None)
         self._give_up = False  # a second SIGTERM/SIGINT: exit without storing the rest
         self.lost = False  # exited without storing everything (the exit status says so)
+        self._nursery = None  # (serve's, while it runs)
+        self._stopping: trio.CancelScope | None = None  # a stop (SIGTERM...) under way
+        self._watching: trio.CancelScope | None = None  # an unmount ``zshardfs umount`` announced is watched for
+        self._unmounted_here = False  # ended while only a copy elsewhere held the mount
+        self._mount = None  # (see _own_mount)
 
     def _activity(self) -> tuple:
         """Changes whenever the mount reads, looks up, lists or stores."""
@@ -284,16 +357,74 @@ class Mount:
             return json.dumps(self.stats()).encode()
         if name == XATTR_PID:
             return str(os.getpid()).encode()
+        if name == XATTR_UNMOUNTING:
+            self._may_sync(uid)
+            if self._nursery is None or self._mount is None:
+                return None  # (cannot watch: as an older daemon)
+            if self._watching is None:
+                self._watching = trio.CancelScope()
+                self._nursery.start_soon(self._watch_unmount, self._watching)
+            return b"watching"
+        if name == XATTR_UNMOUNT_REFUSED:
+            self._may_sync(uid)
+            if self._watching is not None:
+                self._watching.cancel()
+                self._watching = None
+            return b"not watching"
         return None
+
+    async def _watch_unmount(self, scope: trio.CancelScope) -> None:
+        """``zshardfs umount`` announces its ``fusermount3 -u`` (which only
+        succeeds when nothing in its mount namespace uses the mount): once
+        the mount is gone from this namespace, the kernel ends the FUSE
+        connection and ``pyfuse3.main`` returns, unless a copy of the mount
+        lives on in another mount namespace, made while it was mounted (by
+        ``unshare -m``, a container: a private namespace copies every mount
+        there is, and an unmount here does not reach it). The daemon then
+        served that copy for as long as it lived, and the unmount waited its
+        whole ``--timeout`` for it to end ("still running"). The owner asked
+        for the end: the daemon stores what it holds and ends, as at
+        SIGTERM (that copy then fails, ENOTCONN), without unmounting its
+        mount point by name: something else may be mounted there by then."""
+        with scope:
+            await self._watch_unmount_now()
+        if self._watching is scope:
+            self._watching = None
+
+    async def _watch_unmount_now(self) -> None:
+        fd = _fuse_fd()
+        if fd is None:
+            return
+        end = trio.current_time() + UNMOUNT_WATCH
+        while trio.current_time() < end:
+            await trio.sleep(0.05)
+            if _mounted_here(self._mount):
+                continue
+            gone = trio.current_time()
+            while trio.current_time() - gone < CONNECTION_GRACE:
+                if not _connection_alive(fd):
+                    return  # the usual end: pyfuse3.main returns
+                await trio.sleep(0.02)
+            self._unmounted_here = True
+            if self._stopping is None:
+                log.warning("unmounted %s, but a copy of the mount lives on in another mount namespace (made "
+                            "while it was mounted: unshare -m, a container); ending as asked: storing what is "
+                            "in memory, then exiting (that copy fails from now on: ENOTCONN)", self.cfg.mountpoint)
+                self._begin_stop(self._nursery)
+            return
 
     async def serve(self, ready=None) -> None:
         _fuse_init(self.ops, self.cfg.mountpoint, fuse_options(self.cfg))
         log.info("mounted %s on %s (%s)", self.store.url, self.cfg.mountpoint, "ro" if self.cfg.read_only else "rw")
         if ready is not None:
             ready()
-        unmount = True
+        # (as mountinfo names it; no stat of the mount point itself: its
+        # GETATTR would wait for this daemon, which serves only below)
+        where = os.path.abspath(self.cfg.mountpoint)
+        self._mount = _own_mount(os.path.join(os.path.realpath(os.path.dirname(where)), os.path.basename(where)))
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 nursery.start_soon(self._signals, nursery)
                 await nursery.start(self.writeback.run)
                 self.shards.start(nursery)
@@ -304,9 +435,11 @@ class Mount:
             log.exception("main loop failed")
             raise
         finally:
+            self._nursery = None
             self.shards.start(None)  # (its nursery is closed)
             await self._final_sync()
-            pyfuse3.close(unmount=unmount)
+            # (not by name when the mount here is gone: see _watch_unmount)
+            pyfuse3.close(unmount=not self._unmounted_here)
             self.store.close()
             log.info("unmounted %s", self.cfg.mountpoint)
 
@@ -320,20 +453,22 @@ class Mount:
         again gives up storing (systemd sends it after TimeoutStopSec, see
         systemd/zshardfs@.service).  SIGHUP, SIGUSR1: reopen the log file."""
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, *REOPEN_SIGNALS) as signals:
-            stopping = None
             async for signum in signals:
                 if signum in REOPEN_SIGNALS:
                     self._reopen_log(signum)
                     continue
                 name = signal.Signals(signum).name
-                if stopping is None:
+                if self._stopping is None:
                     log.info("signal %s: storing what is in memory, then unmounting", name)
-                    stopping = trio.CancelScope()
-                    nursery.start_soon(self._stop, stopping)
+                    self._begin_stop(nursery)
                 else:
                     log.warning("signal %s again: exiting without storing what is left", name)
                     self._give_up = True
-                    stopping.cancel()
+                    self._stopping.cancel()
+
+    def _begin_stop(self, nursery) -> None:
+        self._stopping = trio.CancelScope()
+        nursery.start_soon(self._stop, self._stopping)
 
     async def _stop(self, scope: trio.CancelScope) -> None:
         with scope:
