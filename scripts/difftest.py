@@ -19,7 +19,8 @@ generator), and with --minimize the smallest subsequence that still diverges.
 A run that passes prints PASS and its summary: ops, remounts, kills, stretches of
 faults, ops failed under them, race ops (races; race_held: with a descriptor held;
 race_watch, race_mover: each kind of observation and of the mover's steps).
-Exit 0: no divergence; 1: a divergence.
+Exit 0: no divergence; 1: a divergence. Ctrl-C, SIGTERM and SIGHUP end a run as a
+divergence does: its mounts are taken down and its daemons ended, none left behind.
 """
 
 from __future__ import annotations
@@ -28,12 +29,17 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests import difftest as dt  # noqa: E402
+
+
+def _on_signal(signum, frame):
+    raise SystemExit(128 + signum)  # (unwinds through the run's teardown: its mounts and daemons end)
 
 
 def main() -> int:
@@ -56,6 +62,8 @@ def main() -> int:
     ap.add_argument("--base", default="/tmp/zshardfs-difftest", help="where runs and repro files go")
     ap.add_argument("--keep", action="store_true", help="keep the work directory of a run that passed")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGHUP, _on_signal)
     base = Path(args.base)
     base.mkdir(parents=True, exist_ok=True)
     layout, backend, opts = args.layout, args.backend, [o for o in args.opts.split(",") if o]

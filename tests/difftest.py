@@ -110,7 +110,7 @@ from tests import peers_zarr as pz
 from tests.conftest import ZSHARDFS as ZS
 from tests.conftest import run_mount
 from tests.peers_zarr import ZarrCase
-from tests.util import process_running, wait_for
+from tests.util import process_running, take_down, wait_for
 
 PLAIN_FILES = ["notes.txt", "plain/a.bin", "plain/b.bin", "plain/sub/c.bin", "top.bin"]
 PLAIN_DIRS = ["plain", "plain/sub", "plain/new"]
@@ -725,6 +725,8 @@ class Env:
         self.bucket = None
         self.proxy = None  # (S3) the TcpProxy the mount talks through: network faults (op ``faults``)
         self.mount_count = 0
+        #: mount point -> pid of the daemon this run started there last (teardown ends each)
+        self.daemons: dict[Path, int | None] = {}
 
     # -- setup
     def setup(self, server=None):
@@ -760,10 +762,18 @@ class Env:
         extra = [] if self.backend == "local" else ["--endpoint-url", self.proxy.endpoint_url]
         if mnt is None:
             self.mount_count += 1
-        r = run_mount(self.source, mnt or self.mnt, *self.opts, *opts, log=self.work / log, extra=extra, check=False)
+        where = mnt or self.mnt
+        try:
+            r = run_mount(self.source, where, *self.opts, *opts, log=self.work / log, extra=extra, check=False)
+        finally:
+            if os.path.ismount(where):  # (also when the mount command was interrupted)
+                try:
+                    self.daemons[where] = int(os.getxattr(where, "user.zshardfs.pid"))
+                except (OSError, ValueError):
+                    self.daemons[where] = None
         if r.returncode:
             raise RuntimeError(f"mount failed: {r.stderr}")
-        pid = int(os.getxattr(mnt or self.mnt, "user.zshardfs.pid"))
+        pid = self.daemons[where]
         if mnt is None:
             self.pid = pid
         return pid
@@ -781,12 +791,20 @@ class Env:
         subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
 
     def teardown(self):
+        """Take down what the run started, however it ended (a divergence, an exception,
+        KeyboardInterrupt, SIGTERM through scripts/difftest.py): the mount unmounted, and where
+        that is refused (a file it could not store yet: right after network faults storage
+        calls fail fast, SEMANTICS 5.5) or fails, each mount point detached and its daemon
+        ended (tests.util.take_down), before the proxy it talks through closes: a daemon left
+        detached would retry storing every 30 s for ever."""
         try:
             if os.path.ismount(self.mnt):
                 self.umount()
         except Exception:
             pass
-        subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+        finally:
+            for mnt, pid in [(self.mnt, None), *self.daemons.items()]:
+                take_down(mnt, pid)
         if self.proxy is not None:
             self.proxy.close()
         if self.server and self.bucket:
@@ -1425,12 +1443,17 @@ class Applier:
             procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(items)], stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE))
         errs = []
-        for pr in procs:
-            out, err = pr.communicate(timeout=120)
-            if pr.returncode == 1 and out.strip():
-                errs.append(out.decode().strip())
-            elif pr.returncode:
-                errs.append("crashed: " + err.decode()[-300:])
+        try:
+            for pr in procs:
+                out, err = pr.communicate(timeout=120)
+                if pr.returncode == 1 and out.strip():
+                    errs.append(out.decode().strip())
+                elif pr.returncode:
+                    errs.append("crashed: " + err.decode()[-300:])
+        finally:
+            for pr in procs:  # (a run aborted meanwhile leaves no writer behind)
+                if pr.poll() is None:
+                    pr.kill()
         return "ok" if not errs else "fail:" + ";".join(errs)
 
     def _race_states(self, op, done: int | None = None) -> tuple[list, list, list]:
@@ -2187,13 +2210,13 @@ class Runner:
             return out
         check = env.work / "mnt-check"
         check.mkdir(exist_ok=True)
-        env.mount(check, ("ro",), log="daemon-check.log")
+        pid = env.mount(check, ("ro",), log="daemon-check.log")
         try:
             fs, _, ps = snapshot(check, env.names)
         finally:
             r = subprocess.run([*ZS, "umount", str(check)], capture_output=True, text=True, timeout=180)
             if r.returncode:
-                subprocess.run(["fusermount3", "-uz", str(check)], capture_output=True)
+                take_down(check, pid)
         out = [f"store: {p}" for p in ps]
         for rel in sorted(set(fs) | set(self.durable)):
             a, b = fs.get(rel), self.durable.get(rel)

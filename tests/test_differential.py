@@ -24,11 +24,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from tests import difftest as dt
 from tests import peers_zarr as P
+from tests.util import process_running, take_down, wait_for
 
 #: (layout, backend, seed, steps); layouts in tests/difftest.py LAYOUTS.
 CASES = [
@@ -196,3 +203,61 @@ def test_the_run_summary_counts_race_ops(tmp_path):
     assert summary["races"] == len(races), summary
     assert summary["race_held"] == sum(1 for op in races if op["hold"]), summary
     assert (summary["race_watch"], summary["race_mover"]) == (watch, mover), summary
+
+
+def _daemons(base) -> dict[int, Path]:
+    """The daemons whose logs lie below ``base`` (``zshardfs[PID]`` in each line): pid -> mount point."""
+    return {int(pid): log.parent / ("mnt-check" if log.name == "daemon-check.log" else "mnt")
+            for log in base.rglob("daemon*.log") for pid in re.findall(r"zshardfs\[(\d+)\]", log.read_text())}
+
+
+def _left_behind(base) -> list[str]:
+    """Daemons still running and mounts still up below ``base`` (then taken down: a failed
+    check leaves nothing either)."""
+    daemons = _daemons(base)
+    running = [pid for pid in daemons if process_running(pid)]
+    with open("/proc/mounts") as f:
+        mounts = [line.split()[1] for line in f if line.split()[1].startswith(str(base))]
+    for pid, mnt in daemons.items():
+        take_down(mnt, pid)
+    return [f"daemon {pid}" for pid in running] + mounts
+
+
+def test_a_run_aborted_while_a_chunk_is_not_stored_leaves_no_daemon(tmp_path, moto_server, monkeypatch):
+    """A run interrupted (KeyboardInterrupt) under network faults, a chunk written and not
+    stored: the unmount of the teardown is refused (storage calls still fail fast, SEMANTICS
+    5.5), and the teardown only detached the mount (fusermount3 -uz): its daemon went on
+    retrying the store every 30 s for ever, through a proxy that was gone. Now each daemon the
+    run started is ended, and no mount is left."""
+    def op_abort(self, op):
+        assert "failed" in self.op_sync(op)  # (the write cannot be stored now)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dt.Applier, "op_abort", op_abort, raising=False)
+    moto_server.ensure_running()
+    ops = [{"op": "write", "path": "arr/c/0/0", "data": ["rnd", 2, 17], "pieces": 1},
+           {"op": "faults", "p": 1.0, "seed": 1, "kinds": ["reset"]},
+           {"op": "abort"}]
+    with pytest.raises(KeyboardInterrupt):
+        dt.run("basic", "s3", base=tmp_path, ops=ops, server=moto_server)
+    assert _daemons(tmp_path)
+    assert not _left_behind(tmp_path)
+
+
+def test_difftest_ended_by_sigterm_leaves_no_daemon_or_mount(tmp_path):
+    """scripts/difftest.py ended by SIGTERM (a timeout's kill, a CI job cancelled) died at once,
+    its mount and daemon left running. Now SIGTERM unwinds through the run's teardown."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "difftest.py"
+    proc = subprocess.Popen([sys.executable, str(script), "--seed", "1", "--steps", "100000", "--base", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert wait_for(lambda: any(log.read_text().count(" mounted ") for log in tmp_path.rglob("daemon.log")),
+                        timeout=60, interval=0.1), "no mount within 60 s"
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stdout.read()[-3000:]
+    assert not _left_behind(tmp_path)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
+from pathlib import Path
 
 from zshardfs.cli import process_running
 
-__all__ = ["process_running", "wait_for"]  # process_running: the CLI's own notion of "still running"
+__all__ = ["process_running", "wait_for", "take_down"]  # process_running: the CLI's own notion of "still running"
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02):
@@ -18,6 +22,33 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02):
             return value
         time.sleep(interval)
     return predicate()
+
+
+def take_down(mountpoint, pid: int | None, timeout: float = 10.0) -> None:
+    """A harness's last word on a mount it made: the mount point detached (``fusermount3
+    -uz``) and the daemon ``pid`` ended if it still runs: SIGTERM (a daemon still storing what
+    its unmount could not, e.g. with storage unreachable, then gives up: SEMANTICS 4.8), then
+    SIGKILL. Never leaves a daemon behind retrying storage that is gone; a pid that no
+    longer names the daemon of ``mountpoint`` is left alone."""
+    subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)
+    if pid is None:
+        return
+
+    def ours() -> bool:
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return bool({os.fsencode(str(mountpoint)), os.fsencode(os.path.abspath(mountpoint))} & set(args)) \
+            and process_running(pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not ours():
+            return
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        wait_for(lambda: not process_running(pid), timeout=timeout, interval=0.05)
 
 
 def store_with_links_out(tmp_path):
