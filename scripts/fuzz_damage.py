@@ -8,8 +8,8 @@ that the rest of the store reads as before. The suite checks hand-picked cases; 
 draws the damage at random.
 
 For each seed it copies a good store of LAYOUT (built once by the peers in tests/, kept
-in --cache; without it, built into a directory of the run's own, as runs at once would
-disturb each other's), damages 1-3 of its objects (bit flips and byte runs in shard indexes,
+in --cache, where runs at once sharing it build it once, under a lock; without it, built
+into a directory of the run's own), damages 1-3 of its objects (bit flips and byte runs in shard indexes,
 minishard indexes and data, truncation, zero-length and extended files, a file where a
 directory is expected and the reverse, metadata JSON made malformed or given wrong types
 and values), then mounts it read-only and read-write (``-o timeout=5``) and, in a child
@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -137,16 +138,23 @@ BUILDERS = {"zarr": _build_zarr, "zarr2": _build_zarr2, "pc_volume": _build_pc_v
 
 
 def good_store(cache: Path, layout: str) -> Path:
-    """The good store of ``layout``, built once into ``cache``."""
+    """The good store of ``layout``, built once into ``cache``: under an exclusive lock of
+    ``cache/LAYOUT.lock``, so that runs at once sharing a ``--cache`` build it once (the others
+    wait for it) instead of into one another."""
     path = cache / layout
     done = cache / f"{layout}.complete"
-    if not done.exists():
-        shutil.rmtree(path, ignore_errors=True)
-        shutil.rmtree(cache / (layout + "-twin"), ignore_errors=True)
-        shutil.rmtree(cache / (layout + "-tmp"), ignore_errors=True)
-        path.mkdir(parents=True)
-        BUILDERS[layout](path)
-        done.write_text("")
+    if done.exists():
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{layout}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when closed, also by a run that dies)
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(cache / (layout + "-twin"), ignore_errors=True)
+            shutil.rmtree(cache / (layout + "-tmp"), ignore_errors=True)
+            path.mkdir(parents=True)
+            BUILDERS[layout](path)
+            done.write_text("")
     return path
 
 

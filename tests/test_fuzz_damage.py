@@ -16,6 +16,8 @@ run more seeds with the script after changing how damage is read.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,3 +136,47 @@ def test_each_run_has_its_own_directories_unless_given(fuzz, tmp_path, monkeypat
     assert main() == 1
     assert (seen[-1][1] / "made").exists() and not seen[-1][0].exists()  # runs kept, not the good stores
     assert f"kept in {seen[-1][1]}" in capsys.readouterr().out
+
+
+#: a child building a good store into a shared cache once told to go (on stdin): prints a
+#: digest of the store's files and their names
+_BUILD = """
+import hashlib, importlib.util, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("fuzz_damage", sys.argv[1])
+fuzz = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fuzz)
+print("ready", flush=True)
+sys.stdin.readline()
+files = fuzz.storage_files(fuzz.good_store(Path(sys.argv[2]), sys.argv[3]))
+print(hashlib.sha256(repr(sorted(files.items())).encode()).hexdigest(), sorted(files), flush=True)
+"""
+
+
+@pytest.mark.parametrize("layout", ["zarr", "pc_kv"])
+def test_runs_sharing_a_cache_build_its_good_store_once(layout, tmp_path):
+    """Two runs given the same --cache at once both found the good store unbuilt and built it
+    into one another (one removing the other's files: a FileExistsError or a store missing
+    files). Now the build holds a lock of the cache: the second waits and uses the first's;
+    both get the same whole store."""
+    cache = tmp_path / "cache"
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD, str(SCRIPT), str(cache), layout], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready", p.communicate(timeout=60)
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    alone = tmp_path / "alone"
+    code = _BUILD.replace('print("ready", flush=True)\nsys.stdin.readline()\n', "")
+    ref = subprocess.run([sys.executable, "-c", code, str(SCRIPT), str(alone), layout], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    (a, names_a), (b, names_b), (_, names) = [out.split(" ", 1) for out in (outs[0][0], outs[1][0], ref)]
+    assert a == b and names_a == names_b == names  # (one build, used by both; whole: the files of a build alone)
