@@ -126,6 +126,37 @@ def bucket(moto_server, s3_bucket, array):
     return name
 
 
+@pytest.fixture
+def proxied(mount, moto_server, bucket):
+    """``proxied(*opts, files={name: bytes}) -> (Mounted, TcpProxy)``: ``files`` stored below
+    ``PREFIX`` (names relative to it), then a read-write mount of ``bucket``'s ``PREFIX``
+    through a :class:`TcpProxy` to the server (``proxy.faults``, ``proxy.hold``). At teardown
+    the faults are taken off and the mount unmounted before the proxy closes (an unmount
+    through a closed proxy could not store what the mount holds)."""
+    made = []
+
+    def _proxied(*opts: str, files: dict[str, bytes] | None = None):
+        client = moto_server.client()
+        for name, body in (files or {}).items():
+            client.put_object(Bucket=bucket, Key=f"{PREFIX}/{name}", Body=body)
+        proxy = TcpProxy(moto_server.port)
+        try:
+            m = mount(f"s3://{bucket}/{PREFIX}", *opts, extra=["--endpoint-url", proxy.endpoint_url])
+        except BaseException:
+            proxy.close()
+            raise
+        made.append((m, proxy))
+        return m, proxy
+
+    yield _proxied
+    for m, proxy in made:
+        proxy.faults = None
+        proxy.go()
+        if m.mounted:
+            m.umount(check=False)
+        proxy.close()
+
+
 def s3_mount(mount, server, bucket: str, *opts: str, endpoint: str | None = None):
     return mount(f"s3://{bucket}/{PREFIX}", "ro", *opts,
                  extra=["--endpoint-url", endpoint or server.endpoint_url])
@@ -657,7 +688,7 @@ def test_a_truncate_during_a_slow_revalidation_is_not_undone(mount, moto_server,
     assert not re.search(r"Traceback|replaced by another client", m.log_text())
 
 
-def test_a_truncate_during_an_open_that_finds_a_new_version_is_not_undone(mount, moto_server, bucket):
+def test_a_truncate_during_an_open_that_finds_a_new_version_is_not_undone(proxied, moto_server, bucket):
     """An open that fills the page cache (``open_fill``) finds the file
     replaced by another client since the kernel learned its size, and asks
     storage what it is now (a HEAD, answered late); meanwhile a truncate
@@ -666,32 +697,29 @@ def test_a_truncate_during_an_open_that_finds_a_new_version_is_not_undone(mount,
     the version it had been told of (getattr then gave its size, and the
     read, pinned to it, failed with EIO), as getattr did before
     test_a_truncate_during_a_slow_revalidation_is_not_undone's fix."""
-    key = f"{PREFIX}/renew-{uuid.uuid4().hex}.bin"
-    client = moto_server.client()
-    client.put_object(Bucket=bucket, Key=key, Body=b"1" * 512)
-    with TcpProxy(moto_server.port) as proxy:
-        m = mount(f"s3://{bucket}/{PREFIX}", "attr_timeout=60", "flush_delay=inf", "open_fill=64k",
-                  extra=["--endpoint-url", proxy.endpoint_url])
-        path = m.path / key[len(PREFIX) + 1:]
-        assert os.stat(path).st_size == 512
-        new = bytes(range(256)) + b"2" * 44
-        client.put_object(Bucket=bucket, Key=key, Body=new)  # another client
-        proxy.hold(lambda first: first.startswith(f"HEAD /{bucket}/{key} ".encode()))
-        with ThreadPoolExecutor(1) as pool:
-            opened = pool.submit(os.open, path, os.O_RDONLY)
-            assert proxy.holding.wait(10), "the open did not ask what the file is now"
-            os.truncate(path, 100)
-            proxy.go()
-            fd = opened.result(timeout=10)
-        try:
-            assert os.fstat(fd).st_size == 100
-            assert os.pread(fd, 4096, 0) == new[:100]
-        finally:
-            os.close(fd)
-        assert os.stat(path).st_size == 100 and read_file(path) == new[:100]
+    name = f"renew-{uuid.uuid4().hex}.bin"
+    key, client = f"{PREFIX}/{name}", moto_server.client()
+    m, proxy = proxied("attr_timeout=60", "flush_delay=inf", "open_fill=64k", files={name: b"1" * 512})
+    path = m.path / name
+    assert os.stat(path).st_size == 512
+    new = bytes(range(256)) + b"2" * 44
+    client.put_object(Bucket=bucket, Key=key, Body=new)  # another client
+    proxy.hold(lambda first: first.startswith(f"HEAD /{bucket}/{key} ".encode()))
+    with ThreadPoolExecutor(1) as pool:
+        opened = pool.submit(os.open, path, os.O_RDONLY)
+        assert proxy.holding.wait(10), "the open did not ask what the file is now"
+        os.truncate(path, 100)
+        proxy.go()
+        fd = opened.result(timeout=10)
+    try:
+        assert os.fstat(fd).st_size == 100
+        assert os.pread(fd, 4096, 0) == new[:100]
+    finally:
+        os.close(fd)
+    assert os.stat(path).st_size == 100 and read_file(path) == new[:100]
     assert "Traceback" not in m.log_text()
 
-def test_a_truncate_whose_store_fails_shows_the_size_it_keeps(mount, moto_server, bucket):
+def test_a_truncate_whose_store_fails_shows_the_size_it_keeps(proxied, moto_server, bucket):
     """A truncate of a plain file whose PUT fails (every try cut by the
     network) is EIO, and the daemon keeps the new size in memory and
     stores it with the next flush, as a write's close (4.6).  The kernel
@@ -700,25 +728,22 @@ def test_a_truncate_whose_store_fails_shows_the_size_it_keeps(mount, moto_server
     stored the truncated file (the differential tester's network faults
     found it).  The kernel is now told to ask again: the mount shows what
     it will store."""
-    key = f"{PREFIX}/trunc-{uuid.uuid4().hex}.bin"
-    client = moto_server.client()
-    client.put_object(Bucket=bucket, Key=key, Body=b"A" * 100)
-    with TcpProxy(moto_server.port) as proxy:
-        m = mount(f"s3://{bucket}/{PREFIX}", "attr_timeout=60", "flush_delay=inf",
-                  extra=["--endpoint-url", proxy.endpoint_url])
-        path = m.path / key[len(PREFIX) + 1:]
-        assert os.stat(path).st_size == 100 and read_file(path) == b"A" * 100
-        proxy.faults = Faults(1.0, ("reset",), methods=frozenset({"PUT"}))
-        with pytest.raises(OSError) as failed:
-            os.truncate(path, 10)
-        assert failed.value.errno == errno.EIO
-        proxy.faults = None
-        assert os.stat(path).st_size == 10 and read_file(path) == b"A" * 10
-        # (the PUT that failed just now fails fast for a moment: SEMANTICS 5.5)
-        assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0,
-                        timeout=15, interval=0.3)
-        assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == b"A" * 10
-        assert os.stat(path).st_size == 10 and read_file(path) == b"A" * 10
+    name = f"trunc-{uuid.uuid4().hex}.bin"
+    key, client = f"{PREFIX}/{name}", moto_server.client()
+    m, proxy = proxied("attr_timeout=60", "flush_delay=inf", files={name: b"A" * 100})
+    path = m.path / name
+    assert os.stat(path).st_size == 100 and read_file(path) == b"A" * 100
+    proxy.faults = Faults(1.0, ("reset",), methods=frozenset({"PUT"}))
+    with pytest.raises(OSError) as failed:
+        os.truncate(path, 10)
+    assert failed.value.errno == errno.EIO
+    proxy.faults = None
+    assert os.stat(path).st_size == 10 and read_file(path) == b"A" * 10
+    # (the PUT that failed just now fails fast for a moment: SEMANTICS 5.5)
+    assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0,
+                    timeout=15, interval=0.3)
+    assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == b"A" * 10
+    assert os.stat(path).st_size == 10 and read_file(path) == b"A" * 10
     assert "Traceback" not in m.log_text()
 
 @pytest.mark.parametrize("cut", [12, 40, "anywhere"])
@@ -753,7 +778,7 @@ def test_an_answer_cut_in_its_headers_is_no_answer(mount, moto_server, bucket, a
     assert "Traceback" not in m.log_text()
 
 
-def test_a_put_whose_connection_closes_after_100_continue_ends(mount, moto_server, bucket):
+def test_a_put_whose_connection_closes_after_100_continue_ends(proxied, moto_server, bucket):
     """The connection of a PUT closes right after the ``HTTP/1.1 100`` of
     the server's ``100 Continue`` (botocore sends ``Expect: 100-continue``):
     botocore then read lines until an empty one for ever, a worker spinning on the CPU,
@@ -763,25 +788,23 @@ def test_a_put_whose_connection_closes_after_100_continue_ends(mount, moto_serve
     unmounted (the differential tester's network faults).  The mount no
     longer asks for ``100 Continue``: the cut PUT fails and is tried again,
     and once the network is whole a sync stores the file."""
-    key = f"{PREFIX}/put-{uuid.uuid4().hex}.bin"
-    with TcpProxy(moto_server.port) as proxy:
-        m = mount(f"s3://{bucket}/{PREFIX}", "timeout=6", "flush_delay=inf",
-                  extra=["--endpoint-url", proxy.endpoint_url])
-        path = m.path / key[len(PREFIX) + 1:]
-        proxy.faults = Faults(1.0, ("cut",), methods=frozenset({"PUT"}), cuts=(12,))
-        began = time.monotonic()
-        with pytest.raises(OSError) as failed:
-            path.write_bytes(b"B" * 5000)
-        assert failed.value.errno == errno.EIO and time.monotonic() - began < 10
-        proxy.faults = None
-        assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0,
-                        timeout=20, interval=0.3), "the file is not stored once the network is whole"
-        assert moto_server.client().get_object(Bucket=bucket, Key=key)["Body"].read() == b"B" * 5000
+    name = f"put-{uuid.uuid4().hex}.bin"
+    m, proxy = proxied("timeout=6", "flush_delay=inf")
+    path = m.path / name
+    proxy.faults = Faults(1.0, ("cut",), methods=frozenset({"PUT"}), cuts=(12,))
+    began = time.monotonic()
+    with pytest.raises(OSError) as failed:
+        path.write_bytes(b"B" * 5000)
+    assert failed.value.errno == errno.EIO and time.monotonic() - began < 10
+    proxy.faults = None
+    assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0,
+                    timeout=20, interval=0.3), "the file is not stored once the network is whole"
+    assert moto_server.client().get_object(Bucket=bucket, Key=f"{PREFIX}/{name}")["Body"].read() == b"B" * 5000
     assert "Traceback" not in m.log_text()
 
 
 @pytest.mark.parametrize("op", ["rename", "unlink"])
-def test_a_file_whose_delete_may_have_landed_is_not_shown_from_the_kernel_s_cache(mount, moto_server, bucket, op):
+def test_a_file_whose_delete_may_have_landed_is_not_shown_from_the_kernel_s_cache(proxied, moto_server, bucket, op):
     """A rename (copy, then delete) or unlink of a plain file whose DELETE
     reached the server but whose every answer was cut is EIO, and the file
     may be gone (it is: the server acted).  The kernel, told of a failure,
@@ -791,30 +814,27 @@ def test_a_file_whose_delete_may_have_landed_is_not_shown_from_the_kernel_s_cach
     now forgets the names such a failure leaves in doubt, and asks again."""
     name = f"del-{uuid.uuid4().hex}.bin"
     client = moto_server.client()
-    client.put_object(Bucket=bucket, Key=f"{PREFIX}/{name}", Body=b"D" * 300)
-    with TcpProxy(moto_server.port) as proxy:
-        m = mount(f"s3://{bucket}/{PREFIX}", "attr_timeout=60", "flush_delay=inf",
-                  extra=["--endpoint-url", proxy.endpoint_url])
-        path = m.path / name
-        assert read_file(path) == b"D" * 300
-        proxy.faults = Faults(1.0, ("cut",), methods=frozenset({"DELETE"}), cuts=(0,))
-        with pytest.raises(OSError) as failed:
-            if op == "rename":
-                os.rename(path, m.path / f"moved-{name}")
-            else:
-                os.unlink(path)
-        assert failed.value.errno == errno.EIO
-        proxy.faults = None
-        assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix=f"{PREFIX}/{name}")  # (it landed)
-        # (the kernel forgets the entry soon after the failed call: asynchronously)
-        assert wait_for(lambda: not os.path.exists(path), timeout=5), "the mount still shows the file"
-        assert name not in os.listdir(m.path)
+    m, proxy = proxied("attr_timeout=60", "flush_delay=inf", files={name: b"D" * 300})
+    path = m.path / name
+    assert read_file(path) == b"D" * 300
+    proxy.faults = Faults(1.0, ("cut",), methods=frozenset({"DELETE"}), cuts=(0,))
+    with pytest.raises(OSError) as failed:
         if op == "rename":
-            assert read_file(m.path / f"moved-{name}") == b"D" * 300
+            os.rename(path, m.path / f"moved-{name}")
+        else:
+            os.unlink(path)
+    assert failed.value.errno == errno.EIO
+    proxy.faults = None
+    assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix=f"{PREFIX}/{name}")  # (it landed)
+    # (the kernel forgets the entry soon after the failed call: asynchronously)
+    assert wait_for(lambda: not os.path.exists(path), timeout=5), "the mount still shows the file"
+    assert name not in os.listdir(m.path)
+    if op == "rename":
+        assert read_file(m.path / f"moved-{name}") == b"D" * 300
     assert "Traceback" not in m.log_text()
 
 @pytest.mark.parametrize("delete", ["cut", "stored"])
-def test_a_file_whose_store_failed_stays_when_its_directory_s_last_stored_file_goes(mount, moto_server, bucket, delete):
+def test_a_file_whose_store_failed_stays_when_its_directory_s_last_stored_file_goes(proxied, moto_server, bucket, delete):
     """A new plain file whose close failed (every PUT refused: kept in
     memory and retried, 4.6) in a directory whose only stored file is then
     removed, by an unlink that fails after its DELETE landed (``cut``) or
@@ -827,37 +847,34 @@ def test_a_file_whose_store_failed_stays_when_its_directory_s_last_stored_file_g
     stored once the network is whole."""
     d = f"dir-{uuid.uuid4().hex[:8]}"
     client = moto_server.client()
-    client.put_object(Bucket=bucket, Key=f"{PREFIX}/{d}/old.bin", Body=b"O" * 300)
-    with TcpProxy(moto_server.port) as proxy:
-        m = mount(f"s3://{bucket}/{PREFIX}", "attr_timeout=0.2", "flush_delay=inf",
-                  extra=["--endpoint-url", proxy.endpoint_url])
-        assert os.listdir(m.path / d) == ["old.bin"]
-        proxy.faults = Faults(1.0, ("503",), methods=frozenset({"PUT"}))
+    m, proxy = proxied("attr_timeout=0.2", "flush_delay=inf", files={f"{d}/old.bin": b"O" * 300})
+    assert os.listdir(m.path / d) == ["old.bin"]
+    proxy.faults = Faults(1.0, ("503",), methods=frozenset({"PUT"}))
+    with pytest.raises(OSError) as failed:
+        (m.path / d / "new.bin").write_bytes(b"N" * 1000)
+    assert failed.value.errno == errno.EIO
+    assert read_file(m.path / d / "new.bin") == b"N" * 1000
+    if delete == "cut":
+        proxy.faults = Faults(1.0, ("cut",), methods=frozenset({"DELETE"}), cuts=(0,))
         with pytest.raises(OSError) as failed:
-            (m.path / d / "new.bin").write_bytes(b"N" * 1000)
-        assert failed.value.errno == errno.EIO
-        assert read_file(m.path / d / "new.bin") == b"N" * 1000
-        if delete == "cut":
-            proxy.faults = Faults(1.0, ("cut",), methods=frozenset({"DELETE"}), cuts=(0,))
-            with pytest.raises(OSError) as failed:
-                os.unlink(m.path / d / "old.bin")
-            assert failed.value.errno == errno.EIO
-        else:
-            proxy.faults = Faults(1.0, ("503",), methods=frozenset({"PUT"}))
             os.unlink(m.path / d / "old.bin")
-        assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix=f"{PREFIX}/{d}/")  # (nothing stored there now)
-        for _ in range(2):
-            time.sleep(0.5 + (6 if delete == "stored" else 0))
-            assert d in os.listdir(m.path), "the directory of the file held in memory is gone"
-            assert os.listdir(m.path / d) == ["new.bin"], "the file held in memory is gone"
-            assert read_file(m.path / d / "new.bin") == b"N" * 1000
-        with pytest.raises(OSError) as failed:
-            os.rmdir(m.path / d)
-        assert failed.value.errno == errno.ENOTEMPTY
-        proxy.faults = None
-        assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0,
-                        timeout=15, interval=0.3), "the file is not stored once the network is whole"
-        assert client.get_object(Bucket=bucket, Key=f"{PREFIX}/{d}/new.bin")["Body"].read() == b"N" * 1000
+        assert failed.value.errno == errno.EIO
+    else:
+        proxy.faults = Faults(1.0, ("503",), methods=frozenset({"PUT"}))
+        os.unlink(m.path / d / "old.bin")
+    assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix=f"{PREFIX}/{d}/")  # (nothing stored there now)
+    for _ in range(2):
+        time.sleep(0.5 + (6 if delete == "stored" else 0))
+        assert d in os.listdir(m.path), "the directory of the file held in memory is gone"
+        assert os.listdir(m.path / d) == ["new.bin"], "the file held in memory is gone"
+        assert read_file(m.path / d / "new.bin") == b"N" * 1000
+    with pytest.raises(OSError) as failed:
+        os.rmdir(m.path / d)
+    assert failed.value.errno == errno.ENOTEMPTY
+    proxy.faults = None
+    assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0,
+                    timeout=15, interval=0.3), "the file is not stored once the network is whole"
+    assert client.get_object(Bucket=bucket, Key=f"{PREFIX}/{d}/new.bin")["Body"].read() == b"N" * 1000
     assert "Traceback" not in m.log_text()
 
 
@@ -869,40 +886,40 @@ def _reads(path: Path) -> bool:
     return True
 
 
-def test_a_file_opened_for_writing_during_a_listing_stays_listed(mount, moto_server, bucket):
+#: two plain files in a plain directory (the listing tests below)
+PLAIN_AB = {"plain/a.bin": b"A" * 10, "plain/b.bin": b"B" * 100}
+
+
+def test_a_file_opened_for_writing_during_a_listing_stays_listed(proxied, bucket):
     """A listing of a plain directory whose storage LIST is answered after a
     file there was opened for writing (a truncate, ``open("r+b")``): the
     listing left out the names that had a write buffer when its answer came
     (shown as the buffer's node at the end) but looked at the buffers only
     before it began, so the file was in neither (the differential tester's
     race op: ``scandir`` missed ``plain/b.bin`` during a truncate of it)."""
-    for name, data in (("a.bin", b"A" * 10), ("b.bin", b"B" * 100)):
-        moto_server.s3.put_object(Bucket=bucket, Key=f"{PREFIX}/plain/{name}", Body=data)
-    with TcpProxy(moto_server.port) as proxy:
-        # (metadata_ttl=0: the listing asks storage, not the lookup's listing of it)
-        m = mount(f"s3://{bucket}/{PREFIX}", "flush_delay=inf", "metadata_ttl=0",
-                  extra=["--endpoint-url", proxy.endpoint_url])
-        plain = m.path / "plain"
-        # the kernel holds the file's entry: its open needs no lookup, which
-        # would wait for the listing (FUSE serialises them in one directory)
-        assert os.stat(plain / "b.bin").st_size == 100
-        proxy.hold(lambda first: first.startswith(f"GET /{bucket}?".encode()) and b"plain" in first.split(b"\r\n")[0])
-        with ThreadPoolExecutor(1) as pool:
-            listing = pool.submit(os.listdir, plain)
-            assert proxy.holding.wait(10), "the listing did not ask storage"
-            fd = os.open(plain / "b.bin", os.O_RDWR)
-            try:
-                proxy.go()
-                assert sorted(listing.result(timeout=10)) == ["a.bin", "b.bin"]
-                os.ftruncate(fd, 7)
-            finally:
-                os.close(fd)
-        assert sorted(os.listdir(plain)) == ["a.bin", "b.bin"]
-        assert (plain / "b.bin").read_bytes() == b"B" * 7
+    # (metadata_ttl=0: the listing asks storage, not the lookup's listing of it)
+    m, proxy = proxied("flush_delay=inf", "metadata_ttl=0", files=PLAIN_AB)
+    plain = m.path / "plain"
+    # the kernel holds the file's entry: its open needs no lookup, which
+    # would wait for the listing (FUSE serialises them in one directory)
+    assert os.stat(plain / "b.bin").st_size == 100
+    proxy.hold(lambda first: first.startswith(f"GET /{bucket}?".encode()) and b"plain" in first.split(b"\r\n")[0])
+    with ThreadPoolExecutor(1) as pool:
+        listing = pool.submit(os.listdir, plain)
+        assert proxy.holding.wait(10), "the listing did not ask storage"
+        fd = os.open(plain / "b.bin", os.O_RDWR)
+        try:
+            proxy.go()
+            assert sorted(listing.result(timeout=10)) == ["a.bin", "b.bin"]
+            os.ftruncate(fd, 7)
+        finally:
+            os.close(fd)
+    assert sorted(os.listdir(plain)) == ["a.bin", "b.bin"]
+    assert (plain / "b.bin").read_bytes() == b"B" * 7
     assert "Traceback" not in m.log_text()
 
 
-def test_a_listing_answered_after_a_write_ended_does_not_bring_back_the_old_size(mount, moto_server, bucket):
+def test_a_listing_answered_after_a_write_ended_does_not_bring_back_the_old_size(proxied, bucket):
     """A listing of a plain directory whose storage LIST is answered late,
     after a file there was truncated, written and closed through the mount:
     the listing tells of the file as it was, older news than the truncate.
@@ -910,28 +927,24 @@ def test_a_listing_answered_after_a_write_ended_does_not_bring_back_the_old_size
     took any listing's or lookup's node, also one begun before the truncate:
     the next stat (the write made the kernel ask) showed the old size, 100
     (difftest's race op: a stat went back from 10 to 333)."""
-    for name, data in (("a.bin", b"A" * 10), ("b.bin", b"B" * 100)):
-        moto_server.s3.put_object(Bucket=bucket, Key=f"{PREFIX}/plain/{name}", Body=data)
-    with TcpProxy(moto_server.port) as proxy:
-        # (metadata_ttl=0: the listing asks storage, not the lookup's listing of it)
-        m = mount(f"s3://{bucket}/{PREFIX}", "flush_delay=inf", "metadata_ttl=0", "attr_timeout=60",
-                  extra=["--endpoint-url", proxy.endpoint_url])
-        plain = m.path / "plain"
-        assert os.stat(plain / "b.bin").st_size == 100
-        fd = os.open(plain / "b.bin", os.O_RDWR)
-        proxy.hold(lambda first: first.startswith(f"GET /{bucket}?".encode()) and b"plain" in first.split(b"\r\n")[0])
-        with ThreadPoolExecutor(1) as pool:
-            listing = pool.submit(os.listdir, plain)
-            assert proxy.holding.wait(10), "the listing did not ask storage"
-            try:
-                os.ftruncate(fd, 7)
-                os.write(fd, b"x")
-            finally:
-                os.close(fd)
-            proxy.go()
-            assert sorted(listing.result(timeout=10)) == ["a.bin", "b.bin"]
-        assert os.stat(plain / "b.bin").st_size == 7
-        assert (plain / "b.bin").read_bytes() == b"x" + b"B" * 6
+    # (metadata_ttl=0: the listing asks storage, not the lookup's listing of it)
+    m, proxy = proxied("flush_delay=inf", "metadata_ttl=0", "attr_timeout=60", files=PLAIN_AB)
+    plain = m.path / "plain"
+    assert os.stat(plain / "b.bin").st_size == 100
+    fd = os.open(plain / "b.bin", os.O_RDWR)
+    proxy.hold(lambda first: first.startswith(f"GET /{bucket}?".encode()) and b"plain" in first.split(b"\r\n")[0])
+    with ThreadPoolExecutor(1) as pool:
+        listing = pool.submit(os.listdir, plain)
+        assert proxy.holding.wait(10), "the listing did not ask storage"
+        try:
+            os.ftruncate(fd, 7)
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+        proxy.go()
+        assert sorted(listing.result(timeout=10)) == ["a.bin", "b.bin"]
+    assert os.stat(plain / "b.bin").st_size == 7
+    assert (plain / "b.bin").read_bytes() == b"x" + b"B" * 6
     assert "Traceback" not in m.log_text()
 
 
