@@ -677,19 +677,15 @@ def mount(store: Path, mnt: Path, log: Path, ro: bool, extra_opts: tuple = ()) -
 
 
 def umount(mnt: Path) -> str | None:
-    """``zshardfs umount``; failing that, a lazy unmount and SIGKILL of the daemon."""
+    """``zshardfs umount``; failing that, a lazy unmount and SIGKILL of the daemon (tests.util.take_down)."""
+    from tests.util import take_down
     pid = _MOUNTED.pop(mnt, None)
     try:
         r = subprocess.run([*ZSHARDFS, "umount", str(mnt)], capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         r = None
     if r is None or r.returncode != 0 or os.path.ismount(mnt):
-        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        take_down(mnt, pid, gentle=False)  # (a daemon that would not unmount may not answer SIGTERM)
         return f"umount failed: {r.stderr.strip()[-500:] if r else 'timeout'}"
     return None
 

@@ -157,6 +157,13 @@ def proxied(mount, moto_server, bucket):
         proxy.close()
 
 
+def sync_succeeds(m, timeout: float) -> bool:
+    """``zshardfs sync`` of mount ``m`` succeeds within ``timeout`` s, asked again while it fails
+    (right after network faults, a storage call that failed fails fast for a moment: SEMANTICS 5.5)."""
+    return wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0,
+                    timeout=timeout, interval=0.3)
+
+
 def s3_mount(mount, server, bucket: str, *opts: str, endpoint: str | None = None):
     return mount(f"s3://{bucket}/{PREFIX}", "ro", *opts,
                  extra=["--endpoint-url", endpoint or server.endpoint_url])
@@ -740,8 +747,7 @@ def test_a_truncate_whose_store_fails_shows_the_size_it_keeps(proxied, moto_serv
     proxy.faults = None
     assert os.stat(path).st_size == 10 and read_file(path) == b"A" * 10
     # (the PUT that failed just now fails fast for a moment: SEMANTICS 5.5)
-    assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0,
-                    timeout=15, interval=0.3)
+    assert sync_succeeds(m, 15)
     assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == b"A" * 10
     assert os.stat(path).st_size == 10 and read_file(path) == b"A" * 10
     assert "Traceback" not in m.log_text()
@@ -797,8 +803,7 @@ def test_a_put_whose_connection_closes_after_100_continue_ends(proxied, moto_ser
         path.write_bytes(b"B" * 5000)
     assert failed.value.errno == errno.EIO and time.monotonic() - began < 10
     proxy.faults = None
-    assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0,
-                    timeout=20, interval=0.3), "the file is not stored once the network is whole"
+    assert sync_succeeds(m, 20), "the file is not stored once the network is whole"
     assert moto_server.client().get_object(Bucket=bucket, Key=f"{PREFIX}/{name}")["Body"].read() == b"B" * 5000
     assert "Traceback" not in m.log_text()
 
@@ -872,8 +877,7 @@ def test_a_file_whose_store_failed_stays_when_its_directory_s_last_stored_file_g
         os.rmdir(m.path / d)
     assert failed.value.errno == errno.ENOTEMPTY
     proxy.faults = None
-    assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0,
-                    timeout=15, interval=0.3), "the file is not stored once the network is whole"
+    assert sync_succeeds(m, 15), "the file is not stored once the network is whole"
     assert client.get_object(Bucket=bucket, Key=f"{PREFIX}/{d}/new.bin")["Body"].read() == b"N" * 1000
     assert "Traceback" not in m.log_text()
 
@@ -1205,7 +1209,7 @@ def test_every_request_ends_within_the_deadline_of_a_slow_server(mount, moto_ser
         assert not slow, slow
         # whole, and stored once the server is quick (a call that just failed
         # is not asked again for FAIL_FAST, 2 s)
-        assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0)
+        assert sync_succeeds(m, 10)
         assert read_file(root / written) == new
         for rel in array.shards[array.shard_of(written)]:
             if rel != written:
@@ -1248,7 +1252,7 @@ def test_an_fsync_does_not_wait_out_a_slow_background_flush(mount, moto_server, 
         finally:
             os.close(reader)
         proxy.delay = 0.0
-        assert wait_for(lambda: subprocess.run([*ZSHARDFS, "sync", str(m.path)], capture_output=True).returncode == 0)
+        assert sync_succeeds(m, 10)
         assert read_file(root / rel) == new
         slow = [(t, r) for t, r in request_times(m.log_text()) if t > timeout + 0.3]
         assert not slow, slow

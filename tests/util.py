@@ -24,12 +24,12 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02):
     return predicate()
 
 
-def take_down(mountpoint, pid: int | None, timeout: float = 10.0) -> None:
+def take_down(mountpoint, pid: int | None, gentle: bool = True, timeout: float = 10.0) -> None:
     """A harness's last word on a mount it made: the mount point detached (``fusermount3
-    -uz``) and the daemon ``pid`` ended if it still runs: SIGTERM (a daemon still storing what
-    its unmount could not, e.g. with storage unreachable, then gives up: SEMANTICS 4.8), then
-    SIGKILL. Never leaves a daemon behind retrying storage that is gone; a pid that no
-    longer names the daemon of ``mountpoint`` is left alone."""
+    -uz``) and the daemon ``pid`` ended if it still runs: SIGTERM (``gentle``: a daemon still
+    storing what its unmount could not, e.g. with storage unreachable, then gives up and logs
+    what it lost: SEMANTICS 4.8), then SIGKILL. Never leaves a daemon behind retrying storage
+    that is gone; a pid that no longer names the daemon of ``mountpoint`` is left alone."""
     subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)
     if pid is None:
         return
@@ -41,7 +41,7 @@ def take_down(mountpoint, pid: int | None, timeout: float = 10.0) -> None:
             return False
         return bool({os.fsencode(str(mountpoint)), os.fsencode(os.path.abspath(mountpoint))} & set(args)) \
             and process_running(pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in (signal.SIGTERM, signal.SIGKILL) if gentle else (signal.SIGKILL,):
         if not ours():
             return
         try:
