@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.util import take_down
+
 ROOT = Path(__file__).resolve().parent.parent
 ZSHARDFS = [sys.executable, "-m", "zshardfs.cli"]
 
@@ -47,6 +49,10 @@ class Mounted:
         self.log = log
         self.source = source
         self.mounted = True
+        try:  # (the daemon, ended by umount if it will not unmount)
+            self.pid: int | None = int(os.getxattr(path, "user.zshardfs.pid"))
+        except (OSError, ValueError):
+            self.pid = None
 
     def __truediv__(self, other) -> Path:
         return self.path / other
@@ -65,7 +71,8 @@ class Mounted:
     def umount(self, check: bool = True) -> subprocess.CompletedProcess:
         result = subprocess.run([*ZSHARDFS, "umount", str(self.path)], capture_output=True, text=True, timeout=180)
         if result.returncode != 0:
-            subprocess.run(["fusermount3", "-uz", str(self.path)], capture_output=True)
+            # (refused: it holds what it cannot store; a daemon left detached would retry for ever)
+            take_down(self.path, self.pid)
             if check:
                 raise AssertionError(f"umount failed: {result.stderr}")
         self.mounted = False

@@ -28,6 +28,7 @@ import math
 import os
 import random
 import re
+import signal
 import subprocess
 import time
 import uuid
@@ -40,7 +41,7 @@ import crc32c
 import numpy as np
 import pytest
 
-from tests.util import wait_for
+from tests.util import process_running, wait_for
 
 from tests.conftest import ZSHARDFS, run_mount
 from zshardfs.shards import CHUNK_ENTRY_OVERHEAD
@@ -950,6 +951,25 @@ def test_a_listing_answered_after_a_write_ended_does_not_bring_back_the_old_size
     assert os.stat(plain / "b.bin").st_size == 7
     assert (plain / "b.bin").read_bytes() == b"x" + b"B" * 6
     assert "Traceback" not in m.log_text()
+
+
+def test_a_mount_fixture_whose_unmount_is_refused_leaves_no_daemon(proxied):
+    """The suite's own hygiene: a mount whose unmount is refused (a file it cannot store:
+    every PUT refused, SEMANTICS 4.8), as when a test fails midway, was only detached
+    (``fusermount3 -uz``) by the ``mount`` fixture, and its daemon went on retrying the
+    store for ever (every 30 s), through a proxy soon closed. Now the daemon is ended too."""
+    m, proxy = proxied("flush_delay=inf")
+    proxy.faults = Faults(1.0, ("503",), methods=frozenset({"PUT"}))
+    with pytest.raises(OSError):
+        (m.path / "held.bin").write_bytes(b"H" * 100)  # (its close fails: kept in memory, 4.6)
+    pid = int(os.getxattr(m.path, "user.zshardfs.pid"))
+    result = m.umount(check=False)
+    assert result.returncode != 0 and "still held by the daemon" in result.stderr, result.stderr
+    assert not os.path.ismount(m.path)
+    ended = wait_for(lambda: not process_running(pid), timeout=5)
+    if not ended:
+        os.kill(pid, signal.SIGKILL)  # (not left behind by this test either)
+    assert ended, "the daemon still runs"
 
 
 # --------------------------------------------------------------------------
