@@ -53,7 +53,7 @@ def main() -> int:
     ap.add_argument("--no-conc", action="store_true", help="no concurrent writers")
     ap.add_argument("--faults", type=float, default=0, metavar="W",
                     help="(S3) weight of the op that turns network faults on for a stretch of ops (e.g. 3); "
-                         "every op but races is drawn under them, remounts, document edits, resizes and mesh ops too")
+                         "every op is drawn under them, remounts, document edits, resizes, mesh ops and races too")
     ap.add_argument("--race", type=float, default=0, metavar="W",
                     help="weight of the race op (a file watched while another process changes it; off: 0)")
     ap.add_argument("--replay", metavar="FILE", help="replay the ops saved in FILE (layout, backend, opts too)")

@@ -70,8 +70,12 @@ document's edit or a mesh op that failed is followed by what a user would do whe
 was left in a state the twin does not follow (:meth:`Runner.mend`, faults off): a document
 missing or not JSON is written again as the edit meant (a backup moved back first), a mesh pair
 left inconsistent is written as the op meant, a resize is tried again. A document's states
-since the durable point are then its versions too (compared as JSON after a kill -9). Not
-drawn under faults: races (``NOT_UNDER_FAULTS``).
+since the durable point are then its versions too (compared as JSON after a kill -9). A race
+under faults: its watcher's observations that failed with EIO tell nothing and are passed
+over, and a mover step that failed (the mover stops there) may have done its work or not, so
+the file may end in the state before it or any it passes through (its temporary, when a
+rename failed, is taken from the mount too); what the watcher saw must still fit the states
+in order, or the op diverges.
 
 The ``race`` op (off unless weighted: ``scripts/difftest.py --race W``, test_differential's
 RACE_CASES) has one process change a file while another watches it; the watcher's
@@ -904,10 +908,15 @@ _RACE_WATCHER = (
     "import os,sys,json,errno,select,hashlib\n"
     "path, parent, kinds, hold = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), bool(sys.argv[4])\n"
     "name = os.path.basename(path)\n"
-    "fd = os.open(path, os.O_RDONLY) if hold else None\n"
+    "try:\n"
+    "    fd, no_fd = (os.open(path, os.O_RDONLY) if hold else None), None\n"
+    "except OSError as e:\n"
+    "    fd, no_fd = None, errno.errorcode.get(e.errno, str(e.errno))\n"
     "def md(b):\n"
     "    return f'{len(b)}:{hashlib.md5(b).hexdigest()[:10]}'\n"
     "def look(kind, exact):\n"
+    "    if kind in ('fstat', 'pread') and no_fd:\n"
+    "        return no_fd\n"
     "    try:\n"
     "        if kind == 'stat':\n"
     "            return os.stat(path).st_size\n"
@@ -947,10 +956,14 @@ _RACE_WATCHER = (
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _race_verdict(obs: list, final: list, path_states: list, held_states: list, written: list) -> str:
+def _race_verdict(obs: list, final: list, path_states: list, held_states: list, written: list,
+                  faulty: bool = False, ends_from: int | None = None) -> str:
     """``watch ok``, or the first observation no state in order explains (see Applier.op_race).
     ``held_states``: per state, the versions a held descriptor may show (one or two);
-    ``written``: per state, whether a write of bytes through a descriptor made it."""
+    ``written``: per state, whether a write of bytes through a descriptor made it. Under
+    network faults (``faulty``) an observation that failed with one of FAULT_ERRNOS tells
+    nothing and is passed over; a mover step that failed under them may have done its work
+    or not: the states from ``ends_from`` (the one before that step) on may each be the last."""
     def one(kind, value, s, exact):
         if kind in ("stat", "fstat"):
             return value == (len(s) if s is not None else "ENOENT")
@@ -992,6 +1005,8 @@ def _race_verdict(obs: list, final: list, path_states: list, held_states: list, 
         return [None if s is None else len(s) for s in states]
     k, kr = 0, {}  # the latest state any observation showed; each kind's
     for i, (kind, value) in enumerate(obs):
+        if faulty and value in FAULT_ERRNOS:
+            continue
         # an observation may show the state before the latest one another
         # showed (the step in flight: SEMANTICS, Limits, "a stat may run ahead
         # of reads": the daemon answers with it, the kernel's own size lags
@@ -1006,10 +1021,13 @@ def _race_verdict(obs: list, final: list, path_states: list, held_states: list, 
         k = max(k, nxt)
         kr[kind] = nxt
     last = len(path_states) - 1
-    bad = [(kind, value) for kind, value in final if not fits(kind, value, last, exact=True)]
-    if bad:
+    final = [(kind, value) for kind, value in final if not (faulty and value in FAULT_ERRNOS)]
+    ends = range(last if ends_from is None else ends_from, last + 1)
+    if not any(all(fits(kind, value, e, exact=True) for kind, value in final) for e in ends):
+        bad = [(kind, value) for kind, value in final if not fits(kind, value, ends[-1], exact=True)]
         return (f"watch: after the mover {bad} is not its last state "
-                f"({h(path_states[last])}, held {[h(s) for s in held_states[last]]})")
+                f"({h(path_states[last])}, held {[h(s) for s in held_states[last]]}"
+                f"{'' if len(ends) == 1 else f'; nor any from state {ends[0]} on'})")
     return "watch ok"
 
 
@@ -1019,6 +1037,7 @@ class Applier:
     def __init__(self, env: Env, root: Path, twin: bool):
         self.env, self.root, self.twin, self.names = env, root, twin, env.names
         self.on_the_way: dict[str, list[bytes]] = {}  # (twin) file -> states an op passed through
+        self.under_faults = False  # (mount) network faults are on while it applies the op (Runner.step)
 
     def p(self, rel):
         return self.root / rel
@@ -1566,8 +1585,13 @@ class Applier:
             return [f"race helper failed: {merr[-300:]} {werr[-300:]}"]
         res = json.loads(mout)
         obs, final = json.loads(wout)
-        path_states, held_states, written = self._race_states(op, sum(1 for r in res if r == "ok"))
-        return [res, _race_verdict(obs, final, path_states, held_states, written)]
+        done = sum(1 for r in res if r == "ok")
+        ends_from = None
+        if self.under_faults and done < len(res):  # (a step failed: it may have done its work or not)
+            ends_from = len(self._race_states(op, done)[0]) - 1
+            done += 1
+        path_states, held_states, written = self._race_states(op, done)
+        return [res, _race_verdict(obs, final, path_states, held_states, written, self.under_faults, ends_from)]
 
     def op_sync(self, op):
         if self.twin:
@@ -1647,8 +1671,8 @@ WEIGHTS = {"write": 18, "pwrite": 10, "append": 5, "otrunc": 3, "truncate": 6, "
            "race": 0,  # (scripts/difftest.py --race W; fixed seeds: test_differential RACE_CASES)
            "mesh": 0, "meshrm": 0, "meshmv": 0, "meshbad": 0,
            "faults": 0}  # (S3 only, when asked: scripts/difftest.py --faults, CASES)
-#: not drawn while network faults are on: a race (its watched steps' partial failures are not followed)
-NOT_UNDER_FAULTS = {"faults", "race"}
+#: not drawn while network faults are on (a stretch of them is not started within one)
+NOT_UNDER_FAULTS = {"faults"}
 #: what an op may answer for a storage call that failed under network faults (SEMANTICS 5.5)
 FAULT_ERRNOS = ("EIO",)
 
@@ -1865,6 +1889,9 @@ def op_names(op: dict, names: Names, mnt: Path | None = None) -> set[str]:
         return {f"{op['path']}/zarr.json"}
     if kind == "consolidate":
         return {"zarr.json"} | ({p.name for p in mnt.glob("zarr.*.partial")} if mnt is not None else set())
+    if kind == "race":  # (and the temporary of a mover's rename that failed, left in ``mnt``)
+        tmps = (mnt / op["path"]).parent.glob(".race-tmp.*") if mnt is not None else ()
+        return {op["path"]} | {str(p.relative_to(mnt)) for p in tmps}
     if kind in ("mesh", "meshrm", "meshmv", "meshbad"):
         ids = [op["src"], op["dst"]] if kind == "meshmv" else [op["id"]]
         out = {f"{names.mesh_root}/{i}{x}" for i in ids for x in ("", ".index")}
@@ -1967,12 +1994,15 @@ class Runner:
             return self.faults_off(i)
         if kind == "race":
             self.count_race(op)
+        self.mnt_ap.under_faults = self.faults is not None
         with self.network_faults(i):
             rm = self.mnt_ap.apply(op)
         self.twin_ap.on_the_way = {}
         rt = self.twin_ap.apply(op)
         intended = {}
         failed = self.faults is not None and rm != rt and fault_failed(rm)
+        if kind == "race" and failed:  # (its mover's steps failed, never what the watcher saw)
+            failed = fault_failed(rm[0]) and rm[1] == "watch ok"
         if self.faults is not None:
             self.settle()
         if failed:

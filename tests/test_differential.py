@@ -15,9 +15,9 @@ the op list, and saves the list for ``scripts/difftest.py --replay FILE``.
 Each case's seed was chosen so that its run includes at least one remount and one
 kill -9 (asserted, so a change of the generator cannot drop them unnoticed); the steps
 keep the whole file within about 4 minutes on two cores. RACE_CASES add race ops (a
-file watched by one process while another changes it) and FAULT_CASES stretches of
-network faults on S3 (each also has an op fail under them, asserted), which other runs
-leave out.
+file watched by one process while another changes it), FAULT_CASES stretches of
+network faults on S3 (each also has an op fail under them, asserted) and RACE_FAULT_CASES
+both (a race op failing under them, asserted), which other runs leave out.
 """
 
 from __future__ import annotations
@@ -146,16 +146,65 @@ def test_network_faults_lose_nothing(layout, backend, seed, steps, weight, tmp_p
         f"faults within {steps} steps ({out.summary()}): choose another seed")
 
 
-def _race_check(tmp_path, mover, obs, final_size=None):
+#: race ops under network faults (races among the ops of a stretch of faults; each seed's run
+#: has a race fail under them, asserted): (layout, backend, seed, steps), both at RACE_WEIGHT
+RACE_FAULT_CASES = [
+    ("basic", "s3", 5, 40),  # a pwrite and a truncate of a chunk failed, observations EIO
+]
+
+
+@pytest.mark.parametrize("layout,backend,seed,steps", RACE_FAULT_CASES,
+                         ids=[f"{layout}-{backend}-{seed}" for layout, backend, seed, _ in RACE_FAULT_CASES])
+def test_a_file_watched_while_it_changes_under_network_faults(layout, backend, seed, steps, tmp_path, moto_server):
+    """Race ops drawn under network faults too (they were kept out): an observation that failed
+    with EIO tells nothing, and a mover step that failed (EIO) may have done its work or not, so
+    the file may end in the state before it or any it passes through; every other observation
+    still fits the states in order (difftest's Applier.op_race), and the run agrees with the
+    twin throughout."""
+    moto_server.ensure_running()
+    out = dt.run(layout, backend, base=tmp_path, seed=seed, steps=steps, server=moto_server,
+                 weights={"faults": RACE_WEIGHT, "race": RACE_WEIGHT})
+    if not out.ok:
+        repro = tmp_path / f"repro-{layout}-{backend}-{seed}.json"
+        repro.write_text(json.dumps(out.repro(), indent=1))
+        pytest.fail(out.report(repro), pytrace=False)
+    assert out.stats.get("under_faults", {}).get("race") and "race" in out.stats.get("failed_kinds", ()), (
+        f"seed {seed} of {layout}/{backend} no longer has a race op fail under network faults within "
+        f"{steps} steps ({out.summary()}): choose another seed")
+
+
+def _race_check(tmp_path, mover, obs, final_size=None, failed_at=None):
     """The race op's verdict on the watcher's observations ``obs`` of a chunk that did not
-    exist and that ``mover`` changed (Applier.op_race's checker, without a mount)."""
+    exist and that ``mover`` changed (Applier.op_race's checker, without a mount); with
+    ``failed_at``, step ``failed_at`` of the mover failed under network faults (EIO)."""
     names = type("Names", (), {"kind": staticmethod(lambda rel: "chunk")})()
     env = type("Env", (), {"twin": tmp_path, "data": dt.Data([], None), "names": names})()
     applier = dt.Applier(env, tmp_path, twin=False)
-    path_states, held_states, written = applier._race_states({"path": "skel/8", "mover": mover})
+    op = {"path": "skel/8", "mover": mover}
+    path_states, held_states, written = applier._race_states(op, None if failed_at is None else failed_at + 1)
     last = path_states[-1]
     final = [["stat", len(last) if final_size is None else final_size]]
-    return dt._race_verdict(obs, final, path_states, held_states, written)
+    if failed_at is None:
+        return dt._race_verdict(obs, final, path_states, held_states, written)
+    ends_from = len(applier._race_states(op, failed_at)[0]) - 1
+    return dt._race_verdict(obs, final, path_states, held_states, written, True, ends_from)
+
+
+def test_the_race_checker_under_network_faults(tmp_path):
+    """Under network faults (races are drawn there too) an observation may fail with EIO, which
+    tells nothing of the file's state, and the mover's step that failed (EIO; it stops there) may
+    have done its work or not: once it has ended the file may hold the state before that step
+    or any the step passes through. Without faults both stay divergences, and so does a state
+    no step made, or one before the step that failed."""
+    mover = [["write", ["rnd", 1, 333]], ["truncate", 100], ["pwrite", 0, ["rnd", 2, 5]]]
+    # sizes: absent, 0 (created), 333, 100, 100 (the pwrite)
+    assert _race_check(tmp_path, mover, [["stat", "EIO"], ["stat", 333]], final_size=333, failed_at=1) == "watch ok"
+    assert _race_check(tmp_path, mover, [["stat", 333], ["read", "EIO"]], final_size=100, failed_at=1) == "watch ok"
+    assert _race_check(tmp_path, mover, [["stat", 333]], final_size="EIO", failed_at=1) == "watch ok"
+    assert "fits no state" in _race_check(tmp_path, mover, [["stat", "EIO"]])
+    assert "is not its last state" in _race_check(tmp_path, mover, [["stat", 333]], final_size=333)
+    assert "fits no state" in _race_check(tmp_path, mover, [["stat", 77]], final_size=333, failed_at=1)
+    assert "is not its last state" in _race_check(tmp_path, mover, [], final_size=0, failed_at=1)
 
 
 def test_the_race_checker_allows_a_stat_inside_a_write_the_kernel_split(tmp_path):
