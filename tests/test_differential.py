@@ -35,7 +35,7 @@ import pytest
 
 from tests import difftest as dt
 from tests import peers_zarr as P
-from tests.util import process_running, take_down, wait_for
+from tests.util import daemons_of, process_running, take_down, wait_for
 
 #: (layout, backend, seed, steps); layouts in tests/difftest.py LAYOUTS.
 CASES = [
@@ -255,9 +255,13 @@ def test_the_run_summary_counts_race_ops(tmp_path):
 
 
 def _daemons(base) -> dict[int, Path]:
-    """The daemons whose logs lie below ``base`` (``zshardfs[PID]`` in each line): pid -> mount point."""
-    return {int(pid): log.parent / ("mnt-check" if log.name == "daemon-check.log" else "mnt")
-            for log in base.rglob("daemon*.log") for pid in re.findall(r"zshardfs\[(\d+)\]", log.read_text())}
+    """The daemons of the runs below ``base``: those whose logs name them (``zshardfs[PID]``
+    in each line) and those running on a run's mount points: pid -> mount point."""
+    out = {int(pid): log.parent / ("mnt-check" if log.name == "daemon-check.log" else "mnt")
+           for log in base.rglob("daemon*.log") for pid in re.findall(r"zshardfs\[(\d+)\]", log.read_text())}
+    for mnt in [*base.glob("dt-*/mnt"), *base.glob("dt-*/mnt-check")]:
+        out.update((pid, mnt) for pid in daemons_of(mnt))
+    return out
 
 
 def _left_behind(base) -> list[str]:

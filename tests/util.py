@@ -10,7 +10,7 @@ from pathlib import Path
 
 from zshardfs.cli import process_running
 
-__all__ = ["process_running", "wait_for", "take_down"]  # process_running: the CLI's own notion of "still running"
+__all__ = ["daemons_of", "process_running", "wait_for", "take_down"]  # process_running: the CLI's own notion of "still running"
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02):
@@ -22,6 +22,24 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02):
             return value
         time.sleep(interval)
     return predicate()
+
+
+def daemons_of(mountpoint) -> list[int]:
+    """The pids of the zshardfs daemons (``zshardfs mount --foreground``) whose mount point is
+    ``mountpoint``, mounted yet or not: also one whose ``zshardfs mount`` was interrupted
+    before it answered (it goes on starting, detached)."""
+    wanted = {os.fsencode(str(mountpoint)), os.fsencode(os.path.abspath(mountpoint))}
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            args = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"zshardfs.cli" in args and b"--foreground" in args and len(args) > 1 and args[-2] in wanted:
+            out.append(int(d))
+    return out
 
 
 def take_down(mountpoint, pid: int | None, gentle: bool = True, timeout: float = 10.0) -> None:
