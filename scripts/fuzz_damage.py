@@ -663,27 +663,29 @@ def drop_source(store: Path) -> None:
 def mount(store: Path, mnt: Path, log: Path, ro: bool, extra_opts: tuple = ()) -> str | None:
     mnt.mkdir(parents=True, exist_ok=True)
     opts = ["ro" if ro else "rw", "timeout=5", f"log_file={log}", *extra_opts]
-    try:
-        src, *extra = source(store)
-        r = subprocess.run([*ZSHARDFS, "mount", src, str(mnt), "-o", ",".join(opts), *extra],
-                           capture_output=True, text=True, timeout=120)
-    finally:
-        if os.path.ismount(mnt):  # (also when the mount command failed or was interrupted)
-            try:
-                _MOUNTED[mnt] = int(os.getxattr(mnt, "user.zshardfs.pid"))
-            except (OSError, ValueError):
-                _MOUNTED[mnt] = None
+    src, *extra = source(store)
+    _MOUNTED[mnt] = None  # (before it: an interrupted mount's daemon goes on, detached, for cleanup to end)
+    r = subprocess.run([*ZSHARDFS, "mount", src, str(mnt), "-o", ",".join(opts), *extra],
+                       capture_output=True, text=True, timeout=120)
+    if os.path.ismount(mnt):  # (also when the mount command failed)
+        try:
+            _MOUNTED[mnt] = int(os.getxattr(mnt, "user.zshardfs.pid"))
+        except (OSError, ValueError):
+            pass
+    elif r.returncode:
+        _MOUNTED.pop(mnt, None)
     return None if r.returncode == 0 else f"mount failed ({r.returncode}): {r.stderr.strip()[-500:]}"
 
 
 def umount(mnt: Path) -> str | None:
-    """``zshardfs umount``; failing that, a lazy unmount and SIGKILL of the daemon (tests.util.take_down)."""
+    """``zshardfs umount``; failing that, a lazy unmount and SIGKILL of the daemon (tests.util.take_down).
+    The mount stays known (to cleanup) until then: an interrupted unmount may have done nothing."""
     from tests.util import take_down
-    pid = _MOUNTED.pop(mnt, None)
     try:
         r = subprocess.run([*ZSHARDFS, "umount", str(mnt)], capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         r = None
+    pid = _MOUNTED.pop(mnt, None)
     if r is None or r.returncode != 0 or os.path.ismount(mnt):
         take_down(mnt, pid, gentle=False)  # (a daemon that would not unmount may not answer SIGTERM)
         return f"umount failed: {r.stderr.strip()[-500:] if r else 'timeout'}"

@@ -114,7 +114,7 @@ from tests import peers_zarr as pz
 from tests.conftest import ZSHARDFS as ZS
 from tests.conftest import run_mount
 from tests.peers_zarr import ZarrCase
-from tests.util import daemons_of, process_running, take_down, wait_for
+from tests.util import process_running, take_down, wait_for
 
 PLAIN_FILES = ["notes.txt", "plain/a.bin", "plain/b.bin", "plain/sub/c.bin", "top.bin"]
 PLAIN_DIRS = ["plain", "plain/sub", "plain/new"]
@@ -808,9 +808,7 @@ class Env:
             pass
         finally:
             for mnt in {self.mnt, self.work / "mnt-check", *self.daemons}:
-                # (and a daemon whose mount command an abort interrupted: it goes on, detached)
-                for pid in {self.daemons.get(mnt), *daemons_of(mnt)}:
-                    take_down(mnt, pid)
+                take_down(mnt, self.daemons.get(mnt))  # (also a daemon whose mount an abort interrupted)
         if self.proxy is not None:
             self.proxy.close()
         if self.server and self.bucket:

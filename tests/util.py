@@ -42,31 +42,27 @@ def daemons_of(mountpoint) -> list[int]:
     return out
 
 
-def take_down(mountpoint, pid: int | None, gentle: bool = True, timeout: float = 10.0) -> None:
-    """A harness's last word on a mount it made: the mount point detached (``fusermount3
-    -uz``) and the daemon ``pid`` ended if it still runs: SIGTERM (``gentle``: a daemon still
-    storing what its unmount could not, e.g. with storage unreachable, then gives up and logs
-    what it lost: SEMANTICS 4.8), then SIGKILL. Never leaves a daemon behind retrying storage
-    that is gone; a pid that no longer names the daemon of ``mountpoint`` is left alone."""
+def take_down(mountpoint, pid: int | None = None, gentle: bool = True, timeout: float = 10.0) -> None:
+    """A harness's last word on a mount point it used: detached (``fusermount3 -uz``), and every
+    daemon serving it ended: ``pid`` (the one the harness started there), and any other
+    :func:`daemons_of` finds (one whose ``zshardfs mount`` an abort interrupted goes on,
+    detached). ``gentle``: SIGTERM first (a daemon still storing what its unmount could not,
+    e.g. with storage unreachable, then gives up and logs what it lost: SEMANTICS 4.8), then
+    SIGKILL. Never leaves a daemon behind retrying storage that is gone; a pid that no longer
+    names a daemon of ``mountpoint`` is left alone."""
     subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)
-    if pid is None:
-        return
-
-    def ours() -> bool:
-        try:
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            return False
-        return bool({os.fsencode(str(mountpoint)), os.fsencode(os.path.abspath(mountpoint))} & set(args)) \
-            and process_running(pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL) if gentle else (signal.SIGKILL,):
-        if not ours():
-            return
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
-        wait_for(lambda: not process_running(pid), timeout=timeout, interval=0.05)
+    pids = {pid, *daemons_of(mountpoint)} - {None}
+    for p in pids:
+        for sig in (signal.SIGTERM, signal.SIGKILL) if gentle else (signal.SIGKILL,):
+            if p not in daemons_of(mountpoint) or not process_running(p):
+                break
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                break
+            wait_for(lambda: not process_running(p), timeout=timeout, interval=0.05)
+    if pids:  # (one may have mounted meanwhile, or died leaving its mount)
+        subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)
 
 
 def store_with_links_out(tmp_path):
