@@ -144,6 +144,68 @@ def test_inode_numbers_are_stable_and_distinct(small, mount):
     assert os.stat(m / detour).st_ino == first[some]
 
 
+def test_dot_and_dotdot_are_listed_with_their_inode_numbers(small, mount):
+    """Every listing starts with ``.`` (the directory's own inode) and ``..``
+    (its parent's; the root's is the root), as ext4 and tmpfs list them:
+    ``ls -a`` shows both.  Before, no listing had either.  Nothing else
+    changes: os.listdir and find see what they saw."""
+    m = mount(small.root, "ro")
+    for d in [""] + view_dirs(small):
+        fd = os.open(m / d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            dents = read_all_dents(fd, 1 << 16)
+        finally:
+            os.close(fd)
+        parent = m / d.rpartition("/")[0] if d else m.path
+        assert [(n, ino, t) for n, ino, _, t in dents[:2]] == [
+            (".", os.stat(m / d).st_ino, 4), ("..", os.stat(parent).st_ino, 4)], d  # DT_DIR
+        rest = [n for n, _, _, _ in dents[2:]]
+        assert "." not in rest and ".." not in rest, d
+        assert sorted(rest) == sorted(os.listdir(m / d)), d
+        shown = subprocess.run(["ls", "-a", "-1", str(m / d)], capture_output=True, text=True,
+                               check=True).stdout.split()
+        assert sorted(shown) == sorted([".", ".."] + rest), d
+    assert os.stat(m.path).st_ino == 1
+    out = subprocess.run(["find", str(m.path)], capture_output=True, text=True, check=True).stdout.split()
+    walked = [str(m.path)] + [os.path.join(p, n) for p, ds, fs in os.walk(m.path) for n in ds + fs]
+    assert sorted(out) == sorted(walked)
+
+
+@pytest.fixture(scope="module")
+def many_dirs(tmp_path_factory) -> tuple[Path, list[str]]:
+    """500 plain directories, each holding one file."""
+    root = tmp_path_factory.mktemp("manydirs")
+    names = [f"d{i:03}" for i in range(500)]
+    for name in names:
+        (root / name).mkdir()
+        (root / name / "f").write_bytes(b"x")
+    return root, names
+
+
+def test_listing_dot_and_dotdot_takes_no_lookup_count(many_dirs, mount):
+    """The kernel takes no lookup count from the ``.`` and ``..`` of a
+    READDIRPLUS reply (fuse_direntplus_link skips them) and so never
+    forgets one: counting them here would keep every listed directory in
+    the table for good.  After listing 500 directories and dropping the
+    kernel's caches the table is back to its size before."""
+    root, names = many_dirs
+    m = mount(root, "ro")
+    base = m.stats()["inodes"]
+    for name in names:
+        assert os.listdir(m / name) == ["f"]
+    assert os.listdir(m.path) and m.stats()["inodes"] >= 2 * len(names)
+    drop_kernel_caches()
+    assert wait_for(lambda: m.stats()["inodes"] <= base + 4, timeout=15), (base, m.stats()["inodes"])
+    # and the numbers stay right after the forgets
+    st = os.stat(m / names[7])
+    fd = os.open(m / names[7], os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        dents = read_all_dents(fd, 4096)
+    finally:
+        os.close(fd)
+    assert [(n, ino) for n, ino, _, _ in dents[:2]] == [(".", st.st_ino), ("..", 1)]
+
+
 @pytest.fixture(scope="module")
 def many_files(tmp_path_factory) -> tuple[Path, list[str]]:
     """A 1-D array of 6000 one-byte chunks in 6 shards."""
@@ -336,6 +398,12 @@ def test_readdir_small_buffers_and_resumed_listings(huge_dirs, mount):
     fd = os.open(m / "line/c", os.O_RDONLY | os.O_DIRECTORY)
     try:
         small = read_all_dents(fd, 512)
+        # "." and ".." first (SEMANTICS 3.2), then the entries
+        assert [(e[0], e[1], e[3]) for e in small[:2]] == [
+            (".", os.stat(m / "line/c").st_ino, 4), ("..", os.stat(m / "line").st_ino, 4)]
+        os.lseek(fd, small[0][2], os.SEEK_SET)  # (resumed after ".": ".." and the rest)
+        assert [e[0] for e in getdents64(fd, 1024)][:2] == ["..", small[2][0]]
+        small = small[2:]
         names = [e[0] for e in small]
         assert len(names) == len(set(names)) == len(want)
         assert set(names) == want
@@ -344,7 +412,7 @@ def test_readdir_small_buffers_and_resumed_listings(huge_dirs, mount):
         # rewind: the same listing again, same order
         os.lseek(fd, 0, os.SEEK_SET)
         again = [e[0] for e in read_all_dents(fd, 1 << 16)]
-        assert again == names
+        assert again == [".", ".."] + names
 
         # seekdir to where a previous listing stopped: the rest, nothing
         # skipped, nothing repeated

@@ -10,7 +10,9 @@ Inode invariants:
   Numbers increase in the order paths are first seen (listing order), and a
   recently forgotten path gets its number back (see ``_inode_for``).
 - ``readdir`` offsets index a per-handle snapshot that is filled lazily, so a
-  listing resumed at any offset neither skips nor repeats entries.
+  listing resumed at any offset neither skips nor repeats entries.  Every
+  listing starts with ``.`` and ``..`` (offsets 1 and 2), which take no
+  lookup count (the kernel does not count them either).
 
 Every handler goes through :func:`_translate`: a storage error becomes its
 errno and at most one log line; an unexpected bug becomes EIO and one
@@ -45,6 +47,9 @@ REMEMBERED_INODES = 1 << 16
 
 #: Node.created of a node written through a handle since (re-asked at open)
 _STALE = float("-inf")
+
+#: readdir offsets of ``.`` and ``..``, listed before a directory's entries
+_DOTS = 2
 
 #: open flags that ask for writing
 _WRITING = os.O_WRONLY | os.O_RDWR
@@ -402,12 +407,45 @@ class Operations(pyfuse3.Operations):
         self.inodes[inode].handles += 1
         return fh
 
+    def _dots(self, handle: _DirHandle) -> list[tuple[bytes, pyfuse3.EntryAttributes]]:
+        """``.`` and ``..`` of a listing (the root's ``..`` is the root), as
+        every file system lists them first.  Only their numbers and type
+        matter: the kernel takes no lookup count from them (it does not link
+        them, fuse_direntplus_link), so neither does this table."""
+        here = self.inodes[handle.inode].node.path if handle.inode in self.inodes else ""
+        up = self._number_of(here.rpartition("/")[0]) if here else pyfuse3.ROOT_INODE
+        out = []
+        for name, ino in ((b".", handle.inode), (b"..", up)):
+            a = pyfuse3.EntryAttributes()
+            a.st_ino, a.st_mode, a.st_nlink = ino, self._dir_mode, 2
+            out.append((name, a))
+        return out
+
+    def _number_of(self, path: str) -> int:
+        """The inode number ``path`` has, or gets at its next lookup (kept
+        with the forgotten paths' numbers), without an entry in the table."""
+        ino = self.by_path.get(path)
+        if ino is not None and ino in self.inodes:
+            return ino
+        ino = self._forgotten.get(path)
+        if ino is None:
+            ino = self._forgotten[path] = self._next_inode
+            self._next_inode += 1
+            if len(self._forgotten) > REMEMBERED_INODES:
+                self._forgotten.popitem(last=False)
+        return ino
+
     @_translate
     async def readdir(self, fh, start_id, token):
         handle = self._handles[fh]
+        if start_id < _DOTS:  # (offsets 1 and 2 follow them; a listed entry i has offset i + 3)
+            for i, (name, attrs) in enumerate(self._dots(handle)[start_id:], start_id):
+                if not pyfuse3.readdir_reply(token, name, attrs, i + 1):
+                    return
+            start_id = _DOTS
         entries = handle.entries
         inodes, by_path = self.inodes, self.by_path
-        i = start_id
+        i = start_id - _DOTS
         while True:
             while i >= len(entries) and not handle.done:
                 if handle.failed is not None:  # (a fresh error: re-raising one object grows its traceback)
@@ -436,7 +474,7 @@ class Operations(pyfuse3.Operations):
                 attrs = self._attrs(ino, node)
             # (os.fsencode(node.name), without its two Python calls: every entry of every listing)
             name = node.path.rpartition("/")[2].encode(_FS_ENCODING, _FS_ERRORS)
-            if not pyfuse3.readdir_reply(token, name, attrs, i + 1):
+            if not pyfuse3.readdir_reply(token, name, attrs, i + 1 + _DOTS):
                 self._drop_if_unused(ino)
                 return
             entry.lookups += 1
