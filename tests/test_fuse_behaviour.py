@@ -486,6 +486,36 @@ def test_attributes_of_chunks_metadata_and_dirs(small, mount):
     assert found == set(small.chunks) | {"README.txt", "arr/zarr.json"}
 
 
+def test_mtimes_are_the_stored_nanoseconds(small, mount):
+    """A file's st_mtime_ns through the mount is the stored file's exactly
+    (a chunk's: its shard's), in a stat and in a listing's attributes; an
+    open for writing that writes nothing (``touch``) keeps it exactly too.
+    Before, mtimes went through float seconds and came out up to ~240 ns
+    off (``make``, ``rsync``'s nanosecond compares and ``cp -a`` round
+    trips saw a change)."""
+    stored = [small.root / "README.txt", small.root / "arr/zarr.json"] + sorted(set(small.shard_files.values()))
+    for k, path in enumerate(stored):
+        os.utime(path, ns=(1_600_000_000_123_456_789 + 7919 * k, 1_600_000_000_123_456_789 + 7919 * k))
+    expect = {"README.txt": os.stat(small.root / "README.txt").st_mtime_ns,
+              "arr/zarr.json": os.stat(small.root / "arr/zarr.json").st_mtime_ns}
+    expect.update({name: os.stat(small.shard_files[name]).st_mtime_ns for name in small.chunks})
+    assert len(set(expect.values())) == len(stored)
+    for opts in (("ro",), ()):
+        m = mount(small.root, *opts)
+        listed = {}
+        for d in {"", *(name.rpartition("/")[0] for name in expect)}:
+            with os.scandir(m / d) as it:
+                listed.update({f"{d}/{e.name}".lstrip("/"): e.stat(follow_symlinks=False).st_mtime_ns
+                               for e in it if e.is_file(follow_symlinks=False)})
+        assert {p: listed[p] for p in expect} == expect
+        assert {p: os.stat(m / p).st_mtime_ns for p in expect} == expect
+        if not opts:  # (rw) an open for writing that writes nothing changes no time
+            for p in ("README.txt", sorted(small.chunks)[0]):
+                os.close(os.open(m / p, os.O_WRONLY))
+                assert os.stat(m / p).st_mtime_ns == expect[p], p
+        m.umount()
+
+
 def test_rw_mount_modes(small, mount):
     m = mount(small.root, "rw")
     name = sorted(small.chunks)[0]

@@ -692,9 +692,9 @@ def test_temporaries_left_by_a_killed_writer_are_discarded(tmp_path, caplog):
         await view.release(still_open)
         assert len([p for p in view.buffers if p.startswith("arr/c/0/")]) == 4
         view.SCRATCH_KEEP = 0.2
-        view.buffers["arr/c/0/0.tmp-c"].mtime = time.time()  # written lately
+        view.buffers["arr/c/0/0.tmp-c"].mtime_ns = time.time_ns()  # written lately
         for path in ("arr/c/0/0.tmp-a", "arr/c/0/0.tmp-b"):
-            view.buffers[path].mtime -= 1.0
+            view.buffers[path].mtime_ns -= 10**9
         view._scratch_swept_at = 0.0
         newest = await view.create(row, "0.tmp-e")
         assert {p for p in view.buffers if p.startswith("arr/c/0/")} == {
@@ -705,7 +705,7 @@ def test_temporaries_left_by_a_killed_writer_are_discarded(tmp_path, caplog):
         await view.release(fourth)
         await view.release(newest)
         for buf in view.buffers.values():
-            buf.mtime -= 1.0
+            buf.mtime_ns -= 10**9
         view._scratch_swept_at = 0.0
         await view.create(await view.resolve(""), "elsewhere.txt")  # (any file made sweeps)
         assert not [p for p in view.buffers if p.startswith("arr/")]
@@ -732,7 +732,7 @@ def test_a_temporary_being_read_is_kept_and_its_reader_keeps_its_bytes(tmp_path)
         node = await view.resolve("arr/c/0/0.tmp")
         reader = await view.open(node, write=False, truncate=False)
         view.SCRATCH_KEEP = 0.0
-        view.buffers["arr/c/0/0.tmp"].mtime -= 1.0
+        view.buffers["arr/c/0/0.tmp"].mtime_ns -= 10**9
         view._scratch_swept_at = 0.0
         await view.create(await view.resolve(""), "other.txt")  # (a sweep)
         assert "arr/c/0/0.tmp" in view.buffers  # being read: kept

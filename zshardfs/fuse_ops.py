@@ -293,7 +293,7 @@ class Operations(pyfuse3.Operations):
         # inode and state; constants are precomputed, and fields left at
         # their zero default are not set
         entry = self.inodes.get(ino)
-        made_of = (node.is_dir, node.size, node.mtime, node.link is not None)
+        made_of = (node.is_dir, node.size, node.mtime_ns, node.link is not None)
         if entry is not None and entry.attrs_of == made_of:
             if node.target is not None:  # (a chunk node: its attributes' fields never change)
                 entry.attrs_for = node
@@ -320,7 +320,7 @@ class Operations(pyfuse3.Operations):
         a.st_blocks = (size + 511) // 512
         a.st_uid = self.uid
         a.st_gid = self.gid
-        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = int(node.mtime * 1e9)
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = node.mtime_ns
         if entry is not None:
             entry.attrs, entry.attrs_of = a, made_of
             entry.attrs_for = node if node.target is not None else None
@@ -552,10 +552,10 @@ class Operations(pyfuse3.Operations):
             # never waits, so no other request ran in between and the
             # re-checks after the general path's await below are moot.
             handle = self.view.open_reader(node)
-            if 0 < node.size <= self.open_fill and entry.handles == 0 and entry.filled != (node.size, node.mtime):
+            if 0 < node.size <= self.open_fill and entry.handles == 0 and entry.filled != (node.size, node.mtime_ns):
                 await self._fill_page_cache(inode, entry, handle)
                 return pyfuse3.FileInfo(fh=self._new_fh(inode, handle), keep_cache=True)
-            if entry.filled is not None and entry.filled == (node.size, node.mtime):
+            if entry.filled is not None and entry.filled == (node.size, node.mtime_ns):
                 handle.kernel_has = entry.kernel_has
             fh = self._next_fh
             self._next_fh = fh + 1
@@ -572,9 +572,9 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ESTALE)
         entry = self.inodes[inode]
         if (not write and 0 < node.size <= self.open_fill and entry.handles == 0
-                and entry.filled != (node.size, node.mtime)):
+                and entry.filled != (node.size, node.mtime_ns)):
             await self._fill_page_cache(inode, entry, handle)
-        elif not write and entry.filled is not None and entry.filled == (node.size, node.mtime):
+        elif not write and entry.filled is not None and entry.filled == (node.size, node.mtime_ns):
             handle.kernel_has = entry.kernel_has
         elif write and flags & os.O_APPEND:
             await self._show_grown_end(inode, entry, handle)
@@ -659,7 +659,7 @@ class Operations(pyfuse3.Operations):
         except OSError as exc:  # the kernel dropped the inode meanwhile, or no support
             log.debug("notify_store(%d): %s", inode, exc)
             return
-        entry.filled = (node.size, node.mtime)
+        entry.filled = (node.size, node.mtime_ns)
         entry.kernel_has = handle.kernel_has = self.view.kernel_holds(data, version)
         self.open_fills += 1
         self.view.handed_to_kernel(node)
@@ -723,12 +723,12 @@ class Operations(pyfuse3.Operations):
             raise
         if (off == 0 and ino is not None and not handle.writable and self.inodes.get(inode) is ino
                 and ino.node.created != _STALE and len(data) == ino.node.size > 0
-                and (handle.node.size, handle.node.mtime) == (ino.node.size, ino.node.mtime)):
+                and (handle.node.size, handle.node.mtime_ns) == (ino.node.size, ino.node.mtime_ns)):
             # This one READ gave the kernel the whole file, which it keeps
             # (keep_cache): the next open need not fill it again.  Marking it
             # unfilled made every open after a page drop refill (a copy and
             # notify_store per file, a third of a warm scan's daemon CPU).
-            ino.filled = (ino.node.size, ino.node.mtime)
+            ino.filled = (ino.node.size, ino.node.mtime_ns)
             held = handle.kernel_has
             if (held is not None and held[2] == version and held[0] == len(data)
                     and self.view.chunk_version(handle.node) == version):

@@ -78,7 +78,7 @@ class Node:
     path: str
     is_dir: bool
     size: int = 0
-    mtime: float = 0.0
+    mtime_ns: int = 0  # (integer nanoseconds from storage to the kernel: a float loses up to ~240 ns)
     # where it comes from
     key: str | None = None  # a stored object or directory (passthrough)
     document: bytes | None = None  # rewritten metadata shown instead of the stored bytes
@@ -108,7 +108,7 @@ class FileBuffer:
     dirty: bool = False
     handles: int = 0
     readers: int = 0  # read-only handles of a scratch file (see View.open)
-    mtime: float = field(default_factory=time.time)
+    mtime_ns: int = field(default_factory=time.time_ns)
     in_store: bool = True  # False: created here and not stored yet (nothing to delete)
     # bumped by every change: a store clears ``dirty`` only if no write came
     # in while its PUT was in flight (else that write would be lost)
@@ -124,7 +124,7 @@ class FileBuffer:
     def changed(self) -> None:
         self.dirty = True
         self.version += 1
-        self.mtime = time.time()
+        self.mtime_ns = time.time_ns()
 
 
 @dataclass(eq=False, slots=True)
@@ -273,7 +273,7 @@ class View:
         # keyed by (key, etag): never stale; bounded by bytes too, since a
         # rewritten document may be megabytes (consolidated metadata)
         self.documents = _TTLCache(4096, 3600.0, max_bytes=DOCUMENTS_BYTES)
-        self.started = time.time()
+        self.started_ns = time.time_ns()
         # names that exist in the view but not (yet) in storage
         self.buffers: dict[str, FileBuffer] = {}  # path -> open/scratch file
         self._scratch_swept_at = time.time()
@@ -296,7 +296,7 @@ class View:
         self._new_dirs_stored: OrderedDict[str, None] = OrderedDict()
         # when each directory made here was made (its mtime while only this
         # mount knows it: the same at every lookup; the last NEW_DIRS_MAX)
-        self._made_at: OrderedDict[str, float] = OrderedDict()
+        self._made_at: OrderedDict[str, int] = OrderedDict()
         # (S3) directories whose last file or subdirectory this mount just
         # removed: path -> when.  Storage has nothing left to show them by;
         # they stay for the rmdir that follows (rm -r), briefly
@@ -464,7 +464,7 @@ class View:
     # -- nodes --------------------------------------------------------------
 
     def root(self) -> Node:
-        return Node("", True, mtime=self.started, key="")
+        return Node("", True, mtime_ns=self.started_ns, key="")
 
     async def _document(self, info: ObjectInfo) -> bytes | None:
         """Rewritten bytes of a stored metadata document, or None if shown as is."""
@@ -504,7 +504,7 @@ class View:
         except AccessDenied:  # listed as stored; reading it gives EACCES
             doc = None
         size = len(doc) if doc is not None else info.size
-        return Node(path, False, size, info.mtime, key=info.key, document=doc, version=info.etag)
+        return Node(path, False, size, info.mtime_ns, key=info.key, document=doc, version=info.etag)
 
     @staticmethod
     def _link_node(path: str, info: ObjectInfo) -> Node | None:
@@ -515,7 +515,7 @@ class View:
                                            "mount; left out (-o follow_symlinks follows it, for a source no one "
                                            "else can write into)", tag=f"link out: {info.key}", interval=3600)
             return None
-        return Node(path, False, info.size, info.mtime, key=info.key, link=info.link)
+        return Node(path, False, info.size, info.mtime_ns, key=info.key, link=info.link)
 
     def _derived(self, dataset: Dataset | None, name: str, key: str) -> bool:
         """Is ``name`` (stored at ``key``) in a pass-through directory one the
@@ -524,7 +524,7 @@ class View:
         return (dataset is not None and dataset.claims((name,))) or self._is_dataset_document(key)
 
     def _buffer_node(self, buf: FileBuffer) -> Node:
-        return Node(buf.path, False, len(buf.data), buf.mtime, key=buf.key)
+        return Node(buf.path, False, len(buf.data), buf.mtime_ns, key=buf.key)
 
     def _chunk_node(self, path: str, dataset: Dataset, rel: tuple, entry: ChunkEntry | None,
                     target: ChunkTarget | None) -> Node | None:
@@ -537,10 +537,10 @@ class View:
             if dirty is not None:
                 if dirty.data is None:
                     return None
-                return Node(path, False, len(dirty.data), dirty.mtime, dataset=dataset, rel=rel, target=target)
+                return Node(path, False, len(dirty.data), dirty.mtime_ns, dataset=dataset, rel=rel, target=target)
         if entry is None:
             return None
-        return Node(path, False, entry.size, entry.mtime, dataset=dataset, rel=rel, target=target)
+        return Node(path, False, entry.size, entry.mtime_ns, dataset=dataset, rel=rel, target=target)
 
     async def _listed_child(self, path: str, dataset: Dataset, rel: tuple[str, ...], entry, mark: int) -> Node | None:
         """A listed entry's node.  A chunk whose shard this mount stored after
@@ -554,7 +554,7 @@ class View:
 
     def _virtual(self, path: str, dataset: Dataset, rel: tuple[str, ...], entry) -> Node | None:
         if isinstance(entry, DirEntry):
-            return Node(path, True, 0, entry.mtime or self._made_at.get(path, self.started), dataset=dataset, rel=rel)
+            return Node(path, True, 0, entry.mtime_ns or self._made_at.get(path, self.started_ns), dataset=dataset, rel=rel)
         return self._chunk_node(path, dataset, rel, entry, None)
 
     async def _dataset_child(self, path: str, dataset: Dataset, rel: tuple) -> Node | None:
@@ -566,13 +566,13 @@ class View:
         entry = await dataset.lookup(rel)
         if entry is None:
             if target is not None and self._empty_with_pending(dataset, rel):
-                return Node(path, False, 0, time.time(), dataset=dataset, rel=rel, target=target)
+                return Node(path, False, 0, time.time_ns(), dataset=dataset, rel=rel, target=target)
             return None
         if isinstance(entry, DirEntry):
             if (dataset.root in self.born_here and path not in self.written_dirs
                     and (path in self.removed_dirs or not await self._listed(dataset, rel))):
                 return None  # (made here: as in a directory store, not there until made or stored)
-            return Node(path, True, 0, entry.mtime or self._made_at.get(path, self.started), dataset=dataset, rel=rel)
+            return Node(path, True, 0, entry.mtime_ns or self._made_at.get(path, self.started_ns), dataset=dataset, rel=rel)
         return self._chunk_node(path, dataset, rel, entry, target)
 
     @staticmethod
@@ -598,17 +598,17 @@ class View:
         if made and path in self._new_dirs_stored:
             self._new_dirs_stored.move_to_end(path)  # (used: the last to be forgotten)
         if made and self._in_dataset(parent):
-            return Node(path, True, 0, self._made_at.get(path, self.started), dataset=parent.dataset,
+            return Node(path, True, 0, self._made_at.get(path, self.started_ns), dataset=parent.dataset,
                         rel=parent.rel + (name,))
         if self._in_dataset(parent):
             return await self._dataset_child(path, parent.dataset, parent.rel + (name,))
         dataset = await self.dataset_at(parent.key)
         if dataset is not None and dataset.claims((name,)):
             if made:  # the chunk directory of an array, made before it held anything
-                return Node(path, True, 0, self._made_at.get(path, self.started), dataset=dataset, rel=(name,))
+                return Node(path, True, 0, self._made_at.get(path, self.started_ns), dataset=dataset, rel=(name,))
             return await self._dataset_child(path, dataset, (name,))
         if made:
-            return Node(path, True, 0, self._made_at.get(path, self.started), key=join_key(parent.key, name))
+            return Node(path, True, 0, self._made_at.get(path, self.started_ns), key=join_key(parent.key, name))
         key = join_key(parent.key, name)
         info = await self.store.stat(key, listed_ok=True, links=not self._is_dataset_document(key))
         if info is not None and info.link is not None:
@@ -617,12 +617,12 @@ class View:
             return await self._stored_file(path, info)
         if info is not None or await self.store.is_dir(key) or await self._named_by_info(parent.key, name):
             # (an empty object named like a directory, as some S3 tools leave: the directory wins)
-            return Node(path, True, 0, self._made_at.get(path, self.started), key=key)
+            return Node(path, True, 0, self._made_at.get(path, self.started_ns), key=key)
         if self._buffered_below(path):
             # (S3) a file below it is only in memory (its store failed, or is
             # still to come) and storage holds nothing there any more: the
             # directory's last stored file was removed (4.6: never hidden)
-            return Node(path, True, 0, self._made_at.get(path, self.started), key=key)
+            return Node(path, True, 0, self._made_at.get(path, self.started_ns), key=key)
         return None
 
     def _buffered_below(self, path: str) -> bool:
@@ -845,7 +845,7 @@ class View:
                     continue
                 if dataset is None or not dataset.claims((name,)):
                     path = join_key(node.path, name)
-                    out.append(Node(path, True, 0, self._made_at.get(path, self.started), key=join_key(node.key, name)))
+                    out.append(Node(path, True, 0, self._made_at.get(path, self.started_ns), key=join_key(node.key, name)))
             for info in listing.files:
                 name = info.key.rsplit("/", 1)[-1]
                 if both.get(name) == 0 or name in links:
@@ -1142,7 +1142,7 @@ class View:
                     break
             chunk = self.writeback.open_chunk(t.shard_key, node.dataset.shard_format, t.shard_ctx, t.chunk_id,
                                               initial, t.capacity, node.dataset.shard_home, stored=not truncate,
-                                              mtime=node.mtime)
+                                              mtime_ns=node.mtime_ns)
             if truncate and len(chunk.data):
                 del chunk.data[:]
                 self.writeback.changed(t.shard_key, chunk)
@@ -1161,7 +1161,7 @@ class View:
                 # (its mtime stays the stored one until it changes: an open
                 # that writes nothing, ``touch -d``, changes no time)
                 buf = self.buffers[node.path] = FileBuffer(node.path, node.key, bytearray(data),
-                                                           mtime=node.mtime if not truncate and node.mtime else time.time())
+                                                           mtime_ns=node.mtime_ns if not truncate and node.mtime_ns else time.time_ns())
         if truncate and (buf.data or node.size):  # (``: > f`` empties f, written to or not)
             del buf.data[:]
             buf.changed()
@@ -1686,7 +1686,7 @@ class View:
             return
         self._scratch_swept_at = now
         old = [b for b in self.buffers.values()
-               if b.key is None and b.handles <= 0 and b.readers <= 0 and now - b.mtime >= self.SCRATCH_KEEP]
+               if b.key is None and b.handles <= 0 and b.readers <= 0 and now - b.mtime_ns / 1e9 >= self.SCRATCH_KEEP]
         for buf in old:
             del self.buffers[buf.path]
         if old:
@@ -1882,7 +1882,7 @@ class View:
         storage holds it too (see _new_dirs_stored)."""
         self.new_dirs.setdefault(parent_path, set()).add(name)
         path = _prefix(parent_path) + name
-        self._made_at[path] = time.time()
+        self._made_at[path] = time.time_ns()
         self._made_at.move_to_end(path)
         while len(self._made_at) > self.NEW_DIRS_MAX:
             self._made_at.popitem(last=False)

@@ -86,7 +86,7 @@ class DirtyChunk:
     #: of the stored version it was opened from (a stat must not see it
     #: change without a write: ``tar c`` then fails, "file changed as we
     #: read it", and ``rsync`` sends it again)
-    mtime: float = field(default_factory=time.time, compare=False)
+    mtime_ns: int = field(default_factory=time.time_ns, compare=False)
     # the shard holding it (None: none, e.g. replaced while still open) and
     # what it adds to that shard's totals, as last counted by WriteBack._count:
     # (bytes not in storage, 1 if it has data, writers)
@@ -291,21 +291,21 @@ class WriteBack:
 
     def open_chunk(self, key: str, fmt: ShardFormat, ctx: Any, chunk_id: int, initial: bytes | None,
                    capacity: int | None = None, home: str | None = None, stored: bool = False,
-                   mtime: float | None = None) -> DirtyChunk:
+                   mtime_ns: int | None = None) -> DirtyChunk:
         """A chunk opened for writing: its buffer, starting from ``initial``
         (the current content) unless it is dirty already.  ``stored``:
         ``initial`` is what storage holds, so the chunk is clean until
         written (an open that writes nothing, ``touch``, stores nothing, and
         cannot put back a version another writer replaced meanwhile).
-        ``mtime``: that stored version's, kept until the chunk changes."""
+        ``mtime_ns``: that stored version's, kept until the chunk changes."""
         shard = self.shard(key, fmt, ctx, capacity, home)
         chunk = shard.chunks.get(chunk_id)
         if chunk is None or chunk.data is None:
             new = DirtyChunk(bytearray(initial or b""), (chunk.version + 1) if chunk else 0)
             if chunk is None and stored:
                 new.clean = new.version  # (before it is counted: clean bytes are not dirty)
-                if mtime is not None:
-                    new.mtime = mtime
+                if mtime_ns is not None:
+                    new.mtime_ns = mtime_ns
             self._attach(shard, chunk_id, new)
             chunk = new
         chunk.writers += 1
@@ -328,7 +328,7 @@ class WriteBack:
 
     def changed(self, key: str, chunk: DirtyChunk) -> None:
         chunk.version += 1
-        chunk.mtime = time.time()
+        chunk.mtime_ns = time.time_ns()
         self._count(chunk)  # (its data changed too: the caller changed it in place)
         shard = self.dirty.get(key)
         if shard is not None:

@@ -211,7 +211,7 @@ class ObjectInfo:
     key: str
     size: int
     etag: str
-    mtime: float  # seconds since the epoch
+    mtime_ns: int  # nanoseconds since the epoch (the stored file's st_mtime_ns, exactly)
     #: a symbolic link's target: the object is the link itself (``size`` is
     #: the target's length in bytes), which the view shows as a link
     link: str | None = None

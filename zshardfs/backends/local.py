@@ -502,12 +502,12 @@ class LocalBackend:
 
     @staticmethod
     def _info(key: str, st: os.stat_result) -> ObjectInfo:
-        return ObjectInfo(key, st.st_size, f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}", st.st_mtime)
+        return ObjectInfo(key, st.st_size, f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}", st.st_mtime_ns)
 
     @staticmethod
     def _link_info(key: str, st: os.stat_result, target: str) -> ObjectInfo:
         size = len(os.fsencode(target))
-        return ObjectInfo(key, size, f"{st.st_ino:x}-{st.st_mtime_ns:x}-l{size:x}", st.st_mtime, link=target)
+        return ObjectInfo(key, size, f"{st.st_ino:x}-{st.st_mtime_ns:x}-l{size:x}", st.st_mtime_ns, link=target)
 
     @staticmethod
     def reserved_name(name: str) -> bool:
@@ -732,7 +732,7 @@ class LocalBackend:
         if n != length:
             return None  # partly cached, or past the end: the slow path decides
         etag_size = int(if_match.rsplit("-", 1)[1], 16)
-        info = ObjectInfo(key, etag_size, if_match, 0.0)
+        info = ObjectInfo(key, etag_size, if_match, 0)
         return self._count_read(info, start, bytes(buf), None)
 
     def _get_current_nowait(self, key: str, start: int, length: int | None, suffix: int | None) -> Blob | None:

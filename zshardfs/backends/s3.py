@@ -124,14 +124,15 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return parts.netloc, prefix
 
 
-def version_mtime(last_modified: float, etag: str) -> float:
+def version_mtime_ns(last_modified: float, etag: str) -> int:
     """Last-Modified in whole seconds (all S3 gives), plus a fraction of a
     second derived from the ETag.  The kernel (and rsync, make) tell a
     changed file by its size and mtime; an object replaced within the same
     second by one of the same size (uncompressed chunks always are) would
     otherwise look unchanged, and stale pages would be served for good.
-    The same version always gives the same mtime (HEAD, GET and LIST agree)."""
-    return math.floor(last_modified) + (zlib.crc32(etag.encode()) % 1_000_000) / 1e6
+    The same version always gives the same mtime (HEAD, GET and LIST agree).
+    In nanoseconds: whole microseconds, as the kernel shows them exactly."""
+    return math.floor(last_modified) * 1_000_000_000 + (zlib.crc32(etag.encode()) % 1_000_000) * 1000
 
 
 def parse_timestamp(value: str) -> datetime:
@@ -384,7 +385,7 @@ class S3Backend:
         modified = meta.get("LastModified")
         etag = meta.get("ETag", "")
         mtime = modified.timestamp() if modified is not None else time.time()
-        return ObjectInfo(key, size, etag, version_mtime(mtime, etag))
+        return ObjectInfo(key, size, etag, version_mtime_ns(mtime, etag))
 
     # -- reads -----------------------------------------------------------------
 
@@ -530,7 +531,7 @@ class S3Backend:
         resp = self._call("put", "put_object", key, gone_is_conflict=if_match is not None, **params)
         bump(self.counters, "bytes_written", len(data))
         # PutObject does not return LastModified; "now" is close enough.
-        return ObjectInfo(key, len(data), resp.get("ETag", ""), time.time())
+        return ObjectInfo(key, len(data), resp.get("ETag", ""), time.time_ns())
 
     def delete(self, key, *, if_match=None, prune_below=None) -> None:
         params = {"Key": self._obj(key)}

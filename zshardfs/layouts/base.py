@@ -40,7 +40,7 @@ class ChunkEntry:
     shard_key: str
     chunk_id: int  # the chunk's identity inside its shard (layout-defined)
     size: int  # bytes the view shows
-    mtime: float  # the shard's mtime
+    mtime_ns: int  # the shard's mtime, in nanoseconds
     shard_ctx: object = None  # what the shard format needs to know (index shape...)
 
     @cached_property
@@ -65,7 +65,7 @@ class ChunkTarget:
 class DirEntry:
     """A virtual directory (e.g. ``c/3`` of a '/'-separated chunk key)."""
 
-    mtime: float = 0.0
+    mtime_ns: int = 0
 
 
 Entry = ChunkEntry | DirEntry

@@ -683,7 +683,7 @@ class PrecomputedDataset(Dataset):
             found = await self._find(index, cid & U64_MAX)
             if found is None:
                 return None
-            return ChunkEntry(key, cid, await self._size(index, *found, cid), index.info.mtime)
+            return ChunkEntry(key, cid, await self._size(index, *found, cid), index.info.mtime_ns)
 
         return await self._pinned(key, entry)
 
@@ -736,7 +736,7 @@ class PrecomputedDataset(Dataset):
                     report_damage(log, exc)
                     continue
                 if size >= 0:
-                    out.append((name, ChunkEntry(index.info.key, cid, size, index.info.mtime)))
+                    out.append((name, ChunkEntry(index.info.key, cid, size, index.info.mtime_ns)))
                 else:  # -2: a damaged gzip stream: not listed, EIO on lookup; one line for both
                     report_damage(log, CorruptData(f"{index.info.key}: chunk {cid}: damaged gzip trailer",
                                                    index.info.key))

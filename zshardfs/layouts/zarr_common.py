@@ -405,7 +405,7 @@ class GridDataset(Dataset):
         where = index.locate_now(cid)
         if where is None:
             return None
-        return ChunkEntry(key, cid, where[1], index.info.mtime, extent)
+        return ChunkEntry(key, cid, where[1], index.info.mtime_ns, extent)
 
     async def lookup(self, rel) -> Entry | None:
         parsed = self.keys.parse(rel)
@@ -462,7 +462,7 @@ class GridDataset(Dataset):
         if kept is not None and kept[0]() is index and kept[2]() is self.grid:
             cache.mark_used(slice_key)
             return kept[1]
-        mtime = index.info.mtime
+        mtime = index.info.mtime_ns
         small = self.grid.chunks_in_shard_list(shard, fixed, SMALL_LISTING)
         if small is None:
             return self._large_slice(key, extent, index, shard, fixed)
@@ -494,7 +494,7 @@ class GridDataset(Dataset):
             _report_shard_damage(key, index)
         keep &= ~damaged
         sizes = index.table[linear[keep], 1].tolist()
-        mtime = index.info.mtime
+        mtime = index.info.mtime_ns
         name = self._namer(len(fixed))
         return [(name(tuple(c)), ChunkEntry(key, cid, size, mtime, extent))
                 for c, cid, size in zip(coords[keep].tolist(), linear[keep].tolist(), sizes)]
