@@ -20,6 +20,7 @@ import logging
 import logging.handlers
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -273,6 +274,62 @@ def test_foreground_unmounted_from_outside(store, mnt):
     finally:
         _stop(proc)
     _assert_ended_cleanly(proc, err, mnt)
+
+
+@pytest.mark.parametrize("fusermount_fails", [False, True])
+def test_a_failed_unmount_by_fusermount3_is_one_error_line_and_a_non_zero_exit(fusermount_fails):
+    """A daemon run by a user other than root unmounts through libfuse's
+    fusermount3 child, whose failure libfuse keeps to itself: the daemon
+    looks at its mountinfo afterwards.  In a private mount namespace (the
+    host's untouched), as nobody, with a failing fusermount3 bound over the
+    real one once mounted: one error line naming the dead mount, exit 1
+    (before: "unmounted", exit 0, the mount left).  Without it: unmounted, 0."""
+    parent = Path(tempfile.mkdtemp(prefix="zshardfs-public-"))
+    try:
+        parent.chmod(0o755)
+        store = SmallStore(parent / "store")
+        subprocess.run(["chmod", "-R", "a+rX", str(store.root)], check=True)
+        mnt = parent / "mnt"
+        mnt.mkdir()
+        os.chown(mnt, 65534, 65534)
+        os.mknod(parent / "fuse", 0o666 | 0o020000, os.makedev(10, 229))  # (the host's /dev/fuse is 0600)
+        os.chmod(parent / "fuse", 0o666)
+        fake = parent / "fusermount3"
+        fake.write_text("#!/bin/sh\nexit 1\n")
+        fake.chmod(0o755)
+        daemon = ("import os, sys\nfrom zshardfs import cli, daemon\nimport zshardfs.backends.local\n"
+                  "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+                  f"sys.exit(cli.main(['mount', '-f', {str(store.root)!r}, {str(mnt)!r}, '-o', 'ro']))\n")
+        q = shlex.quote
+        script = f"""
+            mount --bind {q(str(parent / "fuse"))} /dev/fuse
+            cd / && {q(sys.executable)} -c {q(daemon)} 2>{q(str(parent / "log"))} &
+            pid=$!
+            for i in $(seq 200); do grep -q ' mounted ' {q(str(parent / "log"))} && break; sleep 0.05; done
+            sleep 1  # (its signal handlers are set up after the mount)
+            {f"mount --bind {q(str(fake))} $(command -v fusermount3)" if fusermount_fails else ""}
+            kill -TERM $pid
+            wait $pid
+            echo "exit $?"
+            grep -c -F {q(" " + str(mnt) + " ")} /proc/self/mountinfo
+            kill -KILL $pid 2>/dev/null
+            true
+        """
+        result = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                                capture_output=True, text=True, timeout=60)
+        log_lines = (parent / "log").read_text().splitlines()
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+    assert "Traceback" not in "\n".join(log_lines), log_lines
+    status, left = (result.stdout.splitlines() + ["", ""])[:2]
+    errors = [line for line in log_lines if " ERROR " in line]
+    if fusermount_fails:
+        assert (status, left) == ("exit 1", "1"), (result.stdout, log_lines)
+        assert len(errors) == 1 and "zshardfs umount" in errors[0] and str(mnt) in errors[0], log_lines
+        assert not any("unmounted" in line for line in log_lines), log_lines
+    else:
+        assert (status, left) == ("exit 0", "0"), (result.stdout, log_lines)
+        assert errors == [] and "unmounted" in log_lines[-1], log_lines
 
 
 def _stop(proc: subprocess.Popen) -> None:

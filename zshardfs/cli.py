@@ -348,7 +348,7 @@ def _serve(cfg: MountConfig, ready_fd: int | None) -> int:
         was_ready.append(True)
 
     try:
-        stored_all = run(cfg, ready=ready, reopen_log=handler.reopen if isinstance(handler, _LogFile) else None)
+        ended = run(cfg, ready=ready, reopen_log=handler.reopen if isinstance(handler, _LogFile) else None)
     except (ConfigError, StoreError) as exc:
         tell(f"error: {exc}")
         return _fail(str(exc))
@@ -365,7 +365,7 @@ def _serve(cfg: MountConfig, ready_fd: int | None) -> int:
         message = f"internal error: {type(exc).__name__}: {exc} (see the log)"
         tell(f"error: {message}")
         return _fail(message)
-    return EXIT_OK if stored_all else EXIT_LOST
+    return {"ok": EXIT_OK, "lost": EXIT_LOST}.get(ended, EXIT_FAIL)
 
 
 def _sd_notify(message: str) -> None:

@@ -158,35 +158,6 @@ def build_view(cfg: MountConfig, backend) -> View:
                 shard_option=cfg.shard)
 
 
-def _own_mount(mountpoint: str) -> tuple[str, str, str] | None:
-    """(mount ID, device, mount point) of the FUSE mount on ``mountpoint``
-    in this process's mount namespace (the last one, /proc/self/mountinfo),
-    or None."""
-    found = None
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 5 or " - " not in line:
-                    continue
-                fstype = line.split(" - ", 1)[1].split()[0]
-                where = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-                if where == mountpoint and fstype.startswith("fuse"):
-                    found = (fields[0], fields[2], fields[4])
-    except OSError:
-        return None
-    return found
-
-
-def _mounted_here(mount: tuple[str, str, str]) -> bool:
-    """Whether /proc/self/mountinfo still lists ``mount`` (see _own_mount)."""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            return any(tuple(line.split()[0:3:2] + line.split()[4:5]) == mount for line in f)
-    except OSError:
-        return True  # (cannot tell: as if mounted, nothing is ended)
-
-
 def _fuse_fd() -> int | None:
     """This process's /dev/fuse descriptor (the session's), or None."""
     try:
@@ -241,6 +212,32 @@ def _fuse_init(ops, mountpoint: str, options) -> None:
     lines = [ln.strip() for ln in text.decode(errors="replace").splitlines() if ln.strip()]
     raise RuntimeError(f"{failure} ({'; '.join(lines)})" if lines else str(failure)) from None
 
+
+def _unescape_mount_field(field: str) -> str:
+    """/proc/self/mountinfo writes space, tab, newline and backslash as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _fuse_mounts_at(mountpoint: str) -> list[tuple[str, str]]:
+    """(mount ID, device) of each zshardfs mount on ``mountpoint`` that this
+    process's /proc/self/mountinfo lists, the topmost last; [] if it cannot
+    be read."""
+    found = []
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                fields = line.split()
+                try:
+                    fstype = fields[fields.index("-", 6) + 1]
+                except (ValueError, IndexError):
+                    continue
+                if fstype == "fuse.zshardfs" and _unescape_mount_field(fields[4]) == mountpoint:
+                    found.append((fields[0], fields[2]))
+    except OSError:
+        pass
+    return found
+
+
 class Mount:
     """Everything one mount owns, wired bottom-up."""
 
@@ -264,7 +261,11 @@ class Mount:
         self._stopping: trio.CancelScope | None = None  # a stop (SIGTERM...) under way
         self._watching: trio.CancelScope | None = None  # an unmount ``zshardfs umount`` announced is watched for
         self._unmounted_here = False  # ended while only a copy elsewhere held the mount
-        self._mount = None  # (see _own_mount)
+        self._mount = None  # (mount ID, device) of the mount this daemon made (see serve)
+        self._where = self.cfg.mountpoint  # its mount point as mountinfo names it
+        #: its mount was still there after the unmount (libfuse says nothing
+        #: when the fusermount3 that unmounts for a user other than root fails)
+        self.left_mounted = False
 
     def _activity(self) -> tuple:
         """Changes whenever the mount reads, looks up, lists or stores."""
@@ -398,7 +399,7 @@ class Mount:
         end = trio.current_time() + UNMOUNT_WATCH
         while trio.current_time() < end:
             await trio.sleep(0.05)
-            if _mounted_here(self._mount):
+            if self._mount in _fuse_mounts_at(self._where):
                 continue
             gone = trio.current_time()
             while trio.current_time() - gone < CONNECTION_GRACE:
@@ -414,14 +415,16 @@ class Mount:
             return
 
     async def serve(self, ready=None) -> None:
+        # (resolved before the mount: a stat of its root then would wait for
+        # an answer from this very process)
+        where = os.path.realpath(self.cfg.mountpoint)
         _fuse_init(self.ops, self.cfg.mountpoint, fuse_options(self.cfg))
+        # (the one just made is the topmost: what must be gone after the unmount)
+        made = _fuse_mounts_at(where)[-1:]
         log.info("mounted %s on %s (%s)", self.store.url, self.cfg.mountpoint, "ro" if self.cfg.read_only else "rw")
         if ready is not None:
             ready()
-        # (as mountinfo names it; no stat of the mount point itself: its
-        # GETATTR would wait for this daemon, which serves only below)
-        where = os.path.abspath(self.cfg.mountpoint)
-        self._mount = _own_mount(os.path.join(os.path.realpath(os.path.dirname(where)), os.path.basename(where)))
+        self._where, self._mount = where, made[0] if made else None  # (see _watch_unmount)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -441,7 +444,12 @@ class Mount:
             # (not by name when the mount here is gone: see _watch_unmount)
             pyfuse3.close(unmount=not self._unmounted_here)
             self.store.close()
-            log.info("unmounted %s", self.cfg.mountpoint)
+            if made and made[0] in _fuse_mounts_at(where):
+                self.left_mounted = True
+                log.error("the unmount of %s failed (fusermount3 failed or was killed): its mount is left, dead; "
+                          "remove it with 'zshardfs umount %s'", self.cfg.mountpoint, self.cfg.mountpoint)
+            else:
+                log.info("unmounted %s", self.cfg.mountpoint)
 
     def _reopen_log(self, signum: int) -> None:
         if self.reopen_log is not None:
@@ -529,9 +537,10 @@ class Mount:
                           ", ..." if len(keys) > 10 else "")
 
 
-def run(cfg: MountConfig, ready=None, reopen_log=None) -> bool:
-    """Open the source, mount and serve (blocks until unmounted).  False if
-    it exited without storing everything written (given up at a stop).
+def run(cfg: MountConfig, ready=None, reopen_log=None) -> str:
+    """Open the source, mount and serve (blocks until unmounted).  "lost" if
+    it exited without storing everything written (given up at a stop),
+    else "left mounted" if its unmount failed (a dead mount is left), else "ok".
     ``reopen_log()``: what SIGHUP and SIGUSR1 do (open the log file anew)."""
     # SIGHUP (a closed terminal, a log rotation's habit), SIGUSR1 (another
     # one's) and SIGUSR2 never end the daemon, whose default action they
@@ -547,7 +556,7 @@ def run(cfg: MountConfig, ready=None, reopen_log=None) -> bool:
     mount = Mount(cfg, backend, reopen_log=reopen_log)
     gcpolicy.install()  # (short collector pauses with a big inode table)
     trio.run(mount.serve, ready)
-    return not mount.lost
+    return "lost" if mount.lost else "left mounted" if mount.left_mounted else "ok"
 
 
 __all__ = ["ConfigError", "Mount", "StoreError", "XATTR_PID", "XATTR_STATS", "open_backend", "run"]
