@@ -1311,3 +1311,36 @@ def test_an_info_whose_sharding_another_client_changes_applies_to_shards_already
     time.sleep(1.5)
     assert all((m.path / "vol" / "s0" / n).read_bytes() == bytes([7]) * 16 ** 3 for n in names)
     m.umount()
+
+
+
+def test_a_scale_key_with_a_slash_names_its_directories_after_its_last_shard(source, mount, peers_tree, tmp_path):
+    """A scale ``key`` with a ``/`` ("s/1_1_1": shown as stored, one
+    warning): every shard file removed through the view, the directories on
+    the way (``s``, ``s/1_1_1``) are still there for a later mount, listed
+    and looked up, as on a local store, which keeps them.  Before, on S3 the
+    later mount had neither (only a key directly in the ``info``'s directory
+    was looked for)."""
+    twins = peers_tree[1]["img_u8_identity_raw"]
+    tree = tmp_path / "slash_key"
+    shutil.copytree(twins.sharded, tree)
+    info = json.loads((tree / "info").read_text())
+    key = info["scales"][0]["key"]
+    info["scales"][0]["key"] = "s/" + key
+    (tree / "s").mkdir()
+    (tree / key).rename(tree / "s" / key)
+    (tree / "info").write_text(json.dumps(info))
+    src, extra, prefix = source.publish(tree)
+    m = mount(src, "flush_delay=60", extra=extra)
+    shards = sorted(os.listdir(m.path / "s" / key))
+    assert shards and all(n.endswith(".shard") for n in shards)  # (shown as stored)
+    for n in shards:
+        os.unlink(m.path / "s" / key / n)
+    subprocess.run([*ZSHARDFS, "sync", str(m.path)], check=True, capture_output=True, timeout=60)
+    later = mount(src, "ro", extra=extra)  # (its kernel has seen nothing)
+    assert (later.path / "s" / key).is_dir()
+    later2 = mount(src, "ro", extra=extra)
+    assert "s" in os.listdir(later2.path)
+    assert os.listdir(later2.path / "s") == [key]
+    assert os.listdir(later2.path / "s" / key) == []
+    assert "key 's/" in m.log_text()

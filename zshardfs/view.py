@@ -634,33 +634,46 @@ class View:
     async def _named_by_listed_info(self, dir_key: str, listing) -> list[str]:
         """(S3) The directories of _named_by_info that the listing of
         ``dir_key`` lacks (gone with their last shard), by name."""
-        if self.store.keeps_empty_dirs or not any(f.key.rsplit("/", 1)[-1] == "info" for f in listing.files):
+        if self.store.keeps_empty_dirs:
             return []
-        key = join_key(dir_key, "info")
-        try:
-            blob = await self.store.get_document(key)
-        except (NotFound, TooLarge):
+        own = any(f.key.rsplit("/", 1)[-1] == "info" for f in listing.files)
+        if not own and not dir_key:
             return []
         listed, prefix = set(listing.dirs), _prefix(dir_key)
-        names = {d[len(prefix):] for d in await self._info_dirs(key, blob) if d.startswith(prefix)}
+        names = {d[len(prefix):] for d in await self._dirs_named_near(dir_key, own) if d.startswith(prefix)}
         return sorted(n for n in names if n and "/" not in n and n not in listed)  # ("": its own)
 
     async def _named_by_info(self, dir_key: str, name: str) -> bool:
         """(S3) Is ``name`` a sharded scale (or annotation index) directory
-        that the precomputed ``info`` in ``dir_key`` names?  It holds only
+        that a precomputed ``info`` names, or one on the way to it (a scale
+        ``key`` with a ``/``: "s/8_8_8" names ``s`` too)?  It holds only
         shards: with the last one deleted, S3 has nothing left to show it by,
         yet the document still names it, and a chunk written there (``cp``,
         an open for create) needs it, as a local store, which keeps the
-        directory, has it.  The document is the one the probe of ``dir_key``
-        has just asked for: within ``metadata_ttl`` it costs no request."""
+        directory, has it.  The documents are those in ``dir_key`` and in its
+        parent, which the probe of ``dir_key`` has just asked for: within
+        ``metadata_ttl`` they cost no request."""
         if self.store.keeps_empty_dirs:
             return False
-        key = join_key(dir_key, "info")
-        try:
-            blob = await self.store.get_document(key)
-        except (NotFound, TooLarge):
-            return False
-        return join_key(dir_key, name) in await self._info_dirs(key, blob)
+        return join_key(dir_key, name) in await self._dirs_named_near(dir_key)
+
+    async def _dirs_named_near(self, dir_key: str, own: bool = True) -> set[str]:
+        """The directories _info_dirs finds in the ``info`` of ``dir_key``
+        (unless not ``own``: the listing shows none) and of its parent, with
+        every directory on the way to each."""
+        found: set[str] = set()
+        holders = ([dir_key] if own else []) + ([dir_key.rpartition("/")[0]] if dir_key else [])
+        for holder in holders:
+            key = join_key(holder, "info")
+            try:
+                blob = await self.store.get_document(key)
+            except (NotFound, TooLarge):
+                continue
+            for d in await self._info_dirs(key, blob):
+                while d and d not in found:
+                    found.add(d)
+                    d = d.rpartition("/")[0]
+        return found
 
     #: parsed ``info`` documents kept by _info_dirs (the least recently used go first)
     INFO_DIRS_KEPT = 256
