@@ -433,3 +433,36 @@ def test_a_request_waiting_for_a_rename_of_its_file_ends_at_its_deadline(tmp_pat
         assert (tmp_path / names[0]).read_bytes() == b"AAAAZZ6789" + b"\0\0" * (waiter == "truncate")
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("on_the_loop", [True, False])
+def test_a_pinned_read_after_the_requests_deadline_is_not_asked_on_the_loop_either(tmp_path, on_the_loop):
+    """A read pinned to a version (``if_match``: a chunk's fetch from its
+    shard) that a request makes after its deadline is "not asked" (EIO),
+    whether it would be answered on the event loop (a descriptor kept open,
+    its pages cached: ``get_nowait``) or in a worker thread, as every other
+    call is.  Before, the loop's answer came anyway, past the deadline."""
+    (tmp_path / "shard").write_bytes(bytes(range(256)) * 16)
+    backend = LocalBackend(str(tmp_path))
+    if not on_the_loop:
+        backend.get_nowait = None
+    threaded = []
+    get = backend.get
+    backend.get = lambda *args, **kwargs: threaded.append(args) or get(*args, **kwargs)
+    store = AsyncStore(backend, max_connections=4, timeout=0.05)
+
+    async def main():
+        first = await store.get("shard", 0, 4096)  # (keeps its descriptor, reads its pages)
+        etag, before = first.info.etag, len(threaded)
+        with store.request_deadline():  # in time: answered (on the loop, if it can)
+            assert (await store.get("shard", 16, 16, if_match=etag)).data == bytes(range(16, 32))
+        assert len(threaded) == before + (0 if on_the_loop else 1)
+        errors = backend.counters["errors"]
+        with store.request_deadline():
+            await trio.sleep(0.1)
+            with pytest.raises(Unavailable, match="not asked"):
+                await store.get("shard", 16, 16, if_match=etag)
+        assert backend.counters["errors"] == errors + 1
+        assert len(threaded) == before + (0 if on_the_loop else 1)  # (not asked in a thread either)
+
+    trio.run(main)

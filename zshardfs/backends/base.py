@@ -804,13 +804,14 @@ class AsyncStore:
                   suffix: int | None = None, if_match: str | None = None, speculative: bool = False,
                   max_size: int | None = None) -> Blob:
         asked = length if suffix is None else suffix
-        if asked and asked <= NOWAIT_MAX and max_size is None and self._nowait is not None:
+        if (asked and asked <= NOWAIT_MAX and max_size is None and self._nowait is not None
+                and time.monotonic() < _request_deadline.get()):  # (past it: _run's "not asked", as in a thread)
             if if_match is not None:
                 if suffix is None:
                     blob = self._nowait(key, start, length, if_match)  # page-cache hit: no thread hop
                     if blob is not None:
                         return blob  # an open file of that version, not news of the current one
-            elif time.monotonic() < _request_deadline.get():  # (a shard index's load; past it: _run's "not asked")
+            else:  # (a shard index's load)
                 started = time.monotonic()
                 blob = self._nowait(key, start, length, None, suffix=suffix)  # path and bytes cached: no thread
                 if blob is not None:
