@@ -415,6 +415,14 @@ class Mount:
             return
 
     async def serve(self, ready=None) -> None:
+        # SIGTERM/SIGINT are received from before the mount: one that comes
+        # as soon as the mount is there (``systemctl stop`` right after a
+        # start returned) is a stop like any other; it met the default
+        # action, which killed the daemon and left a dead mount
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, *REOPEN_SIGNALS) as signals:
+            await self._serve(ready, signals)
+
+    async def _serve(self, ready, signals) -> None:
         # (resolved before the mount: a stat of its root then would wait for
         # an answer from this very process)
         where = os.path.realpath(self.cfg.mountpoint)
@@ -428,7 +436,7 @@ class Mount:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                nursery.start_soon(self._signals, nursery)
+                nursery.start_soon(self._signals, nursery, signals)
                 await nursery.start(self.writeback.run)
                 self.shards.start(nursery)
                 nursery.start_soon(self.trimmer.run)
@@ -456,23 +464,22 @@ class Mount:
             self.reopen_log()
             log.info("signal %s: log file reopened", signal.Signals(signum).name)
 
-    async def _signals(self, nursery) -> None:
+    async def _signals(self, nursery, signals) -> None:
         """SIGTERM/SIGINT: store everything, then unmount; the same signal
         again gives up storing (systemd sends it after TimeoutStopSec, see
         systemd/zshardfs@.service).  SIGHUP, SIGUSR1: reopen the log file."""
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, *REOPEN_SIGNALS) as signals:
-            async for signum in signals:
-                if signum in REOPEN_SIGNALS:
-                    self._reopen_log(signum)
-                    continue
-                name = signal.Signals(signum).name
-                if self._stopping is None:
-                    log.info("signal %s: storing what is in memory, then unmounting", name)
-                    self._begin_stop(nursery)
-                else:
-                    log.warning("signal %s again: exiting without storing what is left", name)
-                    self._give_up = True
-                    self._stopping.cancel()
+        async for signum in signals:
+            if signum in REOPEN_SIGNALS:
+                self._reopen_log(signum)
+                continue
+            name = signal.Signals(signum).name
+            if self._stopping is None:
+                log.info("signal %s: storing what is in memory, then unmounting", name)
+                self._begin_stop(nursery)
+            else:
+                log.warning("signal %s again: exiting without storing what is left", name)
+                self._give_up = True
+                self._stopping.cancel()
 
     def _begin_stop(self, nursery) -> None:
         self._stopping = trio.CancelScope()
