@@ -1146,6 +1146,35 @@ def test_a_chunk_directory_listing_works_out_each_shards_key_once(tmp_path):
     trio.run(main)
 
 
+def _one_shard_view_counting_threaded(tmp_path, method: str, metadata_ttl: float):
+    """(shard path, backend, view) of a local array ``a`` of one 2x8 shard of
+    1x1 chunks, read-only, ``index_ttl`` 0.05 s, whose backend records in
+    ``in_thread`` the key of each call of ``method`` (``get``, ``stat``): the
+    calls that went to a worker thread rather than the event loop."""
+    from tests.handmade_zarr import array_doc, write_array_doc, write_shard
+    from zshardfs.backends.local import LocalBackend
+    from zshardfs.config import MountConfig
+    from zshardfs.daemon import build_view
+
+    class Threaded(LocalBackend):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.in_thread: list[str] = []
+
+    def counted(self, key, *args, **kwargs):
+        self.in_thread.append(key)
+        return getattr(LocalBackend, method)(self, key, *args, **kwargs)
+
+    setattr(Threaded, method, counted)
+    root = tmp_path / "a"
+    write_array_doc(root, array_doc((2, 8), (2, 8), (1, 1)))
+    shard = write_shard(root, (0, 0), (2, 8), {i: bytes([i]) for i in range(16)})
+    store = Threaded(str(tmp_path))
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=True,
+                                  metadata_ttl=metadata_ttl, index_ttl=0.05), store)
+    return shard, store, view
+
+
 def test_a_cached_shards_index_loads_without_a_thread_and_changes_are_still_seen(tmp_path):
     """On a local store, loading a shard's index (the first lookup in each
     shard) read it in a worker thread even when its pages were cached: a
@@ -1157,29 +1186,10 @@ def test_a_cached_shards_index_loads_without_a_thread_and_changes_are_still_seen
     import pytest
     import trio
 
-    from tests.handmade_zarr import array_doc, shard_bytes, write_array_doc, write_shard
+    from tests.handmade_zarr import shard_bytes
     from zshardfs.backends.base import CorruptData
-    from zshardfs.backends.local import LocalBackend
-    from zshardfs.config import MountConfig
-    from zshardfs.daemon import build_view
 
-    class Threaded(LocalBackend):
-        """Counts the reads that went to a worker thread (get)."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.in_thread: list[str] = []
-
-        def get(self, key, *args, **kwargs):
-            self.in_thread.append(key)
-            return super().get(key, *args, **kwargs)
-
-    root = tmp_path / "a"
-    write_array_doc(root, array_doc((2, 8), (2, 8), (1, 1)))
-    shard = write_shard(root, (0, 0), (2, 8), {i: bytes([i]) for i in range(16)})
-    store = Threaded(str(tmp_path))
-    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=True,
-                                  metadata_ttl=0.05, index_ttl=0.05), store)
+    shard, store, view = _one_shard_view_counting_threaded(tmp_path, "get", metadata_ttl=0.05)
     key = "a/c/0/0"
 
     async def size() -> int | None:
@@ -1229,29 +1239,10 @@ def test_a_cached_shards_revalidation_needs_no_thread_and_changes_are_still_seen
     import pytest
     import trio
 
-    from tests.handmade_zarr import array_doc, shard_bytes, write_array_doc, write_shard
+    from tests.handmade_zarr import shard_bytes
     from zshardfs.backends.base import CorruptData
-    from zshardfs.backends.local import LocalBackend
-    from zshardfs.config import MountConfig
-    from zshardfs.daemon import build_view
 
-    class Threaded(LocalBackend):
-        """Counts the stats that went to a worker thread."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.in_thread: list[str] = []
-
-        def stat(self, key, *args, **kwargs):
-            self.in_thread.append(key)
-            return super().stat(key, *args, **kwargs)
-
-    root = tmp_path / "a"
-    write_array_doc(root, array_doc((2, 8), (2, 8), (1, 1)))
-    shard = write_shard(root, (0, 0), (2, 8), {i: bytes([i]) for i in range(16)})
-    store = Threaded(str(tmp_path))
-    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=True,
-                                  metadata_ttl=3600, index_ttl=0.05), store)
+    shard, store, view = _one_shard_view_counting_threaded(tmp_path, "stat", metadata_ttl=3600)
     key = "a/c/0/0"
 
     async def main():
