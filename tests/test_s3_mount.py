@@ -785,6 +785,43 @@ def test_an_answer_cut_in_its_headers_is_no_answer(mount, moto_server, bucket, a
     assert "Traceback" not in m.log_text()
 
 
+def test_a_listing_that_fails_fails_at_its_first_getdents(mount, moto_server, bucket, array):
+    """A directory whose storage listing fails (every answer cut): its
+    first getdents64 fails with EIO, as before readdir gave "." and ".."
+    (SEMANTICS 3.2), not those two and then EIO at the next call (a reader
+    stopping at one call would see an empty directory).  readdir writes
+    them into the reply before it asks for the listing; the error then
+    raised makes pyfuse3 answer with the error alone, the reply's buffer
+    dropped.  Once the network is whole a new listing begins with them."""
+    from tests.test_fuse_behaviour import getdents64, read_all_dents
+    with TcpProxy(moto_server.port) as proxy:
+        m = s3_mount(mount, moto_server, bucket, "metadata_ttl=0", endpoint=proxy.endpoint_url)
+        fd = os.open(m.path / "arr", os.O_RDONLY | os.O_DIRECTORY)
+        proxy.faults = Faults(1.0, ("cut",), cuts=(12,))
+        try:
+            with pytest.raises(OSError) as failed:
+                got = getdents64(fd, 1 << 16)
+                pytest.fail(f"the first getdents64 gave {[e[0] for e in got]}")
+            assert failed.value.errno == errno.EIO
+            with pytest.raises(OSError) as failed:  # (and again, from the start)
+                os.lseek(fd, 0, os.SEEK_SET)
+                getdents64(fd, 1 << 16)
+            assert failed.value.errno == errno.EIO
+        finally:
+            os.close(fd)
+        proxy.faults = None
+        def listed():
+            fd = os.open(m.path / "arr", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                return [e[0] for e in read_all_dents(fd, 1 << 16)]
+            except OSError:
+                return None
+            finally:
+                os.close(fd)
+        assert wait_for(lambda: (listed() or [])[:2] == [".", ".."] and sorted(listed()) == sorted([".", "..", "c", "zarr.json"]), timeout=15, interval=0.3), listed()
+    assert "Traceback" not in m.log_text()
+
+
 def test_a_put_whose_connection_closes_after_100_continue_ends(proxied, moto_server, bucket):
     """The connection of a PUT closes right after the ``HTTP/1.1 100`` of
     the server's ``100 Continue`` (botocore sends ``Expect: 100-continue``):
