@@ -46,7 +46,7 @@ from .logonce import log_once
 from .memtrim import Trimmer, limit_arenas, malloc_trim, rss_bytes
 from .shards import ShardCache
 from .view import View
-from .writeback import WriteBack
+from .writeback import WriteBack, failures_logged_by_caller
 
 log = logging.getLogger(__name__)
 
@@ -493,10 +493,12 @@ class Mount:
     async def _store_all(self, how_to_give_up: str) -> None:
         """Store everything still in memory, in rounds until one succeeds: a
         transient storage failure must not lose data.  One log line per
-        failed round; rounds 1 s apart, doubling up to 30 s."""
+        failed round (the first as well: the flushes leave their failures to
+        it); rounds 1 s apart, doubling up to 30 s."""
         delay, failed = 1.0, 0
         while True:
-            errors = await self.view.sync(final=True)
+            with failures_logged_by_caller():
+                errors = await self.view.sync(final=True)
             if not errors:
                 if failed:
                     log.info("stored everything after %d failed rounds", failed)

@@ -34,6 +34,8 @@ all from scratch (tests).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import functools
 import logging
@@ -64,6 +66,23 @@ PRESSURE_RETRY = 1.0
 
 
 T = TypeVar("T")
+
+#: True while the caller logs a failed flush itself (a stop's rounds, one
+#: line each: "not stored yet"); the flush then does not log it too
+_CALLER_LOGS_FAILURES: contextvars.ContextVar[bool] = contextvars.ContextVar("caller_logs_flush_failures",
+                                                                            default=False)
+
+
+@contextlib.contextmanager
+def failures_logged_by_caller():
+    """Flushes within (this task's and those it starts) leave the logging of
+    their failures to the caller, who gets them back as errors."""
+    token = _CALLER_LOGS_FAILURES.set(True)
+    try:
+        yield
+    finally:
+        _CALLER_LOGS_FAILURES.reset(token)
+
 
 #: shards flushed at once by sync, unmount and the background flusher
 FLUSH_PARALLEL = 8
@@ -449,7 +468,7 @@ class WriteBack:
                     # whichever path meets it first (a read, this flush, an fsync)
                     report_damage(log, CorruptData(f"{exc} (a flush of {key} failed: its new chunks are kept "
                                                    "in memory, retried)", exc.key or key))
-                else:
+                elif not _CALLER_LOGS_FAILURES.get():
                     # retried every second while writers wait: one line a minute
                     log_once(log, logging.ERROR, f"flush of {key} failed (kept in memory, retried): {exc}")
             else:
