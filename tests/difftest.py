@@ -851,8 +851,12 @@ def _pwritten(data: bytes | None, writes: list[tuple[int, bytes]]) -> bytes:
     return bytes(out)
 
 
-def _race_step(path: str, kind: str, size, off, data, tmp_tag: str) -> None:
-    """One step of a race's mover (in the mover process, or on the twin)."""
+def _race_step(path: str, kind: str, size, off, data, tmp_tag: str) -> str:
+    """One step of a race's mover (in the mover process, or on the twin): "ok", or "short
+    write: n of m bytes" when a write wrote less than asked without an error (never right
+    on a regular file of the mount, whose write is all of it or an error; the mover stops
+    there, and the result, no errno network faults may give, differs from the twin's "ok",
+    faults or not). A tmprename whose write was short renames nothing."""
     if kind == "truncate":
         os.truncate(path, size)
     elif kind == "ftruncate":
@@ -861,26 +865,18 @@ def _race_step(path: str, kind: str, size, off, data, tmp_tag: str) -> None:
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
-    elif kind == "pwrite":
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    else:
+        tmp = os.path.join(os.path.dirname(path), f".race-tmp.{tmp_tag}") if kind == "tmprename" else path
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | (0 if kind == "pwrite" else os.O_TRUNC), 0o644)
         try:
-            os.pwrite(fd, data, off)
+            n = os.pwrite(fd, data, off) if kind == "pwrite" else os.write(fd, data)
         finally:
             os.close(fd)
-    elif kind == "write":
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-    else:  # tmprename
-        tmp = os.path.join(os.path.dirname(path), f".race-tmp.{tmp_tag}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
+        if n != len(data):
+            return f"short write: {n} of {len(data)} bytes"
+        if kind == "tmprename":
+            os.rename(tmp, path)
+    return "ok"
 
 
 #: the race's mover: waits for "go", applies the steps, prints their results (JSON)
@@ -892,10 +888,11 @@ _RACE_MOVER = (
     "out = []\n"
     "for kind, size, off, data in steps:\n"
     "    try:\n"
-    "        _race_step(path, kind, size, off, bytes.fromhex(data) if data is not None else None, str(os.getpid()))\n"
-    "        out.append('ok')\n"
+    "        out.append(_race_step(path, kind, size, off, bytes.fromhex(data) if data is not None else None,\n"
+    "                              str(os.getpid())))\n"
     "    except OSError as e:\n"
     "        out.append(errno.errorcode.get(e.errno, str(e.errno)))\n"
+    "    if out[-1] != 'ok':\n"
     "        break\n"
     "print(json.dumps(out), flush=True)\n")
 _RACE_MOVER = inspect.getsource(_race_step) + _RACE_MOVER
@@ -1555,10 +1552,11 @@ class Applier:
             states, res = self._race_states(op)[0], []  # (from the state before)
             for kind, size, off, data in steps:
                 try:
-                    _race_step(str(self.p(rel)), kind, size, off, bytes.fromhex(data) if data is not None else None, "twin")
-                    res.append("ok")
+                    res.append(_race_step(str(self.p(rel)), kind, size, off,
+                                          bytes.fromhex(data) if data is not None else None, "twin"))
                 except OSError as e:
                     res.append(errname(e))
+                if res[-1] != "ok":
                     break
             for s in states[1:]:
                 self.on_the_way.setdefault(rel, []).append(s)

@@ -232,6 +232,40 @@ def test_the_race_checker_allows_a_stat_inside_a_write_the_kernel_split(tmp_path
     assert "fits no state" in _race_check(tmp_path, grown, [["stat", 2005], ["stat", page]])
 
 
+def test_a_short_write_of_the_race_mover_is_a_failed_step(tmp_path):
+    """A mover's write that writes less than asked without an error (here: into a 16 KiB
+    tmpfs that fills up) was counted as a step done ("ok", as the twin's): the race's results
+    agreed and only what the watcher or the final compare saw of the missing bytes, if
+    anything, could tell. It is now the step's result, "short write: n of m bytes", and the
+    mover stops there; no errno network faults may give, so it is a divergence from the
+    twin's "ok" under faults too. The twin's own steps (in this process) say it alike, and a
+    temporary written short is not renamed over the file."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(small)], check=True)
+    try:
+        data = bytes(range(256)) * 192  # 48 KiB, more than fits (and its hex an argument)
+        steps = [["write", None, None, data.hex()], ["truncate", 10, None, None]]
+        mover = subprocess.run([sys.executable, "-c", dt._RACE_MOVER, str(small / "f"), json.dumps(steps)],
+                               input="go\n", capture_output=True, text=True, timeout=60)
+        assert mover.returncode == 0, mover.stderr
+        ready, out = mover.stdout.splitlines()
+        res = json.loads(out)
+        assert len(res) == 1 and re.fullmatch(r"short write: \d+ of 49152 bytes", res[0]), res
+        assert (small / "f").stat().st_size < len(data)  # (not truncated: the mover stopped)
+        assert not dt.fault_failed([res, "watch ok"])
+        (small / "f").unlink()
+        (small / "g").write_bytes(b"old")
+        got = dt._race_step(str(small / "g"), "tmprename", None, None, data, "twin")
+        assert got.startswith("short write: ") and (small / "g").read_bytes() == b"old"
+        (small / ".race-tmp.twin").unlink()
+        got = dt._race_step(str(small / "g"), "pwrite", None, 1, data, "twin")
+        assert got.startswith("short write: ")
+        assert dt._race_step(str(small / "g"), "pwrite", None, 1, b"xy", "twin") == "ok"
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
 def test_the_run_summary_counts_race_ops(tmp_path):
     """A run's summary (what scripts/difftest.py prints for a run that passed) shows its race
     coverage as it shows remounts and kills: how many race ops, how many held a descriptor,
