@@ -1146,6 +1146,33 @@ def test_a_chunk_directory_listing_works_out_each_shards_key_once(tmp_path):
     trio.run(main)
 
 
+async def _replaced_rewritten_damaged_restored(shard, size, store, key: str) -> None:
+    """The changes the two event-loop index tests below make to the one shard
+    of _one_shard_view_counting_threaded between lookups (``size()``: chunk
+    a/c/1/3's size as the view finds it): replaced by rename, rewritten in
+    place, damaged (EIO), restored; each must be seen, none through a thread."""
+    import pytest
+
+    from tests.handmade_zarr import shard_bytes
+    from zshardfs.backends.base import CorruptData
+
+    tmp = shard.with_name("new")
+    tmp.write_bytes(shard_bytes((2, 8), {i: b"xy" for i in range(16)}))
+    os.replace(tmp, shard)  # replaced by rename
+    assert await size() == 2
+    with open(shard, "r+b") as f:  # rewritten in place (the same inode)
+        f.write(shard_bytes((2, 8), {i: b"xyz" for i in range(16)}))
+    assert await size() == 3
+    assert key not in store.in_thread, store.in_thread
+    damaged = bytearray(shard_bytes((2, 8), {i: b"xyzw" for i in range(16)}))
+    damaged[-5] ^= 1  # (the last entry's nbytes: the index's checksum no longer matches)
+    shard.write_bytes(bytes(damaged))
+    with pytest.raises(CorruptData):
+        await size()
+    shard.write_bytes(shard_bytes((2, 8), {i: b"xyzw" for i in range(16)}))
+    assert await size() == 4
+
+
 def _one_shard_view_counting_threaded(tmp_path, method: str, metadata_ttl: float):
     """(shard path, backend, view) of a local array ``a`` of one 2x8 shard of
     1x1 chunks, read-only, ``index_ttl`` 0.05 s, whose backend records in
@@ -1183,11 +1210,7 @@ def test_a_cached_shards_index_loads_without_a_thread_and_changes_are_still_seen
     RESOLVE_CACHED, preadv2 RWF_NOWAIT), with the checks the thread makes:
     a shard replaced by rename, or rewritten in place, between two lookups is
     seen; a damaged one is still damage; a removed one is gone."""
-    import pytest
     import trio
-
-    from tests.handmade_zarr import shard_bytes
-    from zshardfs.backends.base import CorruptData
 
     shard, store, view = _one_shard_view_counting_threaded(tmp_path, "get", metadata_ttl=0.05)
     key = "a/c/0/0"
@@ -1202,21 +1225,7 @@ def test_a_cached_shards_index_loads_without_a_thread_and_changes_are_still_seen
     async def main():
         assert await size() == 1
         assert key not in store.in_thread, store.in_thread
-        tmp = shard.with_name("new")
-        tmp.write_bytes(shard_bytes((2, 8), {i: b"xy" for i in range(16)}))
-        os.replace(tmp, shard)  # replaced by rename
-        assert await size() == 2
-        with open(shard, "r+b") as f:  # rewritten in place (the same inode)
-            f.write(shard_bytes((2, 8), {i: b"xyz" for i in range(16)}))
-        assert await size() == 3
-        assert key not in store.in_thread, store.in_thread
-        damaged = bytearray(shard_bytes((2, 8), {i: b"xyzw" for i in range(16)}))
-        damaged[-5] ^= 1  # (the last entry's nbytes: the index's checksum no longer matches)
-        shard.write_bytes(bytes(damaged))
-        with pytest.raises(CorruptData):
-            await size()
-        shard.write_bytes(shard_bytes((2, 8), {i: b"xyzw" for i in range(16)}))
-        assert await size() == 4
+        await _replaced_rewritten_damaged_restored(shard, size, store, key)
         assert key not in store.in_thread, store.in_thread  # (the damaged version's load too)
         shard.unlink()
         assert await size() is None
@@ -1236,11 +1245,7 @@ def test_a_cached_shards_revalidation_needs_no_thread_and_changes_are_still_seen
     thread's answer showed still shows: a shard replaced by rename or
     rewritten in place since is loaded again, damage in the new version is
     still damage, a removed shard is gone, a FIFO in its place is no shard."""
-    import pytest
     import trio
-
-    from tests.handmade_zarr import shard_bytes
-    from zshardfs.backends.base import CorruptData
 
     shard, store, view = _one_shard_view_counting_threaded(tmp_path, "stat", metadata_ttl=3600)
     key = "a/c/0/0"
@@ -1260,21 +1265,7 @@ def test_a_cached_shards_revalidation_needs_no_thread_and_changes_are_still_seen
         assert await size() == 1
         assert store.counters["head"] == heads + 1  # (validated: asked again)
         assert key not in store.in_thread, store.in_thread
-        tmp = shard.with_name("new")
-        tmp.write_bytes(shard_bytes((2, 8), {i: b"xy" for i in range(16)}))
-        os.replace(tmp, shard)  # replaced by rename
-        assert await size() == 2
-        with open(shard, "r+b") as f:  # rewritten in place (the same inode)
-            f.write(shard_bytes((2, 8), {i: b"xyz" for i in range(16)}))
-        assert await size() == 3
-        assert key not in store.in_thread, store.in_thread
-        damaged = bytearray(shard_bytes((2, 8), {i: b"xyzw" for i in range(16)}))
-        damaged[-5] ^= 1  # (the last entry's nbytes: the index's checksum no longer matches)
-        shard.write_bytes(bytes(damaged))
-        with pytest.raises(CorruptData):
-            await size()
-        shard.write_bytes(shard_bytes((2, 8), {i: b"xyzw" for i in range(16)}))
-        assert await size() == 4
+        await _replaced_rewritten_damaged_restored(shard, size, store, key)
         assert key not in store.in_thread, store.in_thread
         shard.unlink()
         assert await size() is None  # (not found from the caches: the thread says so)
