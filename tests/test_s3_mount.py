@@ -727,6 +727,30 @@ def test_a_truncate_during_an_open_that_finds_a_new_version_is_not_undone(proxie
     assert os.stat(path).st_size == 100 and read_file(path) == new[:100]
     assert "Traceback" not in m.log_text()
 
+def test_a_sync_and_umount_refused_by_failing_s3_log_one_line_each(proxied, moto_server, bucket, array):
+    """``zshardfs sync``, then ``zshardfs umount`` (another shard dirty by
+    then: not a repeat of the line before), while every PUT fails: each
+    fails with EIO and adds ONE log line, the sync's, naming what is only in
+    memory and why; not also the flush's and ``getxattr``'s own."""
+    m, proxy = proxied("flush_delay=60")
+    proxy.faults = Faults(1.0, ("503",), methods=frozenset({"PUT"}))
+    try:
+        for what, chunk, counted in (("sync", "c/1/1/1", "1 chunks in 1 shards"),
+                                     ("umount", "c/5/5/5", "2 chunks in 2 shards")):
+            (m.path / "arr" / chunk).write_bytes(b"\x07" * 512)
+            mark = len(m.log_text())
+            result = subprocess.run([*ZSHARDFS, what, str(m.path)], capture_output=True, text=True, timeout=60)
+            assert result.returncode != 0 and "Input/output error" in result.stderr, result.stderr
+            lines = [line for line in m.log_text()[mark:].splitlines() if " ERROR " in line or " WARNING " in line]
+            assert len(lines) == 1 and f"sync failed: {counted} only in memory" in lines[0], (what, lines)
+            assert "SlowDown" in lines[0], lines
+    finally:
+        proxy.faults = None
+    assert sync_succeeds(m, 15)
+    assert read_file(m.path / "arr/c/5/5/5") == b"\x07" * 512
+    assert "Traceback" not in m.log_text()
+
+
 def test_a_truncate_whose_store_fails_shows_the_size_it_keeps(proxied, moto_server, bucket):
     """A truncate of a plain file whose PUT fails (every try cut by the
     network) is EIO, and the daemon keeps the new size in memory and

@@ -521,6 +521,41 @@ def test_a_second_sigterm_exits_without_the_unstored_data_and_says_so(tmp_path, 
     np.testing.assert_array_equal(zarr.open_array(str(store / "arr"), mode="r")[...], data)  # as it was
 
 
+def _problems_since(m, mark: int) -> list[str]:
+    return [line for line in m.log_text()[mark:].splitlines() if " ERROR " in line or " WARNING " in line]
+
+
+def test_a_refused_sync_or_umount_logs_one_line_that_says_what_failed(tmp_path, mount):
+    """``zshardfs sync`` and ``zshardfs umount`` refused because storage
+    fails (here a file where the shard directory should be) each log ONE
+    line, which names the failure: it was two, the flush's own line and
+    ``fuse_ops: getxattr: arr/c/0/0: not found``, and "not found" besides,
+    although it is a write that failed (EIO)."""
+    store, data = _seeded(tmp_path)
+    m = mount(store, "flush_delay=60")
+    (m / "arr/c/0/0").write_bytes(b"\x09" * 16)
+    repair = _break_shards(store)
+    try:
+        for what, chunk, counted in (("sync", None, "1 chunks in 1 shards"),
+                                     ("umount", "arr/c/2/2", "2 chunks in 2 shards")):
+            if chunk is not None:  # (another shard too: not a repeat of the line before)
+                (m / chunk).write_bytes(b"\x08" * 16)
+            mark = len(m.log_text())
+            result = zs(what, m.path, check=False)
+            assert result.returncode != 0 and "Input/output error" in result.stderr, result.stderr
+            lines = _problems_since(m, mark)
+            assert len(lines) == 1, (what, lines)
+            assert f"sync failed: {counted} only in memory" in lines[0], lines
+            assert f"{store / 'arr/c'} is not a directory" in lines[0] and "not found" not in lines[0], lines
+        assert os.path.ismount(m.path)
+    finally:
+        repair()
+    m.umount()
+    data[0:2, 0:2] = 0x09090909
+    data[4:6, 4:6] = 0x08080808
+    np.testing.assert_array_equal(zarr.open_array(str(store / "arr"), mode="r")[...], data)
+
+
 def test_a_foreground_daemon_that_gave_up_exits_with_status_3(tmp_path):
     """Under systemd (``--foreground``) the exit status tells that written
     data was given up at a stop (3), so the unit is marked failed; a stop

@@ -39,7 +39,7 @@ import pyfuse3
 import trio
 
 from . import gcpolicy
-from .backends.base import AsyncStore, StoreError, no_request_deadline
+from .backends.base import AsyncStore, CorruptData, StoreError, no_request_deadline
 from .config import ConfigError, MountConfig
 from .fuse_ops import Operations
 from .logonce import log_once
@@ -339,10 +339,19 @@ class Mount:
         """``zshardfs sync``: fails if anything could not be stored, or was
         refused (a document the stored chunks cannot live with: EPERM)."""
         refused = []
-        with no_request_deadline():  # (every shard: rounds of FLUSH_PARALLEL, each call with its own deadline)
+        # (every shard: rounds of FLUSH_PARALLEL, each call with its own
+        # deadline; the flushes leave their failure lines to the one below)
+        with no_request_deadline(), failures_logged_by_caller():
             errors = await self.view.sync(refused)
         if errors:
-            raise errors[0]
+            # one line for the failed sync (and ``zshardfs umount``, whose
+            # sync it is), not also the flush's and the getxattr's; a
+            # damaged shard has had its own line (report_damage) already
+            plain = [e for e in errors if not isinstance(e, CorruptData)]
+            if plain:
+                log_once(log, logging.ERROR, f"sync failed: {self._unstored() or 'nothing'} only in memory, "
+                                             f"retried later ({plain[0]})")
+            raise pyfuse3.FUSEError(errors[0].errno or errno.EIO)
         if refused:
             raise refused[0]
 

@@ -1091,6 +1091,8 @@ class LocalBackend:
             os.fsync(dfd)
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except OSError as exc:
+            if exc.errno == errno.ENOTDIR:
+                raise self._path_blocked(key, dir_key) from None
             raise self._fail(key, exc) from None
         finally:
             if dfd >= 0:
@@ -1102,6 +1104,23 @@ class LocalBackend:
         self._forget_fds(key)
         bump(self.counters, "bytes_written", len(data))
         return self._info(key, st)
+
+    def _path_blocked(self, key: str, dir_key: str) -> StoreError:
+        """A put whose directory cannot be made or opened because something
+        not a directory (a file) has the name of one on its path: a failed
+        write (EIO), not a missing key (ENOTDIR was reported as "not found")."""
+        bump(self.counters, "errors")
+        parts, blocker = dir_key.split("/"), dir_key
+        for i in range(1, len(parts) + 1):
+            here = "/".join(parts[:i])
+            try:
+                if not stat.S_ISDIR(os.stat(self._path(here)).st_mode):
+                    blocker = here
+                    break
+            except OSError:
+                break
+        return StoreError(f"{key}: cannot be written: {self._path(blocker)} is not a directory "
+                          "(a file has the name of a directory on its path)", key)
 
     def delete(self, key, *, if_match=None, prune_below=None) -> None:
         dir_key, _, name = key.rpartition("/")
