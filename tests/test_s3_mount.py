@@ -751,6 +751,44 @@ def test_a_sync_and_umount_refused_by_failing_s3_log_one_line_each(proxied, moto
     assert "Traceback" not in m.log_text()
 
 
+def test_release_of_writable_handles_ends_at_once_while_the_endpoint_is_silent(proxied, moto_server, bucket):
+    """RELEASE (the kernel's last close of a handle) asks storage nothing, so
+    it has no request deadline and needs none (fuse_ops.release): of a chunk
+    file written through the handle, a plain file open for writing and a new
+    chunk file, it ends at once while the endpoint answers nothing (within
+    2 s, the storage timeout being 60 s); what they wrote is stored once the
+    endpoint answers again."""
+    name = f"rel-{uuid.uuid4().hex[:8]}.bin"
+    m, proxy = proxied("timeout=60", "flush_delay=inf", "debug", files={name: b"P" * 100})
+    fds = [os.open(m.path / "arr/c/1/1/1", os.O_WRONLY), os.open(m.path / name, os.O_RDWR),
+           os.open(m.path / "arr/c/0/0/0", os.O_WRONLY | os.O_CREAT)]
+    try:
+        os.pwrite(fds[0], b"\x05" * 512, 0)
+        os.pwrite(fds[2], b"\x06" * 512, 0)
+
+        def releases():
+            return [(t, r) for t, r in request_times(m.log_text()) if r.startswith("release(")]
+
+        proxy.silent = True
+        while fds:
+            os.close(fds.pop())  # (FLUSH: nothing of these to store at close)
+        # (the kernel sends RELEASE after close returned; -o debug logs each
+        # request as it ends, with its time)
+        assert wait_for(lambda: len(releases()) == 3, timeout=2, interval=0.05), \
+            f"RELEASEs waited on the silent endpoint: {releases()}"
+        assert all(t < 0.5 for t, _ in releases()), releases()
+    finally:
+        for fd in fds:
+            os.close(fd)
+        proxy.silent = False
+    assert sync_succeeds(m, 15)
+    client = moto_server.client()
+    assert client.get_object(Bucket=bucket, Key=f"{PREFIX}/{name}")["Body"].read() == b"P" * 100
+    assert read_file(m.path / "arr/c/1/1/1") == b"\x05" * 512
+    assert read_file(m.path / "arr/c/0/0/0") == b"\x06" * 512
+    assert "Traceback" not in m.log_text()
+
+
 def test_a_truncate_whose_store_fails_shows_the_size_it_keeps(proxied, moto_server, bucket):
     """A truncate of a plain file whose PUT fails (every try cut by the
     network) is EIO, and the daemon keeps the new size in memory and

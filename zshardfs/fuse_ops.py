@@ -740,6 +740,12 @@ class Operations(pyfuse3.Operations):
         return data
 
     async def release(self, fh):
+        # No _translate, so no request deadline (-o timeout): none is needed,
+        # as nothing here waits on storage. view.release and release_reader
+        # await nothing that asks it (tables, and a chunk handed to the
+        # write-back, which stores it later); what a close must store is
+        # stored by FLUSH, which has its deadline. Keep it so (SEMANTICS 5.5,
+        # test_s3_mount.py::test_release_of_writable_handles_ends_at_once_while_the_endpoint_is_silent)
         entry = self._handles.pop(fh, None)
         if entry is None:
             return

@@ -1722,6 +1722,8 @@ class View:
             handle.buffer.readers -= 1
 
     async def release(self, handle: Handle) -> None:
+        """The last close of ``handle``.  Must not wait on storage: RELEASE
+        has no request deadline (see fuse_ops.release)."""
         if not handle.writable:
             self.release_reader(handle)
             return
