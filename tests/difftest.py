@@ -841,6 +841,22 @@ def _open(path, flags):
     return os.open(path, flags, 0o644)
 
 
+class ShortWrite(Exception):
+    """A write that wrote less than asked without an error (never right on a regular file of
+    the mount, whose write is all of it or an error). The op stops there, its result is
+    "short write: n of m bytes" (Applier.apply), which no errno network faults may give
+    (fault_failed is false): a divergence from the twin's result, faults or not. Not an
+    OSError: no op's ``except OSError`` takes it for an errno."""
+
+
+def _write(fd: int, data: bytes, off: int | None = None) -> int:
+    """os.write (``off`` None) or os.pwrite of all of ``data``, or ShortWrite."""
+    n = os.write(fd, data) if off is None else os.pwrite(fd, data, off)
+    if n != len(data):
+        raise ShortWrite(f"short write: {n} of {len(data)} bytes")
+    return n
+
+
 def _pwritten(data: bytes | None, writes: list[tuple[int, bytes]]) -> bytes:
     """``data`` (None: a file created) after the pwrites (offset, bytes)."""
     out = bytearray(data or b"")
@@ -1060,6 +1076,8 @@ class Applier:
             return getattr(self, "op_" + kind)(op)
         except OSError as e:
             return errname(e)
+        except ShortWrite as e:
+            return str(e)
 
     def _on_fd(self, rel: str, flags: int, use=None) -> str:
         """Open ``rel``, pass the descriptor to ``use``, close it."""
@@ -1077,19 +1095,19 @@ class Applier:
 
         def pieces(fd):
             for i in range(0, len(data), step):
-                os.write(fd, data[i:i + step])
+                _write(fd, data[i:i + step])
         return (self._twin_prepare(op["path"], True)
                 or self._on_fd(op["path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, pieces))
 
     def op_pwrite(self, op):
         data = self.env.data.get(op["data"])
         return (self._twin_prepare(op["path"], True)
-                or self._on_fd(op["path"], os.O_WRONLY | os.O_CREAT, lambda fd: os.pwrite(fd, data, op["off"])))
+                or self._on_fd(op["path"], os.O_WRONLY | os.O_CREAT, lambda fd: _write(fd, data, op["off"])))
 
     def op_append(self, op):
         data = self.env.data.get(op["data"])
         return (self._twin_prepare(op["path"], True)
-                or self._on_fd(op["path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, lambda fd: os.write(fd, data)))
+                or self._on_fd(op["path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, lambda fd: _write(fd, data)))
 
     def op_otrunc(self, op):
         return self._on_fd(op["path"], os.O_WRONLY | os.O_TRUNC)
@@ -1167,7 +1185,7 @@ class Applier:
         out = []
         fd = _open(self.p(op["path"]), os.O_RDWR | os.O_CREAT | (os.O_TRUNC if op.get("trunc") else 0))
         try:
-            os.pwrite(fd, self.env.data.get(op["d1"]), op["o1"])
+            _write(fd, self.env.data.get(op["d1"]), op["o1"])
             out.append(h(os.pread(fd, 1 << 22, 0)))
             out.append(self._read(op["path"]))
             out.append(self._read(op["other"]))
@@ -1187,7 +1205,7 @@ class Applier:
                     out.append("unlinked")
                 except OSError as e:
                     out.append(errname(e))
-            os.pwrite(fd, self.env.data.get(op["d2"]), op["o2"])
+            _write(fd, self.env.data.get(op["d2"]), op["o2"])
             out.append(h(os.pread(fd, 1 << 22, 0)))
         finally:
             os.close(fd)
@@ -1224,7 +1242,7 @@ class Applier:
         data = self.env.data.get(op["data"])
 
         def write(fd):
-            os.write(fd, data)
+            _write(fd, data)
             if op.get("fsync"):
                 os.fsync(fd)
         self._on_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, write)
@@ -1263,25 +1281,25 @@ class Applier:
 
             def pieces(fd):
                 for i in range(0, len(text), n):
-                    os.write(fd, text[i:i + n])
+                    _write(fd, text[i:i + n])
             return self._on_fd(rel, os.O_WRONLY | os.O_TRUNC, pieces)
         if how == "emptied":
             os.truncate(self.p(rel), 0)
-            return self._on_fd(rel, os.O_WRONLY, lambda fd: os.write(fd, text))
+            return self._on_fd(rel, os.O_WRONLY, lambda fd: _write(fd, text))
         if how == "tmprename":
-            self._on_fd(rel + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: os.write(fd, text))
+            self._on_fd(rel + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: _write(fd, text))
             os.rename(self.p(rel + ".tmp"), self.p(rel))
             return "ok"
         if how == "rmput":  # rm, then a saved copy put back by a shell redirect
             os.unlink(self.p(rel))
-            return self._on_fd(rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, lambda fd: os.write(fd, text))
+            return self._on_fd(rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, lambda fd: _write(fd, text))
         if how == "mvback":  # mv away, back, then rewritten in place
             os.rename(self.p(rel), self.p(rel + ".bak"))
             os.rename(self.p(rel + ".bak"), self.p(rel))
-            return self._on_fd(rel, os.O_WRONLY | os.O_TRUNC, lambda fd: os.write(fd, text))
+            return self._on_fd(rel, os.O_WRONLY | os.O_TRUNC, lambda fd: _write(fd, text))
         assert how == "editor", how
         os.rename(self.p(rel), self.p(rel + "~"))
-        self._on_fd(rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: os.write(fd, text))
+        self._on_fd(rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL, lambda fd: _write(fd, text))
         os.unlink(self.p(rel + "~"))
         return "ok"
 
@@ -1299,7 +1317,7 @@ class Applier:
                 if os.path.isfile(key):
                     os.unlink(key)
         doc["shape"] = list(op["shape"])
-        return self._on_fd(rel, os.O_WRONLY | os.O_TRUNC, lambda fd: os.write(fd, json.dumps(doc).encode()))
+        return self._on_fd(rel, os.O_WRONLY | os.O_TRUNC, lambda fd: _write(fd, json.dumps(doc).encode()))
 
     def op_consolidate(self, op):
         """zarr-python consolidates the hierarchy's metadata into the root ``zarr.json``."""
@@ -1437,11 +1455,13 @@ class Applier:
                     for path, off, spec in job:
                         fd = _open(self.p(path), os.O_WRONLY | os.O_CREAT)
                         try:
-                            os.pwrite(fd, self.env.data.get(spec), off)
+                            _write(fd, self.env.data.get(spec), off)
                         finally:
                             os.close(fd)
                 except OSError as e:
                     errs.append(errname(e))
+                except ShortWrite as e:
+                    errs.append(str(e))
             return "ok" if not errs else "fail:" + ";".join(errs)
         procs = []
         for job in op["jobs"]:
@@ -1451,7 +1471,9 @@ class Applier:
                     "    for p,o,d in json.loads(sys.argv[1]):\n"
                     "        fd=os.open(p,os.O_WRONLY|os.O_CREAT,0o644)\n"
                     "        try:\n"
-                    "            os.pwrite(fd,bytes.fromhex(d),o)\n"
+                    "            n=os.pwrite(fd,bytes.fromhex(d),o)\n"
+                    "            if n!=len(d)//2:\n"
+                    "                print(f'short write: {n} of {len(d)//2} bytes'); sys.exit(1)\n"
                     "        finally:\n"
                     "            os.close(fd)\n"
                     "except OSError as e:\n"
