@@ -1267,6 +1267,40 @@ def test_help_and_the_mount_fuse3_form_still_work(store, mnt):
     assert mounts_at(mnt) == []
 
 
+def test_reopen_log_returns_once_the_daemon_has_reopened_it(store, mnt, tmp_path):
+    """``zshardfs reopen-log MOUNTPOINT`` (the systemd unit's ExecReload) asks
+    the daemon through the mount and returns only once the ``-o log_file``
+    is reopened: a stopped daemon (SIGSTOP) keeps it waiting, and when it
+    returns the new file is the daemon's log, stdout and stderr. A SIGHUP,
+    the ExecReload before, was done as soon as it was sent. A mount logging
+    elsewhere (no log_file) has nothing to reopen: status 0, nothing said."""
+    log = tmp_path / "z.log"
+    run_mount(store.root, mnt, "ro", log=log)
+    pid = daemon_pid(mnt)
+    os.rename(log, tmp_path / "z.log.1")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        proc = subprocess.Popen([*ZSHARDFS, "reopen-log", str(mnt)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        time.sleep(1.0)
+        assert proc.poll() is None, "reopen-log returned while the daemon could not have reopened its log"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and out == "" and err == "", (proc.returncode, out, err)
+    assert log.exists() and _fd_target(pid, 2) == str(log) and _fd_target(pid, 1) == str(log)
+    assert "log file reopened (zshardfs reopen-log)" in log.read_text()
+    assert "reopened" not in (tmp_path / "z.log.1").read_text()
+    assert zs("umount", mnt).returncode == 0
+
+    run_mount(store.root, mnt, "ro")  # (no log_file)
+    result = zs("reopen-log", mnt)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    result = zs("reopen-log", tmp_path)
+    assert result.returncode == 1 and "is not a zshardfs mount point" in result.stderr, result.stderr
+    assert zs("umount", mnt).returncode == 0
+
+
 def _fd_target(pid: int, fd: int) -> str:
     return os.readlink(f"/proc/{pid}/fd/{fd}")
 
@@ -1388,7 +1422,8 @@ def test_the_systemd_unit_mounts_on_the_host_and_clears_a_dead_mount(store, mnt)
     leaves a live one alone."""
     settings = _unit()
     assert settings["Type"] == ["notify"]
-    assert settings["ExecReload"] == ["/bin/kill -HUP $MAINPID"]  # (reopens the log: test_hup_usr1_usr2_...)
+    # (synchronous: test_reopen_log_returns_once_the_daemon_has_reopened_it)
+    assert settings["ExecReload"] == ["/usr/local/bin/zshardfs reopen-log ${MOUNTPOINT}"]
     namespaced = {"PrivateTmp", "ProtectSystem", "ProtectHome", "PrivateMounts", "PrivateDevices",
                   "ReadOnlyPaths", "ReadWritePaths", "InaccessiblePaths", "TemporaryFileSystem",
                   "BindPaths", "BindReadOnlyPaths", "ProtectKernelTunables", "ProtectControlGroups",

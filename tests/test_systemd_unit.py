@@ -16,6 +16,7 @@ import json
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,33 @@ def test_start_is_done_once_the_view_is_mounted_and_stop_stores_what_was_written
     assert len(messages) == len(expected) and all(e in m for e, m in zip(expected, messages)), messages
 
 
+def test_reload_is_done_once_the_log_file_is_reopened(box):
+    """`systemctl reload` (ExecReload: `zshardfs reopen-log`, which asks the
+    daemon through the mount) is done only once the daemon has reopened its
+    `-o log_file`: with the daemon stopped (SIGSTOP) the unit stays
+    "reloading", and once it goes on the reload ends with the log in the new
+    file. Before, ExecReload was `kill -HUP $MAINPID`: the reload was done
+    (and logrotate went on) as soon as the signal was sent."""
+    unit, log = "zshardfs@rl.service", "/var/log/zshardfs-rl.log"
+    configure(box, "rl", f"ro,log_file={log}")
+    box.run(f"systemctl start {unit}")
+    pid = show(box, unit, "MainPID")["MainPID"]
+    assert pid != "0"
+    try:
+        box.run(f"mv {log} {log}.1 && kill -STOP {pid} && systemctl reload --no-block {unit}")
+        time.sleep(1.5)
+        assert show(box, unit, "ActiveState")["ActiveState"] == "reloading", "reloaded while the daemon was stopped"
+        assert box.run(f"test -e {log}", check=False).returncode != 0
+    finally:
+        box.run(f"kill -CONT {pid}")
+    box.run(f"for i in $(seq 200); do [ \"$(systemctl show -P ActiveState {unit})\" = active ] && break;"
+            " sleep 0.05; done")
+    assert show(box, unit, "ActiveState")["ActiveState"] == "active"
+    assert "log file reopened (zshardfs reopen-log)" in box.run(f"cat {log}").stdout
+    box.run(f"systemctl stop {unit}")
+    assert show(box, unit, "Result")["Result"] == "success"
+
+
 def test_a_start_after_kill_9_removes_the_dead_mount_first(box):
     """The daemon killed (SIGKILL, as the OOM killer does) leaves a dead
     mount; the next start (Restart=on-failure's, or `systemctl start`, which
@@ -211,13 +239,13 @@ def test_a_stop_that_cannot_store_gives_up_after_timeoutstopsec_with_status_3(bo
 def test_the_drop_in_the_header_shows_runs_another_install(box):
     """The header's drop-in for an install elsewhere (its /opt/zshardfs path
     replaced by this .venv's), as written: systemd-analyze verify accepts the
-    unit with it, the service has one ExecStart (the drop-in's) and two
-    ExecStartPre, and it starts and stops cleanly."""
+    unit with it, the service has one ExecStart (the drop-in's), two
+    ExecStartPre and one ExecReload, and it starts and stops cleanly."""
     text = UNIT.read_text()
     block = re.search(r"^#   \[Service\]\n((?:#   .*\n)+)# \)", text, re.M)
     assert block, "the header's drop-in is gone"
     dropin = "[Service]\n" + "".join(line[4:] + "\n" for line in block.group(1).splitlines())
-    assert dropin.count("/opt/zshardfs/bin/zshardfs") == 2, dropin
+    assert dropin.count("/opt/zshardfs/bin/zshardfs") == 3, dropin
     (box.data / "install.conf").write_text(dropin.replace("/opt/zshardfs/bin/zshardfs", str(EXE)))
     store, mnt = configure(box, "dropin", "ro")
     box.run(f"mkdir -p /etc/systemd/system/zshardfs@.service.d && cp {box.data}/install.conf"
@@ -227,6 +255,8 @@ def test_the_drop_in_the_header_shows_runs_another_install(box):
         assert verify.returncode == 0 and "zshardfs" not in verify.stderr, verify.stderr
         start = box.run("systemctl show -p ExecStart -p ExecStartPre zshardfs@dropin.service").stdout
         assert start.count("argv[]=") == 3 and f"path={EXE} " in start and "/usr/local/bin" not in start, start
+        reload = box.run("systemctl show -p ExecReload zshardfs@dropin.service").stdout
+        assert reload.count("argv[]=") == 1 and f"path={EXE} " in reload and "reopen-log" in reload, reload
         box.run("systemctl start zshardfs@dropin.service")
         name = sorted(store.chunks)[0]
         assert box.run(f"sha256sum {mnt}/{name}").stdout.split()[0] == sha(store.chunks[name])

@@ -18,6 +18,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -499,6 +500,32 @@ def cmd_sync(args) -> int:
     return _fail(problem) if problem else EXIT_OK
 
 
+def cmd_reopen_log(args) -> int:
+    """Have the daemon reopen its ``-o log_file`` (after logrotate moved it
+    away) and return once it has: the unit's ExecReload, so ``systemctl
+    reload`` is done when it says so (a SIGHUP is asynchronous)."""
+    mnt = os.path.abspath(args.mountpoint)
+    refused = _not_owner(os.path.realpath(mnt), "reopen the log of")
+    if refused:
+        return _fail(refused)
+    try:
+        pid = int(_control(mnt, "user.zshardfs.pid"))
+    except (ConfigError, ValueError) as exc:
+        return _fail(str(exc))
+    try:
+        os.getxattr(mnt, "user.zshardfs.reopen_log")
+    except OSError as exc:
+        if exc.errno == errno.EACCES:  # (the daemon's answer to another user)
+            return _fail(f"{mnt}: only the mount's owner or root can reopen its log")
+        if exc.errno != errno.ENODATA:
+            return _fail(f"reopening the log of {mnt} failed: {os.strerror(exc.errno)}")
+        try:  # a daemon started by an older zshardfs: the signal it knows (not waited for)
+            os.kill(pid, signal.SIGHUP)
+        except OSError as exc2:
+            return _fail(f"reopening the log of {mnt} failed: {os.strerror(exc2.errno)}")
+    return EXIT_OK
+
+
 def _unescape_mount_field(field: str) -> str:
     """/proc/mounts writes space, tab, newline and backslash as octal escapes."""
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
@@ -788,6 +815,10 @@ def build_parser() -> argparse.ArgumentParser:
     y = sub.add_parser("sync", help="store all written data now (what sync(1) cannot ask a FUSE daemon)")
     y.add_argument("mountpoint")
     y.set_defaults(func=cmd_sync)
+    r = sub.add_parser("reopen-log", help="reopen the mount's -o log_file (after logrotate moved it), "
+                                          "returning once it is (systemctl reload)")
+    r.add_argument("mountpoint")
+    r.set_defaults(func=cmd_reopen_log)
     s = sub.add_parser("stats", help="request counters and cache figures of a mount")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true")
@@ -812,7 +843,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = ("mount", "umount", "sync", "stats", "fsck")
+COMMANDS = ("mount", "umount", "sync", "reopen-log", "stats", "fsck")
 #: the mount options fsck accepts (so a mount's own can be passed) that
 #: mean nothing to it: it serves nothing, logs nothing, writes nothing
 FSCK_IGNORES = ("ro", "rw", "allow_other", "debug", "log_level", "log_file", "fsname", "attr_timeout", "open_fill",

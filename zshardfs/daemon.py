@@ -59,6 +59,10 @@ XATTR_UNMOUNTING = "user.zshardfs.unmounting"
 #: ... and this one when that ``fusermount3 -u`` failed (busy): the watch
 #: ends (a ``umount -z`` after it must leave the daemon serving open files)
 XATTR_UNMOUNT_REFUSED = "user.zshardfs.unmount_refused"
+#: ``zshardfs reopen-log`` (the unit's ExecReload) reads it: the log file is
+#: reopened before the answer, so ``systemctl reload`` returns once it is
+#: (a SIGHUP is asynchronous: systemd said "Reloaded" before the daemon had)
+XATTR_REOPEN_LOG = "user.zshardfs.reopen_log"
 #: seconds an unmount announced so is watched for
 UNMOUNT_WATCH = 30.0
 #: seconds the FUSE connection may outlive the mount here before it is
@@ -318,11 +322,12 @@ class Mount:
                        **self.writeback.table_sizes(), **self.store.table_sizes()},
         }
 
-    def _may_sync(self, uid: int) -> None:
-        """Only the daemon's user and root may make it store now (EACCES)."""
+    def _may_sync(self, uid: int, what: str = "a sync") -> None:
+        """Only the daemon's user and root may make it store now (EACCES),
+        or do ``what`` else the control channel asks (reopen its log)."""
         if uid not in (0, os.getuid()):
-            log_once(log, logging.INFO, f"a sync asked by uid {uid} refused: only the mount's owner "
-                                        f"(uid {os.getuid()}) or root can sync it")
+            log_once(log, logging.INFO, f"{what} asked by uid {uid} refused: only the mount's owner "
+                                        f"(uid {os.getuid()}) or root may ask it")
             raise pyfuse3.FUSEError(errno.EACCES)
 
     async def set(self, name: str, value: bytes, uid: int = 0) -> bool:
@@ -375,6 +380,13 @@ class Mount:
                 self._watching = trio.CancelScope()
                 self._nursery.start_soon(self._watch_unmount, self._watching)
             return b"watching"
+        if name == XATTR_REOPEN_LOG:
+            self._may_sync(uid, "a reopen of the log file")
+            if self.reopen_log is None:
+                return b"no log file"  # (stderr, syslog or the journal: nothing to reopen)
+            self.reopen_log()
+            log.info("log file reopened (zshardfs reopen-log)")
+            return b"reopened"
         if name == XATTR_UNMOUNT_REFUSED:
             self._may_sync(uid)
             if self._watching is not None:
@@ -577,4 +589,4 @@ def run(cfg: MountConfig, ready=None, reopen_log=None) -> str:
     return "lost" if mount.lost else "left mounted" if mount.left_mounted else "ok"
 
 
-__all__ = ["ConfigError", "Mount", "StoreError", "XATTR_PID", "XATTR_STATS", "open_backend", "run"]
+__all__ = ["ConfigError", "Mount", "StoreError", "XATTR_PID", "XATTR_REOPEN_LOG", "XATTR_STATS", "open_backend", "run"]
