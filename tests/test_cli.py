@@ -404,7 +404,7 @@ def test_stats_text_and_json(store, mount):
     assert stats["bytes"]["read"] >= len(data)
     assert stats["index_cache"]["entries"] >= 1
     assert stats["inodes"] >= 1
-    assert stats["storage_calls"] == {"slots_held": 0, "given_up_running": 0}
+    assert stats["storage_calls"] == {"slots_held": 0, "slots": 16, "timeout_s": 30, "given_up_running": 0}
     # every internal table's entries (what grows over a long life shows there)
     assert 10 << 20 < stats["rss_bytes"] < 4 << 30
     assert stats["tables"]["inodes"] == stats["inodes"] and stats["tables"]["indexes"] >= 1
@@ -902,10 +902,16 @@ def test_syslog_lines_naming_non_utf8_paths(tmp_path, monkeypatch):
 
 
 def test_cache_options_reach_the_daemon(store, mount):
+    """The caches' budgets, the storage slots and the request deadline the
+    daemon runs with are those given (``zshardfs stats`` shows them; before,
+    max_connections and timeout were passed here and checked nowhere)."""
     m = mount(store.root, "ro", "index_cache=1M", "chunk_cache=3M", "max_connections=2", "timeout=5")
     stats = m.stats()
     assert stats["index_cache"]["max_bytes"] == 1 << 20
     assert stats["chunk_cache"]["max_bytes"] == 3 << 20
+    assert stats["storage_calls"]["slots"] == 2 and stats["storage_calls"]["timeout_s"] == 5
+    text = zs("stats", m.path).stdout
+    assert re.search(r"^storage +slots_held=0/2 +timeout=5s ", text, re.M), text
     name, data = first_chunk(store)
     assert (m / name).read_bytes() == data
     assert m.stats()["chunk_cache"]["entries"] == 1

@@ -676,7 +676,9 @@ def cmd_stats(args) -> int:
     print(f"errors      {stats['errors']}  retries={stats['retries']}  "
           f"precondition_failed={stats['precondition_failed']}")
     calls = stats.get("storage_calls", {})
-    print(f"storage     slots_held={calls.get('slots_held', 0)}  "
+    slots = f"/{calls['slots']}" if "slots" in calls else ""  # (max_connections)
+    deadline = f"timeout={calls['timeout_s']:g}s  " if "timeout_s" in calls else ""
+    print(f"storage     slots_held={calls.get('slots_held', 0)}{slots}  {deadline}"
           f"given_up_running={calls.get('given_up_running', 0)} (calls given up at their deadline, still running)")
     for name in ("index_cache", "chunk_cache"):
         c = stats[name]

@@ -287,9 +287,11 @@ class Mount:
             "requests": {k: c.get(k, 0) for k in ("get", "get_range", "head", "list", "put", "delete")},
             "bytes": {"read": c.get("bytes_read", 0), "written": c.get("bytes_written", 0)},
             "errors": c.get("errors", 0),
-            # storage calls running (at most max_connections hold a slot), and
-            # those given up at their deadline whose worker thread still runs
+            # storage calls running (at most max_connections, ``slots``, hold a
+            # slot), the deadline of a request (-o timeout), and the calls
+            # given up at their deadline whose worker thread still runs
             "storage_calls": {"slots_held": self.store.limiter.borrowed_tokens,
+                              "slots": int(self.store.limiter.total_tokens), "timeout_s": self.store.timeout,
                               "given_up_running": self.store.given_up_running},
             "retries": c.get("retries", 0),
             "precondition_failed": c.get("precondition_failed", 0),
