@@ -748,6 +748,7 @@ def test_fsck_ends_on_loops_and_deep_trees(tmp_path, monkeypatch):
 
     deep = tmp_path / "deep"
     (deep / "/".join("d" * 6)).mkdir(parents=True)
+    assert fsck.MAX_DEPTH == 256  # (SEMANTICS 6.5 names it; made 3 below to keep the tree small)
     monkeypatch.setattr(fsck, "MAX_DEPTH", 3)
     cfg = MountConfig(source=str(deep), mountpoint="")
     found = trio.run(lambda: fsck.check(build_view(cfg, open_backend(cfg))))
