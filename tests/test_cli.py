@@ -994,6 +994,46 @@ def test_mount_helper_as_mount8_calls_it(store, mnt):
     assert zs("umount", mnt).returncode == 0
 
 
+def test_the_readme_s_one_command_works_as_written(tmp_path):
+    """README "Try it": ``scripts/try.sh`` sets up, writes the sample store and
+    mounts it read-only, then prints commands to try; the README's own
+    (``find sample/mnt | head``, ...) are among them, and each works. The
+    daemon logs to a file beside the sample, so a machine without a syslog
+    socket (containers) neither loses the log nor warns about it. Before,
+    try.sh took no directory (the sample always went into the repository)
+    and its daemon's log went to syslog, or nowhere with a warning, though
+    the README sends a user with an EIO to that log."""
+    repo = Path(__file__).resolve().parent.parent
+    sample = tmp_path / "sample"
+    run = subprocess.run(["bash", str(repo / "scripts" / "try.sh"), str(sample)], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path)
+    mnt = sample / "mnt"
+    try:
+        assert run.returncode == 0, run.stderr
+        assert mounts_at(mnt) and "warning" not in run.stderr, run.stderr
+        commands = [line.split("  #")[0].strip() for line in run.stdout.split("try:\n", 1)[1].splitlines()
+                    if line.startswith("  ")]
+        readme = (repo / "README.md").read_text().split("## Try it", 1)[1].split("\n## ", 1)[0]
+        said = [c.replace("sample/", f"{sample}/") for c in re.findall(r"`([^`]* [^`]*sample/[^`]*)`", readme)]
+        assert said and set(said) <= set(commands), (said, commands)
+        assert commands[-1] == f".venv/bin/zshardfs umount {mnt}"
+        out = {}
+        for command in commands[:-1]:
+            done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60, cwd=repo)
+            assert done.returncode == 0 and "Traceback" not in done.stderr, (command, done.stderr)
+            out[command] = done.stdout
+        find, meta, shards, labels, stats, fsck, log = out.values()
+        assert f"{mnt}/image/c/0/0/0" in find.split()
+        assert "sharding_indexed" not in meta and json.loads(meta)["chunk_grid"]["configuration"]["chunk_shape"] == \
+            [32, 32, 32]
+        assert shards.split() == ["0"] and " 7 7 7 7 7]" in labels and f"mountpoint  {mnt}" in stats
+        assert "0 problems" in fsck and f"mounted {sample}/store on {mnt} (ro)" in log, (fsck, log)
+        done = subprocess.run(["bash", "-c", commands[-1]], capture_output=True, text=True, timeout=60, cwd=repo)
+        assert done.returncode == 0 and not mounts_at(mnt), done.stderr
+    finally:
+        force_unmount(mnt)
+
+
 #: README's steps for /etc/fstab, run by test_fstab_entries_work_as_the_readme_says
 README_FSTAB_LINKS = [
     'ln -s "$(command -v mount.zshardfs)" /sbin/mount.zshardfs',
