@@ -1347,6 +1347,22 @@ def test_reopen_log_returns_once_the_daemon_has_reopened_it(store, mnt, tmp_path
     assert zs("umount", mnt).returncode == 0
 
 
+def test_version_is_shown(tmp_path):
+    """``zshardfs --version`` (``-V``) prints the installed version, the one
+    pyproject.toml gives, and exits 0. Before, it was taken for a missing
+    command ("the following arguments are required: command", exit 2): an
+    administrator had no way to tell which version a machine runs."""
+    from importlib.metadata import version
+
+    import zshardfs
+
+    assert zshardfs.__version__ == version("zshardfs")
+    for flag in ("--version", "-V"):
+        result = zs(flag)
+        assert (result.returncode, result.stdout, result.stderr) == (0, f"zshardfs {zshardfs.__version__}\n", ""), \
+            result
+
+
 def _fd_target(pid: int, fd: int) -> str:
     return os.readlink(f"/proc/{pid}/fd/{fd}")
 

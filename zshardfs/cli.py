@@ -26,6 +26,7 @@ import tempfile
 import sys
 import time
 
+from . import __version__
 from .config import (ConfigError, MountConfig, OptionError, describe_options, parse_options, redact_url,
                      valid_endpoint_url, valid_region_name)
 
@@ -794,6 +795,7 @@ def _region(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zshardfs", description="Mount a sharded array store as its unsharded view.")
+    p.add_argument("-V", "--version", action="version", version=f"zshardfs {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("mount", help="mount SOURCE on MOUNTPOINT", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="options (-o; given more than once, the last value counts):\n" + describe_options())
@@ -823,7 +825,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_reopen_log)
     s = sub.add_parser("stats", help="request counters and cache figures of a mount")
     s.add_argument("mountpoint")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="every figure, as JSON (also each internal table's size)")
     s.set_defaults(func=cmd_stats)
     f = sub.add_parser("fsck", help="walk SOURCE's view unmounted and report what a mount could not serve",
                        description="Walk the view of SOURCE as a mount shows it (without mounting it) and report, "
@@ -837,7 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the caches and TTLs, prefetch*, follow_symlinks apply; "
                         f"{', '.join(FSCK_IGNORES)} change nothing")
     f.add_argument("--data", action="store_true", help="read every file too (the data, not only the indexes)")
-    f.add_argument("--json", action="store_true")
+    f.add_argument("--json", action="store_true", help="the report as JSON")
     f.add_argument("--endpoint-url", type=_endpoint_url, help="S3-compatible endpoint (MinIO, Ceph, ...)")
     f.add_argument("--region", type=_region, help="S3 region")
     f.add_argument("--profile", help="AWS credentials profile")
