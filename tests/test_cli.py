@@ -814,9 +814,14 @@ def test_log_file_and_log_level(store, mount):
     assert re.search(r"INFO zshardfs\.daemon: mounted .* on " + re.escape(str(m.path)), text), text
     assert " DEBUG " not in text
 
+    (store.root / "bad").mkdir()
+    (store.root / "bad" / "zarr.json").write_text("{")  # (a warning: shown unchanged)
     quiet = mount(store.root, "ro", "log_level=warning")
     (quiet / name).read_bytes()
     assert quiet.log_text() == ""  # nothing at WARNING or above happened
+    assert os.listdir(quiet / "bad") == ["zarr.json"]
+    lines = quiet.log_text().splitlines()  # (a level that left out warnings too would pass the above)
+    assert len(lines) == 1 and " WARNING " in lines[0] and "bad/zarr.json: malformed JSON" in lines[0], lines
 
     loud = mount(store.root, "ro", "log_level=DEBUG")
     (loud / name).read_bytes()
