@@ -100,20 +100,30 @@ def _arenas(pid: int) -> int:
     return n
 
 
-def test_the_daemon_keeps_few_malloc_arenas(tmp_path, mount):
+def test_the_daemon_keeps_few_malloc_arenas(tmp_path, mount, monkeypatch):
     """Worker threads each got a malloc arena of their own (up to eight per
     core), which trimming leaves fragmented (on S3 a 128 MiB burst stored
     left 146 MiB after the trims against 98 with two arenas): the daemon
     now limits them to memtrim.ARENA_MAX."""
-    source = tmp_path / "store"
-    source.mkdir()
-    m = mount(source, "rw", "max_connections=16")
-    pid = m.stats()["pid"]
+    assert memtrim.ARENA_MAX == 2  # (SEMANTICS 2.3: "at most two malloc arenas")
 
-    def write(i: int) -> None:
-        for k in range(20):
-            (m / f"f{i}-{k}.bin").write_bytes(os.urandom(256 << 10))
+    def arenas_after_a_burst(name: str, *opts: str) -> int:
+        source = tmp_path / name
+        source.mkdir()
+        m = mount(source, "rw", "max_connections=16", *opts)
+        pid = m.stats()["pid"]
 
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(write, range(16)))
-    assert _arenas(pid) <= memtrim.ARENA_MAX - 1, _arenas(pid)
+        def write(i: int) -> None:
+            for k in range(20):
+                (m / f"f{i}-{k}.bin").write_bytes(os.urandom(256 << 10))
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(write, range(16)))
+        return _arenas(pid)
+
+    assert arenas_after_a_burst("store") <= memtrim.ARENA_MAX - 1
+    # glibc's default (one arena per thread, up to eight per core) with malloc_trim=off, and
+    # with MALLOC_ARENA_MAX in the daemon's environment, which decides then
+    assert arenas_after_a_burst("off", "malloc_trim=off") > memtrim.ARENA_MAX
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert arenas_after_a_burst("env") == 3  # (4, the main one included)
