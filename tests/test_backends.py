@@ -1081,6 +1081,7 @@ def test_only_small_fresh_listings_are_patched(tmp_path):
     files into a big directory costs no time per write that grows with it."""
     backend = LocalBackend(str(tmp_path))
     store = AsyncStore(backend, timeout=30, list_ttl=60)
+    assert store.LIST_PATCH_ENTRIES == 1000  # (SEMANTICS 4: "at most 1000 entries"; 5 here, to keep it small)
     store.LIST_PATCH_ENTRIES = 5
     (tmp_path / "big").mkdir()
     (tmp_path / "small").mkdir()
