@@ -1091,13 +1091,16 @@ def test_fstab_entries_work_as_the_readme_says(store, tmp_path):
 
 
 def test_umount_of_a_busy_mount(store, mnt):
-    """An open file keeps the mount busy: umount fails in one line and the
-    mount keeps working; ``umount -z`` detaches it anyway."""
+    """An open file keeps the mount busy: umount fails in one line, which
+    says how to find the users and how to detach it anyway (before: only
+    fusermount3's "Device or resource busy"), and the mount keeps working;
+    ``umount -z`` detaches it anyway."""
     run_mount(store.root, mnt, "ro")
     name, data = first_chunk(store)
     pid = daemon_pid(mnt)
     with open(mnt / name, "rb") as busy:
-        assert_one_line_error(zs("umount", mnt), "cannot unmount", "busy")
+        line = assert_one_line_error(zs("umount", mnt), "cannot unmount", "busy")
+        assert f"fuser -vm {mnt}" in line and f"zshardfs umount -z {mnt}" in line, line
         assert len(mounts_at(mnt)) == 1
         assert (mnt / name).read_bytes() == data
         started = time.monotonic()

@@ -17,6 +17,7 @@ import logging.handlers
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -646,7 +647,11 @@ def cmd_umount(args) -> int:
                 os.getxattr(mnt, "user.zshardfs.unmount_refused")
             except OSError:
                 pass
-        return _fail(f"cannot unmount {mnt}: {result.stderr.strip() or 'fusermount3 failed'}")
+        why = result.stderr.strip() or "fusermount3 failed"
+        if "busy" in why:  # (an open file or a working directory there: whose, and the way out)
+            why += (f" (in use: 'fuser -vm {shlex.quote(mnt)}' shows by whom; "
+                    f"'zshardfs umount -z {shlex.quote(mnt)}' detaches it now, its daemon ending when they are done)")
+        return _fail(f"cannot unmount {mnt}: {why}")
     if pid is None:
         # a dead mount removed: not a clean unmount, unless it held nothing to store
         message = f"the daemon of {mnt} had died; its mount is removed, and {lost}"
