@@ -2307,7 +2307,7 @@ class View:
         that were closed but never renamed to a chunk's name are discarded;
         a ``zshardfs sync`` keeps them (zarr-python renames its temporary
         right after closing it: a sync in between must not lose the chunk)."""
-        errors = []
+        errors, discarded = [], []
         for buf in list(self.buffers.values()):
             if buf.dirty and buf.key is not None:
                 try:
@@ -2321,8 +2321,12 @@ class View:
                     log.exception("storing %s failed", buf.key)
                     errors.append(StoreError(f"{buf.key}: {type(exc).__name__}: {exc}", buf.key))
             elif buf.key is None and buf.handles <= 0 and final:
-                log.warning("%s: temporary file inside a sharded array was never renamed; discarded", buf.path)
+                discarded.append(buf.path)
                 del self.buffers[buf.path]
+        if discarded:  # (one line for all: a cp -r to a name that is no chunk's makes many)
+            log.warning("%s%s: temporary file%s inside a sharded array never renamed; discarded", discarded[0],
+                        f" and {len(discarded) - 1} more" if len(discarded) > 1 else "",
+                        "s" if len(discarded) > 1 else "")
         errors += await self.writeback.sync_all()
         self._prune_new_chunks()
         return errors
