@@ -1314,33 +1314,189 @@ def test_an_info_whose_sharding_another_client_changes_applies_to_shards_already
 
 
 
-def test_a_scale_key_with_a_slash_names_its_directories_after_its_last_shard(source, mount, peers_tree, tmp_path):
-    """A scale ``key`` with a ``/`` ("s/1_1_1": shown as stored, one
-    warning): every shard file removed through the view, the directories on
-    the way (``s``, ``s/1_1_1``) are still there for a later mount, listed
-    and looked up, as on a local store, which keeps them.  Before, on S3 the
-    later mount had neither (only a key directly in the ``info``'s directory
-    was looked for)."""
-    twins = peers_tree[1]["img_u8_identity_raw"]
-    tree = tmp_path / "slash_key"
-    shutil.copytree(twins.sharded, tree)
-    info = json.loads((tree / "info").read_text())
-    key = info["scales"][0]["key"]
-    info["scales"][0]["key"] = "s/" + key
-    (tree / "s").mkdir()
-    (tree / key).rename(tree / "s" / key)
-    (tree / "info").write_text(json.dumps(info))
-    src, extra, prefix = source.publish(tree)
+# --------------------------------------------------------------------------- scale keys of several names
+
+#: scale key -> (sharding, seed): tensorstore writes each sharded and unsharded
+DEEP_KEYS = {
+    "s/8_8_8": (peers.sharding("identity", 0, 1, 1), 1),
+    "a/b/c": (peers.sharding("murmurhash3_x86_128", 0, 2, 1, "gzip", "gzip"), 2),
+}
+DEEP_SIZE, DEEP_CHUNK, DEEP_OFFSET = (40, 24, 20), (8, 8, 8), (3, 0, -4)
+
+
+def _deep_scale(key: str, sharded: bool) -> dict:
+    scale = {"key": key, "size": list(DEEP_SIZE), "voxel_offset": list(DEEP_OFFSET),
+             "chunk_size": list(DEEP_CHUNK), "resolution": [1.0, 1.0, 1.0], "encoding": "raw"}
+    if sharded:
+        scale["sharding"] = DEEP_KEYS[key][0]
+    return scale
+
+
+def _deep_info_scale(tree: Path, key: str) -> dict:
+    """Scale ``key`` of the ``info`` in ``tree``."""
+    return next(s for s in json.loads((tree / "info").read_text())["scales"] if s["key"] == key)
+
+
+@pytest.fixture(scope="session")
+def deep_tree(tmp_path_factory) -> tuple[Path, Path]:
+    """(sharded, unsharded): one uint16 volume whose scale keys have two and
+    three names (``s/8_8_8``, ``a/b/c``), written by tensorstore both ways
+    (a few boxes only: some chunks and one shard never exist)."""
+    root = tmp_path_factory.mktemp("precomputed_deep")
+    out = root / "sharded", root / "unsharded"
+    for key, (_, seed) in DEEP_KEYS.items():
+        data = np.random.default_rng(seed).integers(0, 2**16, size=DEEP_SIZE + (1,), dtype=np.uint16)
+        for path, sharded in zip(out, (True, False)):
+            path.mkdir(exist_ok=True)
+            t = ts.open({"driver": "neuroglancer_precomputed", "kvstore": {"driver": "file", "path": f"{path}/"},
+                         "multiscale_metadata": {"type": "image", "data_type": "uint16", "num_channels": 1},
+                         "scale_metadata": _deep_scale(key, sharded)}, create=True, open=True).result()
+            t = t.translate_to[0, 0, 0, 0]
+            for box in (np.s_[0:20, 0:24, 0:8], np.s_[33:40, 20:24, 16:20], np.s_[9:10, 9:10, 9:10]):
+                t[box].write(data[box]).result()
+    for path in out:  # (tensorstore's own layout: the key's directories, one below the other)
+        assert (path / "a" / "b" / "c").is_dir() and (path / "s" / "8_8_8").is_dir()
+    return out
+
+
+def test_scale_keys_of_several_names_are_shown_unsharded(source, mount, deep_tree):
+    """A scale ``key`` that is a relative path (``s/8_8_8``, ``a/b/c``): the
+    view shows it unsharded like any other, its directories on the way
+    plain ones: equal to tensorstore's unsharded twin file for file (``info``
+    without the scales' ``sharding``), and tensorstore reads the view as an
+    unsharded volume with the values it reads from the sharded store.
+    Before, both scales were shown as stored (their shard files, their
+    ``sharding`` kept in the ``info``, one warning each)."""
+    sharded, twin = deep_tree
+    m, _ = publish_and_mount(source, mount, sharded, "ro")
+    shown = json.loads((m.path / "info").read_bytes())
+    assert shown == json.loads((twin / "info").read_bytes())
+    assert all("sharding" not in scale for scale in shown["scales"])
+    assert tree_diff(m.path, twin) == []
+    assert sorted(os.listdir(m.path)) == ["a", "info", "s"] and os.listdir(m.path / "a") == ["b"]
+    for key in DEEP_KEYS:
+        assert np.array_equal(ts_read(m.path, key), peers.read_volume(sharded, key)), key
+    assert "shown as stored" not in m.log_text()
+
+
+def test_writes_to_scale_keys_of_several_names(source, mount, deep_tree, tmp_path):
+    """Chunk files written (new and over stored ones) and unlinked in the
+    directories of ``s/8_8_8`` and ``a/b/c``: stored as shards of those
+    directories, which tensorstore, reading the backend after unmounting,
+    finds equal to the same operations on the unsharded twin."""
+    sharded, twin_src = deep_tree
+    twin = tmp_path / "twin"
+    shutil.copytree(twin_src, twin)
+    m, prefix = publish_and_mount(source, mount, sharded, "flush_delay=60")
+    g = ScaleGeometry.from_json(_deep_info_scale(twin, "a/b/c"))
+    every = [g.chunk_name(p) for p in np.ndindex(*g.grid_shape)]
+    for i, key in enumerate(DEEP_KEYS):
+        stored = sorted(os.listdir(twin / key))
+        new = [n for n in every if n not in stored][:2]
+        ops = [("write", stored[0]), ("unlink", stored[-1])] + [("write", n) for n in new]
+        for j, (op, n) in enumerate(ops):
+            for directory in (m.path / key, twin / key):
+                if op == "write":
+                    (directory / n).write_bytes(_random_chunk(_deep_info_scale(twin, key), "uint16", n, 10 * i + j))
+                else:
+                    os.unlink(directory / n)
+        assert tree_diff(m.path / key, twin / key) == [], key
+    m.umount()
+    stored_tree = source.fetch(prefix)
+    assert json.loads((stored_tree / "info").read_bytes()) == json.loads((sharded / "info").read_bytes())
+    for key, (sharding, _) in DEEP_KEYS.items():
+        spec = ShardingSpec.from_json(sharding)
+        names = os.listdir(stored_tree / key)
+        assert names and all(spec.parse_shard_key(n) is not None for n in names), names
+        assert np.array_equal(peers.read_volume(stored_tree, key), peers.read_volume(twin, key)), key
+    src, extra, _ = source.publish(stored_tree)
+    assert tree_diff(mount(src, "ro", extra=extra).path, twin) == []
+
+
+def test_a_scale_key_with_a_slash_names_its_directories_after_its_last_shard(source, mount, deep_tree, tmp_path):
+    """Scale keys of two and three names (``s/8_8_8``, ``a/b/c``): every
+    chunk file unlinked through the view, their shards deleted, the
+    directories on the way (``s``, ``s/8_8_8``, ``a``, ``a/b``, ``a/b/c``)
+    are still there for a later mount, listed and looked up, and open to a
+    new chunk (``cp``), as on a local store, which keeps them.  Before, on S3
+    only the ``info``s of a directory and of its parent were looked at: the
+    later mount had no ``a/b`` nor ``a/b/c``."""
+    sharded, twin = deep_tree
+    src, extra, prefix = source.publish(sharded)
     m = mount(src, "flush_delay=60", extra=extra)
-    shards = sorted(os.listdir(m.path / "s" / key))
-    assert shards and all(n.endswith(".shard") for n in shards)  # (shown as stored)
-    for n in shards:
-        os.unlink(m.path / "s" / key / n)
+    for key in DEEP_KEYS:
+        for n in os.listdir(m.path / key):
+            os.unlink(m.path / key / n)
     subprocess.run([*ZSHARDFS, "sync", str(m.path)], check=True, capture_output=True, timeout=60)
+    stored_tree = source.fetch(prefix)
+    assert not any(p.is_file() for p in stored_tree.rglob("*") if p.name != "info")
     later = mount(src, "ro", extra=extra)  # (its kernel has seen nothing)
-    assert (later.path / "s" / key).is_dir()
-    later2 = mount(src, "ro", extra=extra)
-    assert "s" in os.listdir(later2.path)
-    assert os.listdir(later2.path / "s") == [key]
-    assert os.listdir(later2.path / "s" / key) == []
-    assert "key 's/" in m.log_text()
+    assert (later.path / "a" / "b" / "c").is_dir() and (later.path / "s" / "8_8_8").is_dir()
+    later2 = mount(src, "flush_delay=60", extra=extra)
+    assert sorted(os.listdir(later2.path)) == ["a", "info", "s"]
+    assert os.listdir(later2.path / "s") == ["8_8_8"] and os.listdir(later2.path / "s" / "8_8_8") == []
+    assert os.listdir(later2.path / "a") == ["b"] and os.listdir(later2.path / "a" / "b") == ["c"]
+    assert os.listdir(later2.path / "a" / "b" / "c") == []
+    scale = _deep_info_scale(twin, "a/b/c")
+    name = ScaleGeometry.from_json(scale).chunk_name((1, 1, 1))
+    chunk = tmp_path / "chunk"
+    chunk.write_bytes(_random_chunk(scale, "uint16", name, 5))
+    result = subprocess.run(["cp", str(chunk), str(later2.path / "a" / "b" / "c" / name)], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert os.listdir(later2.path / "a" / "b" / "c") == [name]
+    later2.umount()
+    stored = source.fetch(prefix) / "a" / "b" / "c"
+    assert [ShardingSpec.from_json(DEEP_KEYS["a/b/c"][0]).parse_shard_key(n) is not None
+            for n in os.listdir(stored)] == [True]
+
+
+#: (scale key, the words of its one warning; None: shown unsharded), in the order of ``scales``
+UNSAFE_KEYS = [
+    ("../out", "'.' or '..'"),
+    ("/abs", "absolute path"),
+    ("n//m", "'.' or '..'"),
+    ("n/./m", "'.' or '..'"),
+    ("t/", "'.' or '..'"),
+    ("https://example.com/x", "URL"),
+    ("info/x", "inside the volume's info"),
+    ("d", "also the directory of scales[8]"),  # a directory above another scale's
+    ("d/e", "also the directory of scales[7]"),
+    ("dup", "also the directory of scales[10]"),  # two scales of one key
+    ("dup", "also the directory of scales[9]"),
+    ("dup ", None),  # (another name)
+]
+
+
+def test_unsafe_scale_keys_are_shown_as_stored(source, mount, deep_tree, tmp_path):
+    """Scale keys that name no directory of the volume (``..``, absolute,
+    an empty or ``.`` name, a URL, a path inside ``info``) or a directory
+    that is also another scale's, or one above or below it: those scales
+    keep their ``sharding`` in the view's ``info``, their shard files shown
+    as stored, one warning each; the others are shown unsharded."""
+    sharded, _ = deep_tree
+    tree = tmp_path / "unsafe"
+    shutil.copytree(sharded, tree)
+    info = json.loads((tree / "info").read_text())
+    template = next(s for s in info["scales"] if s["key"] == "s/8_8_8")
+    shard = next(p for p in (tree / "s" / "8_8_8").iterdir())
+    info["scales"] = [dict(template, key=key) for key, _ in UNSAFE_KEYS]
+    (tree / "info").write_text(json.dumps(info))
+    for key in ("n/m", "d", "d/e", "dup", "dup "):
+        (tree / key).mkdir(parents=True, exist_ok=True)
+        shutil.copy(shard, tree / key / shard.name)
+    m, _ = publish_and_mount(source, mount, tree, "ro")
+    shown = json.loads((m.path / "info").read_bytes())["scales"]
+    assert [s["key"] for s in shown] == [key for key, _ in UNSAFE_KEYS]
+    assert [s["key"] for s in shown if "sharding" not in s] == ["dup "]
+    for key in ("n/m", "d", "d/e", "dup"):
+        assert shard.name in os.listdir(m.path / key), key  # as stored
+    assert shard.name not in os.listdir(m.path / "dup ") and os.listdir(m.path / "dup ")
+    lines = m.log_text().splitlines()
+    for n, (key, words) in enumerate(UNSAFE_KEYS):
+        said = [line for line in lines if f"scales[{n}]: " in line]
+        if words is None:
+            assert said == [], said
+        else:
+            assert len(said) == 1 and f"key {key!r}" in said[0] and words in said[0], (key, said)
+            assert "shown as stored" in said[0], said

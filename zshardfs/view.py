@@ -51,7 +51,7 @@ from .layouts import LAYOUTS, precomputed
 from .layouts.base import ChunkEntry, ChunkTarget, Dataset, DirEntry, LayoutContext
 from .shards import ShardCache
 from .logonce import log_once
-from .together import off_loop, outcomes
+from .together import first_error, off_loop, outcomes
 from .writeback import DirtyChunk, WriteBack
 
 log = logging.getLogger(__name__)
@@ -646,30 +646,40 @@ class View:
     async def _named_by_info(self, dir_key: str, name: str) -> bool:
         """(S3) Is ``name`` a sharded scale (or annotation index) directory
         that a precomputed ``info`` names, or one on the way to it (a scale
-        ``key`` with a ``/``: "s/8_8_8" names ``s`` too)?  It holds only
+        ``key`` of several names: "s/8_8_8" names ``s`` too)?  It holds only
         shards: with the last one deleted, S3 has nothing left to show it by,
         yet the document still names it, and a chunk written there (``cp``,
         an open for create) needs it, as a local store, which keeps the
-        directory, has it.  The documents are those in ``dir_key`` and in its
-        parent, which the probe of ``dir_key`` has just asked for: within
-        ``metadata_ttl`` they cost no request."""
+        directory, has it.  The documents are those in ``dir_key`` and in
+        every directory above it, which the probe of ``dir_key`` has just
+        asked for: within ``metadata_ttl`` they cost no request."""
         if self.store.keeps_empty_dirs:
             return False
         return join_key(dir_key, name) in await self._dirs_named_near(dir_key)
 
     async def _dirs_named_near(self, dir_key: str, own: bool = True) -> set[str]:
         """The directories _info_dirs finds in the ``info`` of ``dir_key``
-        (unless not ``own``: the listing shows none) and of its parent, with
-        every directory on the way to each."""
+        (unless not ``own``: the listing shows none) and of every directory
+        above it (a scale ``key`` may have any number of names), with every
+        directory on the way to each; the documents asked for at once."""
         found: set[str] = set()
-        holders = ([dir_key] if own else []) + ([dir_key.rpartition("/")[0]] if dir_key else [])
-        for holder in holders:
+        names = dir_key.split("/") if dir_key else []
+        holders = ([dir_key] if own else []) + ["/".join(names[:k]) for k in range(len(names) - 1, -1, -1)]
+
+        async def dirs(holder: str) -> frozenset[str]:
             key = join_key(holder, "info")
             try:
                 blob = await self.store.get_document(key)
             except (NotFound, TooLarge):
-                continue
-            for d in await self._info_dirs(key, blob):
+                return frozenset()
+            return await self._info_dirs(key, blob)
+
+        answers = await outcomes(*(functools.partial(dirs, holder) for holder in holders))
+        error = first_error(answers)
+        if error is not None:
+            raise error
+        for named in answers:
+            for d in named:
                 while d and d not in found:
                     found.add(d)
                     d = d.rpartition("/")[0]

@@ -22,8 +22,10 @@ A ``<id>`` mesh file's size needs its manifest, so listing a mesh directory
 reads every manifest (one ranged read each, kept in the chunk cache).
 
 The ``info`` is shown without those ``sharding`` objects; a part whose
-sharding the view cannot express (bad parameters, a ``key`` that is not one
-plain directory name, a grid needing more than 64 Morton bits, more than
+sharding the view cannot express (bad parameters, a ``key`` that names no
+directory inside the volume's (see ``key_problem``; a relative path of
+several names, ``s/8_8_8``, does) or that is another part's directory or one
+above or below it, a grid needing more than 64 Morton bits, more than
 ``MAX_MINISHARD_BITS``) keeps its ``sharding``, its directory passes through,
 and the log says why once.
 
@@ -77,7 +79,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..backends.base import (AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, join_key,
-                             Unstorable, shared_within_deadline)
+                             TooLarge, Unstorable, shared_within_deadline)
 from ..logonce import report_damage
 from ..shards import MAX_CHUNK_BYTES, ByteLRU
 from ..singleflight import SingleFlight
@@ -825,15 +827,44 @@ def _candidates(doc: dict):
     yield doc, None, "sharding", MeshNames if doc.get("@type") == MULTILOD else DecimalNames
 
 
+def key_problem(key) -> str | None:
+    """Why a part's ``key`` names no directory inside the volume's (None:
+    it does; a relative path of one or more names, ``s/8_8_8`` too)."""
+    if not isinstance(key, str):
+        return f"key {key!r} is not a string"
+    if "://" in key:
+        return f"key {key!r} is a URL, not a directory of the volume"
+    if key.startswith("/"):
+        return f"key {key!r} is an absolute path, not a directory of the volume"
+    names = key.split("/")
+    if any(n in ("", ".", "..") for n in names):
+        return f"key {key!r} has an empty, '.' or '..' name"
+    if names[0] == "info":
+        return f"key {key!r} names a directory inside the volume's info"
+    return None
+
+
+def _nested(a: str, b: str) -> bool:
+    """Is one of the keys ``a``, ``b`` the other, or a directory above it?"""
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
+
+
 def parse_info(doc: dict, what: str) -> list[Part]:
     """The parts of ``doc`` shown unsharded; the others are logged once."""
     parts = []
-    for holder, key, where, naming in _candidates(doc):
+    candidates = list(_candidates(doc))
+    keys = [(where, key) for _, key, where, _ in candidates if isinstance(key, str)]
+    for holder, key, where, naming in candidates:
         if "sharding" not in holder:
             continue
         try:
-            if key is not None and (not isinstance(key, str) or key in ("", ".", "..") or "/" in key):
-                raise ValueError(f"key {key!r} is not one plain directory name")
+            if key is not None:
+                problem = key_problem(key)
+                if problem is not None:
+                    raise ValueError(problem)
+                other = next((w for w, k in keys if w != where and _nested(key, k)), None)
+                if other is not None:
+                    raise ValueError(f"key {key!r} is also the directory of {other} (or one above or below it)")
             spec = ShardingSpec.from_json(holder["sharding"])
             if spec.minishard_bits > MAX_MINISHARD_BITS:
                 raise ValueError(f"minishard_bits {spec.minishard_bits} > {MAX_MINISHARD_BITS} "
@@ -856,7 +887,7 @@ def dataset_dirs(key: str, data: bytes) -> list[str]:
     try:
         doc = json.loads(data)
         parts = [k for holder, k, _, _ in _candidates(doc) if isinstance(doc, dict) and "sharding" in holder
-                 and isinstance(k, str)]
+                 and key_problem(k) is None]
     except (ValueError, TypeError, AttributeError, RecursionError):
         parts = []
     return [base, *(join_key(base, k) for k in parts)]
@@ -951,32 +982,30 @@ async def _info(ctx: LayoutContext, key: str) -> tuple[dict, str] | None:
 
 async def probe(ctx: LayoutContext, dir_key: str) -> PrecomputedDataset | None:
     """A directory of shards: described by its own ``info`` (top-level
-    ``sharding``) or by its parent's (a scale or annotation index ``key``).
-    Both are asked for at once: one round trip."""
-    parent, _, name = dir_key.rpartition("/")
-    own, parents = join_key(dir_key, "info"), join_key(parent, "info")
-    docs = await outcomes(*(functools.partial(_info, ctx, key) for key in ((own, parents) if dir_key else (own,))))
-
-    def answer(i: int) -> tuple[dict, str] | None:
-        if isinstance(docs[i], Exception):
-            raise docs[i]
-        return docs[i]
+    ``sharding``) or by the ``info`` of its parent or of any directory above
+    it (a scale or annotation index ``key``: ``8_8_8`` in the parent's,
+    ``s/8_8_8`` in the grandparent's...), the nearest first.  All are asked
+    for at once: one round trip (most are answered without a request, from
+    the probes and listings of the directories above)."""
+    names = dir_key.split("/") if dir_key else []
+    # (holder directory, the key naming dir_key from there; None: its own info)
+    holders = [(dir_key, None)] + [("/".join(names[:k]), "/".join(names[k:])) for k in range(len(names) - 1, -1, -1)]
+    keys = [join_key(holder, "info") for holder, _ in holders]
+    docs = await outcomes(*(functools.partial(_info, ctx, key) for key in keys))
 
     def made(part, key: str, etag: str) -> PrecomputedDataset:
         dataset = PrecomputedDataset(ctx, dir_key, part.spec, part.naming, part.writable)
         dataset.version = ((key, etag),)
         return dataset
 
-    found = answer(0)
-    if found is not None:
-        for part in parse_info(found[0], own):
-            if part.key is None:
-                return made(part, own, found[1])
-    if not dir_key:
-        return None
-    found = answer(1)
-    if found is not None:
-        for part in parse_info(found[0], parents):
-            if part.key == name:
-                return made(part, parents, found[1])
+    for n, ((_, rel), key, found) in enumerate(zip(holders, keys, docs)):
+        if isinstance(found, TooLarge) and n > 1:
+            continue  # (an info too large to read describes nothing: its own directory's probe says so)
+        if isinstance(found, Exception):
+            raise found
+        if found is None:
+            continue
+        for part in parse_info(found[0], key):
+            if part.key == rel:
+                return made(part, key, found[1])
     return None
