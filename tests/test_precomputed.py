@@ -1413,6 +1413,39 @@ def test_writes_to_scale_keys_of_several_names(source, mount, deep_tree, tmp_pat
     assert tree_diff(mount(src, "ro", extra=extra).path, twin) == []
 
 
+def test_tensorstore_writes_scale_keys_of_several_names_through_the_view(source, mount, deep_tree):
+    """tensorstore writing the unsharded layout of ``a/b/c`` into the view
+    (temporary files, renames) lands in that scale's shards; and tensorstore
+    creating a new sharded volume of key ``x/y/z`` inside the mount (its
+    directories made, each shard written to ``<n>.shard.__lock`` and
+    renamed) is stored as written and shown unsharded.  After unmounting,
+    tensorstore reads both from the backend."""
+    sharded, _ = deep_tree
+    m, prefix = publish_and_mount(source, mount, sharded)
+    t = ts.open({"driver": "neuroglancer_precomputed", "kvstore": f"file://{m.path}/",
+                 "scale_metadata": {"key": "a/b/c"}}, open=True).result().translate_to[0, 0, 0, 0]
+    expect = peers.read_volume(sharded, "a/b/c")
+    expect[5:30, 2:9, 0:20] = 4321
+    t[5:30, 2:9, 0:20].write(np.full((25, 7, 20, 1), 4321, np.uint16)).result()
+    assert np.array_equal(t.read().result(), expect)
+    made = ts.open({"driver": "neuroglancer_precomputed", "kvstore": f"file://{m.path}/new/",
+                    "multiscale_metadata": {"type": "image", "data_type": "uint8", "num_channels": 1},
+                    "scale_metadata": {"key": "x/y/z", "size": [20, 20, 20], "chunk_size": [8, 8, 8],
+                                       "resolution": [1, 1, 1], "encoding": "raw",
+                                       "sharding": peers.sharding("identity", 0, 1, 1)}},
+                   create=True, open=True).result()
+    made.translate_to[0, 0, 0, 0][0:10, 0:20, 0:20].write(np.full((10, 20, 20, 1), 9, np.uint8)).result()
+    assert (m.path / "new" / "x" / "y" / "z" / "0-8_0-8_0-8").read_bytes() == bytes([9]) * 8 ** 3
+    assert "sharding" not in json.loads((m.path / "new" / "info").read_bytes())["scales"][0]
+    m.umount()
+    stored_tree = source.fetch(prefix)
+    assert np.array_equal(peers.read_volume(stored_tree, "a/b/c"), expect)
+    assert all(n.endswith(".shard") for n in os.listdir(stored_tree / "a" / "b" / "c"))
+    got = peers.read_volume(stored_tree / "new", "x/y/z")
+    assert np.all(got[0:10] == 9) and np.all(got[10:] == 0)
+    assert sorted(os.listdir(stored_tree / "new" / "x" / "y" / "z")) == ["0.shard", "1.shard"]
+
+
 def test_a_scale_key_with_a_slash_names_its_directories_after_its_last_shard(source, mount, deep_tree, tmp_path):
     """Scale keys of two and three names (``s/8_8_8``, ``a/b/c``): every
     chunk file unlinked through the view, their shards deleted, the
