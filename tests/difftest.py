@@ -671,9 +671,9 @@ class PrecomputedLayout(Layout):
         return out
 
 
-def _vol(name, data_type, shard, size, chunk, offset=(0, 0, 0), scales=2, channels=1):
+def _vol(name, data_type, shard, size, chunk, offset=(0, 0, 0), scales=2, channels=1, key_prefix=""):
     return pp.VolumeCase(name, data_type, "raw", shard, size=size, chunk_size=chunk, voxel_offset=offset,
-                         num_scales=scales, num_channels=channels, sparse=True)
+                         num_scales=scales, num_channels=channels, sparse=True, key_prefix=key_prefix)
 
 
 S = pp.sharding
@@ -694,6 +694,11 @@ PRECOMPUTED_CASES: dict[str, PrecomputedCase] = {
     "pc_idxgzip_single_3scales": PrecomputedCase(
         _vol("v", "uint16", S("murmurhash3_x86_128", 0, 0, 0, "gzip", "raw"), (20, 20, 12), (8, 8, 8), scales=3),
         S("identity", 0, 1, 1, "gzip", "raw")),
+    # scale keys of several names ("s/t/1_1_1"): the scales' directories below plain ones
+    "pc_deep_keys": PrecomputedCase(
+        _vol("v", "uint8", S("murmurhash3_x86_128", 0, 1, 1, "gzip", "gzip"), (20, 18, 9), (8, 8, 8), (3, 0, 0),
+             key_prefix="s/t/"),
+        S("identity", 0, 1, 1)),
     # multi-resolution meshes (and a skeleton directory, for the other ops' chunks)
     "pc_mesh_identity_datagzip": PrecomputedCase(None, S("identity", 0, 1, 1), S("identity", 0, 1, 1, "raw", "gzip")),
     "pc_mesh_murmur_idxgzip_single": PrecomputedCase(None, S("murmurhash3_x86_128", 0, 0, 1, "raw", "gzip"),

@@ -66,6 +66,7 @@ class VolumeCase:
     num_channels: int = 1
     sparse: bool = False  # write a few boxes only: most chunks never exist
     extra_scale: dict = field(default_factory=dict)
+    key_prefix: str = ""  # before every scale key: "s/t/" makes keys of several names ("s/t/1_1_1")
 
     @property
     def volume_type(self) -> str:
@@ -158,7 +159,7 @@ def scale_params(case: VolumeCase, k: int) -> tuple[tuple[int, ...], tuple[int, 
     f = 2**k
     size = tuple(-(-s // f) for s in case.size)
     offset = tuple(o // f for o in case.voxel_offset)
-    return size, offset, f"{f}_{f}_{f}"
+    return size, offset, f"{case.key_prefix}{f}_{f}_{f}"
 
 
 def volume_data(case: VolumeCase, k: int) -> np.ndarray:

@@ -58,6 +58,8 @@ CASES = [
     ("pc_murmur_gzip_preshift", "local", 2, 80),  # murmurhash3, preshift, gzip index and data; identity, shard_bits 0
     ("pc_idxgzip_single_3scales", "local", 2, 60),  # one shard of one minishard, gzip index, 3 scales
     ("pc_u64_datagzip_shard0", "s3", 6, 50),      # identity, shard_bits 0, uint64, gzip data; murmurhash3, preshift 5
+    ("pc_deep_keys", "local", 2, 100),            # scale keys of several names (s/t/1_1_1): below plain directories
+    ("pc_deep_keys", "s3", 2, 60),
     # multi-resolution meshes, changed as pairs (and a skeleton directory)
     ("pc_mesh_identity_datagzip", "local", 1, 120),  # identity, gzip data: two shards of two minishards
     ("pc_mesh_identity_datagzip", "s3", 3, 120),
