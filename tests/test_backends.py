@@ -1956,3 +1956,37 @@ def test_calls_given_up_give_their_slot_back_up_to_max_connections(tmp_path):
         assert await one("k3") == "ok"
 
     trio.run(main)
+
+
+class SlowList(LocalBackend):
+    """A local store whose LIST takes a while (in its worker thread), as a far S3's does."""
+
+    def list(self, prefix):
+        time.sleep(0.3)
+        return super().list(prefix)
+
+
+def test_overlapping_listings_of_one_directory_without_list_ttl(tmp_path):
+    """With ``list_ttl`` 0 (``metadata_ttl=0``) listings are not shared, so
+    two of one directory may run at once, each marked as loading.  Before,
+    the second mark replaced the first, and the first to end removed the
+    second's: the second then failed with KeyError (a mount's ``find`` of a
+    Zarr array on S3 with ``metadata_ttl=0``: "readdir failed unexpectedly",
+    a traceback, EIO).  Both listings now answer, and no mark is left."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x").write_bytes(b"1")
+    store = AsyncStore(SlowList(str(tmp_path)), timeout=30, list_ttl=0)
+    got = []
+
+    async def one(delay):
+        await trio.sleep(delay)
+        got.append([f.key for f in (await store.list("d")).files])
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 0)
+            nursery.start_soon(one, 0.1)  # (starts while the first runs, ends after it)
+        assert got == [["d/x"], ["d/x"]]
+        assert "d" not in store._lists
+
+    trio.run(main)

@@ -41,10 +41,16 @@ class SingleFlight:
 
     @contextlib.contextmanager
     def loading(self, key) -> Iterator[None]:
-        """Mark ``key`` as loading for the duration of the block."""
+        """Mark ``key`` as loading for the duration of the block.  A caller
+        that must not share (listings with ``list_ttl`` 0) may start a load
+        while another of ``key`` runs: its mark replaces the other's, and
+        each load removes only its own (the first to end would otherwise
+        remove the later one's, and the later one's end fail); each wakes
+        its own waiters."""
         event = self._running[key] = trio.Event()
         try:
             yield
         finally:
-            del self._running[key]
+            if self._running.get(key) is event:
+                del self._running[key]
             event.set()
