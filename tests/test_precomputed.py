@@ -1446,6 +1446,32 @@ def test_tensorstore_writes_scale_keys_of_several_names_through_the_view(source,
     assert sorted(os.listdir(stored_tree / "new" / "x" / "y" / "z")) == ["0.shard", "1.shard"]
 
 
+def test_annotation_index_keys_of_several_names_are_shown_unsharded(source, mount, tmp_path):
+    """Annotation indexes (``by_id``, a relationship, a spatial level) whose
+    ``key`` has several names are shown unsharded as with one name: equal to
+    the twin with the same keys, read and written (a new id in ``by_id``)."""
+    sharded, twin = write_annotation_twins(tmp_path / "ann")
+    moves = {"by_id": "idx/by_id", "rel_segments": "idx/rel/segments", "spatial1": "sp/1"}
+    for root in (sharded, twin):
+        info = json.loads((root / "info").read_text())
+        for part in [info["by_id"], *info["relationships"], *info["spatial"]]:
+            if part["key"] in moves:
+                (root / moves[part["key"]]).parent.mkdir(parents=True, exist_ok=True)
+                (root / part["key"]).rename(root / moves[part["key"]])
+                part["key"] = moves[part["key"]]
+        (root / "info").write_text(json.dumps(info))
+    m, prefix = publish_and_mount(source, mount, sharded)
+    assert tree_diff(m.path, twin) == []
+    for root in (m.path, twin):
+        (root / "idx" / "by_id" / "4242").write_bytes(b"new annotation")
+    assert tree_diff(m.path, twin) == []
+    m.umount()
+    stored = source.fetch(prefix)
+    assert all(n.endswith(".shard") for n in os.listdir(stored / "idx" / "by_id"))
+    src, extra, _ = source.publish(stored)
+    assert tree_diff(mount(src, "ro", extra=extra).path, twin) == []
+
+
 def test_a_scale_key_with_a_slash_names_its_directories_after_its_last_shard(source, mount, deep_tree, tmp_path):
     """Scale keys of two and three names (``s/8_8_8``, ``a/b/c``): every
     chunk file unlinked through the view, their shards deleted, the
