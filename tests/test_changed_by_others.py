@@ -944,3 +944,24 @@ def test_a_sparse_huge_shard_declaring_overlapping_minishard_indexes_is_listed_i
     m.umount()
     lines = [line for line in m.log_text().splitlines() if "damaged data: 0.shard" in line]
     assert len(lines) == 1, lines
+
+
+def test_an_unreadable_info_above_a_deep_tree_is_said_where_it_is_probed(tmp_path):
+    """An ``info`` the daemon cannot read, above a tree of plain directories:
+    probes look for a precomputed scale ``key`` in the ``info`` of every
+    directory above, but one that cannot be read is said only by the probes
+    of its own directory and of its children (as before keys of several
+    names were read), not once more by every directory below, and the tree
+    stays walkable."""
+    src, mnt, log = tmp_path / "store", tmp_path / "mnt", tmp_path / "log"
+    (src / "plain/a/b/c/d").mkdir(parents=True)
+    (src / "plain/a/b/c/d/f.txt").write_text("f")
+    (src / "plain/info").write_text("notes")
+    os.chmod(src / "plain/info", 0)
+    with mounted_without_file_mode_override(src, mnt, log):
+        out = subprocess.run(["find", str(mnt)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert str(mnt / "plain/a/b/c/d/f.txt") in out.stdout.split()
+        assert (mnt / "plain/a/b/c/d/f.txt").read_text() == "f"
+    said = [line for line in log.read_text().splitlines() if "plain/info" in line]
+    assert len(said) <= 2 and not any(d in line for line in said for d in ("plain/a/b", "plain/a/b/c")), said

@@ -666,12 +666,18 @@ class View:
         names = dir_key.split("/") if dir_key else []
         holders = ([dir_key] if own else []) + ["/".join(names[:k]) for k in range(len(names) - 1, -1, -1)]
 
+        near = {dir_key, dir_key.rpartition("/")[0]}
+
         async def dirs(holder: str) -> frozenset[str]:
             key = join_key(holder, "info")
             try:
                 blob = await self.store.get_document(key)
             except (NotFound, TooLarge):
                 return frozenset()
+            except AccessDenied:
+                if holder in near:
+                    raise
+                return frozenset()  # (as the probe takes it: said where it is probed)
             return await self._info_dirs(key, blob)
 
         answers = await outcomes(*(functools.partial(dirs, holder) for holder in holders))

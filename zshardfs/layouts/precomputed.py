@@ -999,8 +999,10 @@ async def probe(ctx: LayoutContext, dir_key: str) -> PrecomputedDataset | None:
         return dataset
 
     for n, ((_, rel), key, found) in enumerate(zip(holders, keys, docs)):
-        if isinstance(found, TooLarge) and n > 1:
-            continue  # (an info too large to read describes nothing: its own directory's probe says so)
+        if isinstance(found, (TooLarge, AccessDenied)) and n > 1:
+            # an info above the parent that is too large or not allowed to be read
+            # describes nothing: the probes of its directory and children say so
+            continue
         if isinstance(found, Exception):
             raise found
         if found is None:
