@@ -28,7 +28,8 @@ The documented differences (docs/SEMANTICS.md, Limits) are emulated on the twin:
     file: S3 has no empty directories, nor would an unsharded store there;
   - files with non-chunk names inside chunk directories live in memory only: dropped
     at unmount and by a daemon kill;
-  - directories cannot be renamed (EXDEV);
+  - directories are not renamed (EXDEV; the ops never draw a directory as a rename's source,
+    so the local store's directory renames, SEMANTICS 4.18, are not exercised here);
   - (empty) directories below the array's chunk directories are not compared;
   - an editor's save or ``rm`` and put back of the ``zarr.json`` of a sharded array none of
     whose chunks is left makes a new array, stored as written (unsharded; SEMANTICS 4.15):

@@ -937,6 +937,11 @@ class Operations(pyfuse3.Operations):
         old_parent, new_parent = self._node(parent_inode_old), self._node(parent_inode_new)
         old, new = os.fsdecode(name_old), os.fsdecode(name_new)
         old_path, new_path = f"{old_parent.path}/{old}".lstrip("/"), f"{new_parent.path}/{new}".lstrip("/")
+        known = self.inodes.get(self.by_path.get(old_path, -1))
+        if known is not None and known.node.is_dir and old_path != new_path:
+            await self._rename_dir(old_parent, old, new_parent, new,
+                                   ((parent_inode_old, name_old), (parent_inode_new, name_new)))
+            return
         # The file the new name held is no longer that name's from now on:
         # descriptors open on it keep reading what it held, at its size (see
         # getattr), while the view already shows the new bytes there.
@@ -960,6 +965,62 @@ class Operations(pyfuse3.Operations):
                 # kernel must forget the size and pages it holds for the old
                 # one, else a read gets the new bytes cut to the old size
                 await self._invalidate(replaced)
+
+    async def _rename_dir(self, old_parent: Node, old: str, new_parent: Node, new: str,
+                          entries: tuple[tuple[int, bytes], tuple[int, bytes]]) -> None:
+        """A directory's rename: one rename in storage where the view can
+        (a local store; see View.prepare_dir_rename), else EXDEV and ``mv``
+        copies.  Open handles below either place (this table's) make it
+        EXDEV too.  The view's last checks, the rename and the move of this
+        table's inodes to the new paths run without a wait in between: no
+        request sees the one without the other.  The kernel moves its
+        entries itself (the dentry and those below it); the nodes of the
+        inodes below are looked up again by their new paths at their next
+        use (marked stale, and View._fresh for directories)."""
+        move = await self.view.prepare_dir_rename(old_parent, old, new_parent, new)
+        self._no_handles_below(move.old_path)
+        self._no_handles_below(move.new_path)
+        self.view.commit_dir_rename(move)
+        self._move_inodes(move)
+        try:
+            await self.view.dir_renamed(move)
+        except BaseException:
+            # renamed, not known to be durable: the kernel, told of a failure,
+            # keeps the old entry, which must go (and the new name be looked up)
+            self._in_doubt(*entries)
+            raise
+
+    def _no_handles_below(self, path: str) -> None:
+        below = path + "/"
+        for value in self._handles.values():
+            ino = value[0] if isinstance(value, tuple) else value.inode
+            entry = self.inodes.get(ino)
+            if entry is not None and (entry.node.path == path or entry.node.path.startswith(below)):
+                raise pyfuse3.FUSEError(errno.EXDEV)  # (mv copies, as for any directory before)
+
+    def _move_inodes(self, move) -> None:
+        """After a directory's rename in storage: the inodes of the old
+        paths answer for the new ones; what the new name held is forgotten."""
+        new_below = move.new_path + "/"
+        for p in [p for p in self.by_path if p == move.new_path or p.startswith(new_below)]:
+            self._forget_path(p)
+        below, key_below, now = move.old_path + "/", move.old_key + "/", time.monotonic()
+        for p in [p for p in self._forgotten if p == move.old_path or p.startswith(below)]:
+            del self._forgotten[p]
+        for p, ino in [(p, i) for p, i in self.by_path.items() if p == move.old_path or p.startswith(below)]:
+            del self.by_path[p]
+            entry = self.inodes.get(ino)
+            if entry is None:
+                continue
+            node, path = entry.node, move.new_path + p[len(move.old_path):]
+            key = node.key
+            if key is not None and (key == move.old_key or key.startswith(key_below)):
+                key = move.new_key + key[len(move.old_key):]
+            entry.node = dataclasses.replace(node, path=path, key=key,
+                                             created=node.created if node.is_dir else _STALE)
+            entry.changed = now
+            entry.attrs_for = None
+            self.by_path[path] = ino
 
     async def _renamed(self, old_path: str, new_path: str, new_parent: Node, new: str) -> None:
         """After the view's rename: the source's inode answers for the new name."""

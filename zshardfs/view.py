@@ -250,6 +250,33 @@ def _stays_in_view(dir_path: str, target: str) -> bool:
     return ups <= depth and ".." not in parts[ups:]
 
 
+@dataclass(frozen=True)
+class DirMove:
+    """A directory rename prepared (View.prepare_dir_rename)."""
+
+    old_path: str
+    new_path: str
+    old_key: str
+    new_key: str
+    noreplace: bool  # the new name was free: it must still be (RENAME_NOREPLACE)
+
+
+def _ancestors(key: str) -> list[str]:
+    """The directories above ``key``, its parent first, the root ('') last."""
+    out = []
+    while key:
+        key = key.rpartition("/")[0]
+        out.append(key)
+    return out
+
+
+def _in_draft_store(key: str) -> bool:
+    """Is ``key`` (a directory) at or below a v3-draft store's ``meta/root``
+    or ``data/root``?"""
+    k = "/" + key + "/"
+    return "/meta/root/" in k or "/data/root/" in k
+
+
 def _parent(path: str) -> str:
     return path.rpartition("/")[0]
 
@@ -719,6 +746,12 @@ class View:
         if buf is not None:
             return self._buffer_node(buf)
         if node.is_chunk:
+            try:  # (a dataset renamed or changed since the node was made: looked up by its path)
+                node = await self._fresh(node)
+            except ViewError:
+                return None
+            if not node.is_chunk:
+                return await self.refresh(node)
             return await self._dataset_child(node.path, node.dataset, node.rel)
         if node.link is not None:
             link = await self.store.stat(node.key, links=True)
@@ -2023,6 +2056,142 @@ class View:
         finally:
             del self._renaming[path]
             done.set()
+
+    # -- renaming a directory (local stores) ---------------------------------
+
+    async def prepare_dir_rename(self, parent: Node, name: str, new_parent: Node, new_name: str) -> "DirMove":
+        """The checks of a directory's rename, and the flush of what is
+        waiting to be stored below it and below the name it takes.  A
+        directory is renamed in storage (one rename(2): its array keeps its
+        layout, shards and metadata as stored) only where that is all the
+        rename changes: a stored directory (not a chunk directory, which is
+        virtual), neither place inside a sharded dataset (a precomputed
+        volume names its scale directories in its ``info``) nor in a v3-draft
+        store (an array is two places there: ``meta/root/<p>.array.json`` and
+        ``data/root/<p>``), on a store that renames directories (local; S3
+        has no directory to rename), and nothing below it open, held in
+        memory only or still to be stored once flushed (see :meth:`_quiet_below`).
+        Everything else: EXDEV, and ``mv`` copies, as before.
+        :meth:`commit_dir_rename` then renames, on the event loop."""
+        self._check_writable()
+        node = await self.lookup(parent, name)
+        if node is None:
+            raise ViewError(errno.ENOENT, f"{name}: no such directory")
+        old_path, new_path = node.path, join_key(new_parent.path, new_name)
+        if new_path.startswith(old_path + "/"):
+            raise ViewError(errno.EINVAL, f"{old_path}: cannot be moved into itself")
+        self._check_name(new_name)
+        if not self.store.moves_dirs:
+            raise ViewError(errno.EXDEV, f"{old_path}: directories are not renamed in this store (copied instead)")
+        new_parent = await self._fresh(new_parent)
+        if node.key is None or node.dataset is not None or node.link is not None or new_parent.key is None \
+                or self._in_dataset(new_parent):
+            raise ViewError(errno.EXDEV, f"{old_path} -> {new_path}: a directory of a dataset's namespace")
+        new_key = join_key(new_parent.key, new_name)
+        for key in (node.key, new_key):
+            if _in_draft_store(key) or (key.rpartition("/")[2] in ("meta", "data")
+                                        and await self.store.is_dir(join_key(key, "root"))):
+                raise ViewError(errno.EXDEV, f"{key}: inside a v3-draft store (an array is two places there)")
+        for key in {*_ancestors(node.key), *_ancestors(new_key)}:
+            if await self.dataset_at(key) is not None:
+                raise ViewError(errno.EXDEV, f"{key or '/'}: a sharded dataset; its directories are not renamed")
+        for key in (node.key, new_key):
+            # a directory another directory's document names or describes (a
+            # precomputed scale: its volume's ``info``), also unsharded
+            dataset = await self.dataset_at(key) if key == node.key else None
+            outside = dataset is not None and any(not d.startswith(key + "/") for d, _ in dataset.version)
+            if outside or key in await self._dirs_named_near(_parent(key)):
+                raise ViewError(errno.EXDEV, f"{key}: named by a document outside it (a precomputed scale)")
+        existing = await self.lookup(new_parent, new_name)
+        if existing is not None and not existing.is_dir:
+            raise ViewError(errno.ENOTDIR, f"{new_path}: not a directory")
+        if existing is not None and (existing.key is None or existing.link is not None):
+            raise ViewError(errno.EXDEV, f"{new_path}: not a stored directory")
+        move = DirMove(old_path, new_path, node.key, new_key, existing is None)
+        self._quiet_below(move, flushed=False)
+        await self.writeback.flush_below(node.key)
+        await self.writeback.flush_below(new_key)
+        return move
+
+    def _quiet_below(self, move: "DirMove", flushed: bool = True) -> None:
+        """EXDEV (``mv`` then copies) if anything below either place lives
+        in memory: a file open or held (a buffer, a scratch file), an open
+        handle, a rename under way, a dataset whose document this mount
+        removed; and, once ``flushed``, a chunk still to be stored."""
+        for path, key in ((move.old_path, move.old_key), (move.new_path, move.new_key)):
+            below, key_below = path + "/", key + "/"
+            busy = (any(p.startswith(below) for p in self.buffers)
+                    or any(p.startswith(below) and hs for p, hs in self.writers.items())
+                    or any(p.startswith(below) and hs for p, hs in self.readers.items())
+                    or any(p.startswith(below) for p in self._renaming)
+                    or any(k == key or k.startswith(key_below) for k in self.orphans)
+                    or (flushed and any(k.startswith(key_below) for k in self.writeback.dirty)))
+            if busy:
+                raise ViewError(errno.EXDEV, f"{path}: something below it is open or not stored yet; not renamed "
+                                             "(copied instead)")
+
+    def commit_dir_rename(self, move: "DirMove") -> None:
+        """The rename itself, after :meth:`prepare_dir_rename`: synchronous
+        (no other request runs between the last check and the rename), then
+        every memory of both places is dropped: storage answers for them."""
+        self._check_writable()
+        self._quiet_below(move)
+        try:
+            self.store.move_dir_now(move.old_key, move.new_key, noreplace=move.noreplace)
+        except StoreError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EINVAL, errno.ENOTDIR, errno.EISDIR, errno.EXDEV):
+                raise ViewError(exc.errno, str(exc)) from None  # (an answer, not a failure: no error line)
+            raise
+        self._forget_below(move.old_path, move.old_key)
+        self._forget_below(move.new_path, move.new_key)
+        self._made_in(_parent(move.new_path))
+
+    def _forget_below(self, path: str, key: str) -> None:
+        below, key_below = path + "/", key + "/"
+
+        def at(p: str) -> bool:
+            return p == path or p.startswith(below)
+
+        def at_key(k) -> bool:
+            return isinstance(k, str) and (k == key or k.startswith(key_below))
+
+        for k in [k for k in self.datasets._d if at_key(k)]:
+            self.datasets.pop(k)
+        for k in [k for k in self.documents._d if at_key(k[0])]:
+            self.documents.pop(k)
+        for k in [k for k in self.ctx.probed if at_key(k[1])]:
+            del self.ctx.probed[k]
+        self.shards.indexes.pop_where(lambda k: at_key(k if isinstance(k, str) else k[0]))
+        self.shards.chunks.pop_where(lambda k: at_key(k if isinstance(k, str) else k[0]))
+        for table in (self.shards._unread, self.shards._positions, self.shards._ahead):
+            for k in [k for k in table if at_key(k)]:
+                del table[k]
+        self.new_chunks = {d: n for d, n in self.new_chunks.items() if not at(d)}
+        self._prune_new_chunks()
+        name = path.rpartition("/")[2]
+        self.new_dirs.get(_parent(path), set()).discard(name)
+        for table in (self.new_dirs, self._new_dirs_stored, self._made_at, self.emptied, self.writers,
+                      self.readers, self._fresh_nodes):
+            for p in [p for p in table if at(p)]:
+                del table[p]
+        self.written_dirs = {p for p in self.written_dirs if not at(p)}
+        self.removed_dirs = {p for p in self.removed_dirs if not at(p)}
+        for table in (self.born_here, self.own_versions, self.orphans, self.removed_documents, self._info_dirs_kept):
+            for k in [k for k in table if at_key(k)]:
+                del table[k]
+        for k in [k for k in self._chunk_changes if at_key(k[0])]:
+            del self._chunk_changes[k]
+        self._chunk_epoch += 1
+        # nodes made before now may name a dataset or a key that moved: looked up again by path (_fresh)
+        self.document_writes += 1
+        self._documents_changed_at = time.monotonic()
+        self._fresh_nodes.clear()
+        self._listed_slices.clear()
+        self._listed_count = 0
+
+    async def dir_renamed(self, move: "DirMove") -> None:
+        """The rename made durable (its two parent directories fsynced)."""
+        await self.store.sync_dirs(_parent(move.old_key), _parent(move.new_key))
 
     async def _while_renamed(self, handle: Handle) -> None:
         """Wait while the file ``handle`` writes is being renamed (see rename)."""

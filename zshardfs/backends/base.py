@@ -786,6 +786,37 @@ class AsyncStore:
             self._changed(key)
             self._changed(new_key)
 
+    @property
+    def moves_dirs(self) -> bool:
+        """Can a directory be renamed in one atomic step (local: rename(2);
+        S3 has no directories to rename)?"""
+        return getattr(self.backend, "move_dir", None) is not None
+
+    def move_dir_now(self, key: str, new_key: str, *, noreplace: bool) -> None:
+        """Rename the directory ``key`` to ``new_key`` (see LocalBackend.move_dir),
+        on the caller's thread: the event loop, so that no request runs
+        between the caller's checks and the rename.  What is kept of both
+        places (listings, documents, objects written) is dropped."""
+        try:
+            self.backend.move_dir(key, new_key, noreplace=noreplace)
+        finally:
+            self._changed(key)  # (the listings that name either: dropped)
+            self._changed(new_key)
+            for place in (key, new_key):
+                below = place + "/"
+                for table in (self._listings, self._documents, self._listed_lately):
+                    for k in [k for k in table if k == place or k.startswith(below)]:
+                        del table[k]
+                for k in [k for k in self._written if k.startswith(below)]:
+                    self._forget_written(k)
+                for what in [w for w in self._unanswered if isinstance(w, tuple) and len(w) > 1
+                             and isinstance(w[1], str) and (w[1] == place or w[1].startswith(below))]:
+                    del self._unanswered[what]
+
+    async def sync_dirs(self, key: str, *more: str) -> None:
+        """fsync the directories ``key`` and ``more`` (after move_dir_now)."""
+        await self._run(self.backend.sync_dirs, key, *more, _writes=True)
+
     async def is_dir(self, key: str) -> bool:
         parent, _, name = key.rpartition("/")
         listing = await self._listing_for_lookup(parent)

@@ -141,6 +141,20 @@ _writing: set[str] = set()
 _writing_lock = threading.Lock()
 
 
+_RENAME_NOREPLACE = 1  # (linux/fs.h)
+
+
+def _renameat2(olddirfd: int, old: str, newdirfd: int, new: str, flags: int) -> None:
+    """renameat2(2) (glibc >= 2.28); os.rename when no flag is asked."""
+    if not flags:
+        os.rename(old, new, src_dir_fd=olddirfd, dst_dir_fd=newdirfd)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(olddirfd, os.fsencode(old), newdirfd, os.fsencode(new), ctypes.c_uint(flags)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), old)
+
+
 def _is_internal(name: str) -> bool:
     return name.startswith(TMP_PREFIX)
 
@@ -1271,6 +1285,53 @@ class LocalBackend:
                     os.close(fd)
         bump(self.counters, "put")
         self._forget_fds(new_key)  # (a file it replaced)
+
+    def move_dir(self, key: str, new_key: str, *, noreplace: bool) -> None:
+        """rename(2) of the directory ``key`` to ``new_key``: one atomic step
+        of the file system (a kill at any moment leaves it at one name or the
+        other).  ``noreplace``: the new name must be free (renameat2 with
+        RENAME_NOREPLACE: EEXIST if anything took it meanwhile); else an
+        empty directory there is replaced, as rename(2) does (ENOTEMPTY if
+        it is not empty).  Run on the event loop by the caller (so nothing
+        it holds of the old paths can change meanwhile): no fsync here, see
+        :meth:`sync_dirs`."""
+        (src_dir, _, src), (dst_dir, _, dst) = key.rpartition("/"), new_key.rpartition("/")
+        self._path(key)
+        self._path(new_key)
+        self._check_root(key)
+        if not src or not dst:
+            raise self._fail(key, OSError(errno.EINVAL, "not a directory of the store"))
+        sfd = dfd = -1
+        try:
+            sfd = self._open_dir(src_dir)
+            dfd = self._open_dir(dst_dir)
+            if not stat.S_ISDIR(os.stat(src, dir_fd=sfd, follow_symlinks=False).st_mode):
+                # (a link to a directory, followed by -o follow_symlinks: not renamed, copied)
+                raise OSError(errno.EXDEV, "not a directory of the store (a symbolic link to one)", key)
+            _renameat2(sfd, src, dfd, dst, _RENAME_NOREPLACE if noreplace else 0)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EINVAL, errno.ENOTDIR, errno.EISDIR) or (
+                    exc.errno == errno.EXDEV and exc.filename == key):
+                err = StoreError(f"{key} -> {new_key}: {exc.strerror}", key)
+                err.errno = exc.errno
+                raise err from None
+            raise self._fail(key, exc) from None
+        finally:
+            for fd in (sfd, dfd):
+                if fd >= 0:
+                    os.close(fd)
+        bump(self.counters, "put")
+        below = key + "/"
+        with self._fd_lock:  # (kept descriptors answer for a path without a look: not for the old ones)
+            gone = [self._fds.pop(k)[0] for k in [k for k in self._fds if k[0].startswith(below)]]
+        for fd in gone:
+            os.close(fd)
+
+    def sync_dirs(self, *keys: str) -> None:
+        """fsync the directories ``keys`` (a rename's two parents): the
+        rename is then durable.  One gone meanwhile is passed over."""
+        for key in dict.fromkeys(keys):
+            self._sync_dir(key, key)
 
     def table_sizes(self) -> dict[str, int]:
         """Entries of this backend's tables (see AsyncStore.table_sizes)."""

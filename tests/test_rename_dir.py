@@ -1,0 +1,339 @@
+"""Directory renames through a mount (SEMANTICS 4.19): on a local store a
+real rename of the stored directory, so a sharded array keeps its layout,
+shards and metadata as stored; elsewhere (S3, a dataset's own directories,
+anything below open or held in memory) EXDEV, and ``mv`` copies."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from tests.test_write import Store, seed_array, write_file, zs
+
+
+def _tree(root: Path) -> dict[str, tuple[int, bytes]]:
+    """Every regular file below ``root``: relative path -> (inode, bytes)."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            p = Path(dirpath) / f
+            out[str(p.relative_to(root))] = (os.stat(p).st_ino, p.read_bytes())
+    return out
+
+
+def _view(root: Path) -> dict[str, bytes]:
+    return {k: v for k, (_, v) in _tree(root).items()}
+
+
+def _local(tmp_path: Path) -> Store:
+    root = tmp_path / "store"
+    root.mkdir()
+    return Store("local", root=root)
+
+
+def _sharded(stored: Path) -> bool:
+    doc = json.loads((stored / "zarr.json").read_text())
+    return doc["codecs"][0]["name"] == "sharding_indexed"
+
+
+DATA = np.arange(16 * 16, dtype="<i4").reshape(16, 16) + 1
+
+
+def test_mv_of_a_sharded_array_renames_its_stored_directory(tmp_path, mount):
+    """mv of a sharded array (index at the end, crc32c) to a new name in the
+    same group, then into another group: the stored directory is renamed
+    (zarr.json keeps sharding_indexed, the shards are the same files, same
+    inode numbers and bytes), zarr-python opens the stored array as sharded,
+    the view at the new name is byte for byte the view at the old one, and
+    the old name is ENOENT."""
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "g1/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    (st.root / "g1/zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
+    (st.root / "g2").mkdir()
+    (st.root / "g2/zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
+    codec = json.loads((st.root / "g1/arr/zarr.json").read_text())["codecs"][0]
+    assert codec["configuration"]["index_location"] == "end"
+    assert [c["name"] for c in codec["configuration"]["index_codecs"]] == ["bytes", "crc32c"]
+    stored_before = _tree(st.root / "g1/arr")
+    assert len([k for k in stored_before if k.startswith("c/")]) == 4
+    m = mount(st.root, extra=[])
+    view_before = _view(m / "g1/arr")
+    assert len([k for k in view_before if k.startswith("c/")]) == 16
+    for old, new in (("g1/arr", "g1/renamed"), ("g1/renamed", "g2/arr")):
+        out = subprocess.run(["mv", str(m / old), str(m / new)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        with pytest.raises(FileNotFoundError):
+            os.stat(m / old)
+        assert not (st.root / old).exists()
+        assert _tree(st.root / new) == stored_before  # the very files: inodes and bytes
+        assert _view(m / new) == view_before
+        np.testing.assert_array_equal(zarr.open_array(str(m / new), mode="r")[...], DATA)
+    assert os.listdir(m / "g1") == ["zarr.json"]
+    assert sorted(os.listdir(m / "g2")) == ["arr", "zarr.json"]
+    m.umount()
+    stored = zarr.open_array(str(st.root / "g2/arr"), mode="r")
+    assert stored.shards == (8, 8) and _sharded(st.root / "g2/arr")
+    np.testing.assert_array_equal(stored[...], DATA)
+    assert "Traceback" not in m.log_text()
+
+
+def test_mv_of_a_group_with_arrays_and_its_kernel_entries(tmp_path, mount):
+    """mv of a group holding sharded arrays: one rename; entries the kernel
+    held below the old name (looked up, read) answer for the new one, the
+    old ones are gone, and a write through the new name lands in the
+    renamed array's shard."""
+    st = _local(tmp_path)
+    for name in ("grp/a", "grp/sub/b"):
+        seed_array(st, tmp_path, name, (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    m = mount(st.root, "flush_delay=60")
+    before = _view(m / "grp")
+    inode = os.stat(m / "grp/sub/b/c/1/1").st_ino  # (the kernel holds these entries now)
+    held = os.open(m / "grp/sub/b", os.O_PATH | os.O_DIRECTORY)  # (as a shell's working directory)
+    shard_ino = os.stat(st.root / "grp/sub/b/c/0/0").st_ino
+    try:
+        subprocess.run(["mv", str(m / "grp"), str(m / "moved")], check=True, capture_output=True, timeout=60)
+        # first through the entries the kernel kept: the same inodes, the same bytes
+        assert os.stat(m / "moved/sub/b/c/1/1").st_ino == inode
+        assert (m / "moved/sub/b/c/1/1").read_bytes() == before["sub/b/c/1/1"]
+        fd = os.open("c/0/1", os.O_RDONLY, dir_fd=held)  # (a name below the held directory, not looked up yet)
+        try:
+            assert os.read(fd, 1 << 16) == before["sub/b/c/0/1"]
+        finally:
+            os.close(fd)
+        assert os.stat("zarr.json", dir_fd=held).st_size == len(before["sub/b/zarr.json"])
+    finally:
+        os.close(held)
+    assert not (m / "grp").exists() and not (m / "grp/sub/b/c/1/1").exists()
+    assert _view(m / "moved") == before
+    assert os.stat(st.root / "moved/sub/b/c/0/0").st_ino == shard_ino
+    new = np.full((4, 4), -7, "<i4")
+    write_file(m / "moved/sub/b/c/1/1", new.tobytes())
+    zs("sync", m.path)
+    assert sorted(os.listdir(st.root / "moved/sub/b/c/0")) == ["0", "1"]  # still the shards, no chunk file
+    expect = DATA.copy()
+    expect[4:8, 4:8] = new
+    np.testing.assert_array_equal(zarr.open_array(str(m / "moved/sub/b"), mode="r")[...], expect)
+    np.testing.assert_array_equal(zarr.open_array(str(st.root / "moved/sub/b"), mode="r")[...], expect)
+    assert not (st.root / "grp").exists()
+
+
+def test_mv_flushes_what_was_written_below_first(tmp_path, mount):
+    """Chunks written and closed but not stored yet (flush_delay) are stored
+    first, then the directory is renamed: the array stays sharded and holds
+    them."""
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    m = mount(st.root, "flush_delay=600")
+    write_file(m / "arr/c/3/3", np.full((4, 4), 9, "<i4").tobytes())
+    subprocess.run(["mv", str(m / "arr"), str(m / "moved")], check=True, capture_output=True, timeout=60)
+    expect = DATA.copy()
+    expect[12:16, 12:16] = 9
+    np.testing.assert_array_equal(zarr.open_array(str(st.root / "moved"), mode="r")[...], expect)
+    assert _sharded(st.root / "moved") and not (st.root / "arr").exists()
+
+
+def test_mv_while_a_chunk_below_is_open_for_writing_copies(tmp_path, mount):
+    """The rule: anything below open (here a chunk being written) makes the
+    rename EXDEV, and mv copies as before: the copy is a new array written
+    through the view (unsharded), nothing is lost."""
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    m = mount(st.root, "flush_delay=60")
+    fd = os.open(m / "arr/c/0/0", os.O_WRONLY)
+    try:
+        with pytest.raises(OSError) as info:
+            os.rename(m / "arr", m / "other")
+        assert info.value.errno == errno.EXDEV
+        os.pwrite(fd, np.full((4, 4), 5, "<i4").tobytes(), 0)
+    finally:
+        os.close(fd)
+    assert (m / "arr/c/0/0").read_bytes() == np.full((4, 4), 5, "<i4").tobytes()
+    os.rename(m / "arr", m / "other")  # closed: renamed now
+    assert _sharded(st.root / "other")
+    expect = DATA.copy()
+    expect[0:4, 0:4] = 5
+    np.testing.assert_array_equal(zarr.open_array(str(st.root / "other"), mode="r")[...], expect)
+
+
+def test_rename_onto_directories_and_into_itself(tmp_path, mount):
+    """Onto a non-empty directory: ENOTEMPTY, nothing changes; onto an empty
+    one: it is replaced; into its own subdirectory: EINVAL."""
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    (st.root / "full").mkdir()
+    (st.root / "full/x").write_bytes(b"x")
+    (st.root / "empty").mkdir()
+    m = mount(st.root)
+    before = _view(m / "arr")
+    with pytest.raises(OSError) as info:
+        os.rename(m / "arr", m / "full")
+    assert info.value.errno == errno.ENOTEMPTY
+    assert _view(m / "arr") == before and os.listdir(m / "full") == ["x"]
+    os.mkdir(m / "arr/sub")  # (a plain directory inside the array's directory)
+    with pytest.raises(OSError) as info:
+        os.rename(m / "arr", m / "arr/sub/in")
+    assert info.value.errno == errno.EINVAL
+    os.rmdir(m / "arr/sub")
+    os.rename(m / "arr", m / "empty")
+    assert _view(m / "empty") == before and not (m / "arr").exists()
+    assert sorted(os.listdir(m)) == ["empty", "full"]
+    assert _sharded(st.root / "empty")
+
+
+def test_renames_that_stay_exdev(tmp_path, mount):
+    """A chunk directory (virtual) stays EXDEV, so mv copies it; so does a
+    directory inside an array's directory, or renamed into one, and a link to a directory that -o follow_symlinks shows as a directory; -o ro
+    is EROFS."""
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    m = mount(st.root)
+    with pytest.raises(OSError) as info:
+        os.rename(m / "arr/c/0", m / "arr/c/9")
+    assert info.value.errno == errno.EXDEV
+    with pytest.raises(OSError) as info:
+        os.rename(m / "arr/c", m / "c")
+    assert info.value.errno == errno.EXDEV
+    os.mkdir(m / "arr/sub")  # (a stored directory inside an array's directory: inside a dataset)
+    os.mkdir(m / "plain")
+    for old, new in (("arr/sub", "sub"), ("plain", "arr/plain")):
+        with pytest.raises(OSError) as info:
+            os.rename(m / old, m / new)
+        assert info.value.errno == errno.EXDEV, (old, new)
+    ro = mount(st.root, "ro")
+    with pytest.raises(OSError) as info:
+        os.rename(ro / "arr", ro / "moved")
+    assert info.value.errno == errno.EROFS
+    # a symbolic link to a directory, followed (-o follow_symlinks): a directory in the view, not in the store
+    os.symlink("arr", st.root / "lnk")
+    followed = mount(st.root, "follow_symlinks")
+    assert (followed / "lnk").is_dir() and not (followed / "lnk").is_symlink()
+    with pytest.raises(OSError) as info:
+        os.rename(followed / "lnk", followed / "moved")
+    assert info.value.errno == errno.EXDEV
+    assert os.readlink(st.root / "lnk") == "arr" and not (st.root / "moved").exists()
+
+
+def test_a_directory_rename_on_s3_stays_exdev(moto_server, s3_bucket, mount, tmp_path):
+    """S3 has no atomic directory rename: EXDEV, and mv copies (the limit)."""
+    store = Store("s3", server=moto_server, bucket=s3_bucket[1])
+    seed_array(store, tmp_path, "arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    m = mount(store.source, extra=store.extra)
+    with pytest.raises(OSError) as info:
+        os.rename(m / "arr", m / "moved")
+    assert info.value.errno == errno.EXDEV
+
+
+def test_kill_9_during_renames_leaves_old_or_new(tmp_path, mount):
+    """A daemon killed (SIGKILL) while a client renames a group holding a
+    sharded array back and forth (each rename one rename(2) in storage)
+    leaves the group whole at one name or the other, never both or
+    neither; a new mount shows it there, sharded."""
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "a/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    stored_before = _tree(st.root / "a")
+    script = ("import os, sys\nm, log = sys.argv[1], os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT | os.O_APPEND)\n"
+              "names = sys.argv[3:]\n"
+              "for i in range(100000):\n"
+              "    try:\n        os.rename(os.path.join(m, names[0]), os.path.join(m, names[1]))\n"
+              "    except OSError:\n        break\n"
+              "    os.write(log, b'.')\n    names.reverse()\n")
+    for round_ in range(4):
+        m = mount(st.root)
+        done = tmp_path / f"renamed-{round_}"
+        here = "a" if (st.root / "a").exists() else "b"
+        mover = subprocess.Popen([sys.executable, "-c", script, str(m.path), str(done), here, "ab".replace(here, "")])
+        try:
+            deadline = time.monotonic() + 30
+            while (not done.exists() or done.stat().st_size < 5 + 7 * round_) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            os.kill(m.pid, signal.SIGKILL)
+            mover.wait(timeout=60)
+        finally:
+            if mover.poll() is None:
+                mover.kill()
+                mover.wait()
+        m.umount(check=False)
+        assert done.stat().st_size >= 5 + 7 * round_  # (renames did happen before the kill)
+        names = sorted(n for n in os.listdir(st.root) if not n.startswith("."))
+        assert names in (["a"], ["b"]), names
+        assert _tree(st.root / names[0]) == stored_before
+        m2 = mount(st.root)
+        np.testing.assert_array_equal(zarr.open_array(str(m2 / names[0] / "arr"), mode="r")[...], DATA)
+        m2.umount()
+
+
+def _draft_store(root: Path, prefix: str) -> None:
+    """A v3-draft storage-transformer array ``arr`` (4x6 uint8, 2x3 chunks,
+    2x2 chunks per shard) below ``root/prefix``: its documents and one shard."""
+    from tests.handmade_zarr import shard_bytes  # (the indexed shard format: index at the end)
+
+    base = root / prefix
+    (base / "meta/root").mkdir(parents=True)
+    (base / "data/root/arr/c0").mkdir(parents=True)
+    ext = "https://purl.org/zarr/spec/storage_transformers/sharding/1.0"
+    (base / "zarr.json").write_text(json.dumps({
+        "zarr_format": "https://purl.org/zarr/spec/protocol/core/3.0",
+        "metadata_encoding": "https://purl.org/zarr/spec/protocol/core/3.0",
+        "metadata_key_suffix": ".json", "extensions": []}))
+    (base / "meta/root/arr.array.json").write_text(json.dumps({
+        "shape": [4, 6], "data_type": "|u1",
+        "chunk_grid": {"type": "regular", "chunk_shape": [2, 3], "separator": "/"},
+        "chunk_memory_layout": "C", "fill_value": 0, "extensions": [], "attributes": {}, "compressor": None,
+        "storage_transformers": [{"extension": ext, "type": "indexed",
+                                  "configuration": {"chunks_per_shard": [2, 2]}}]}))
+    chunks = {i: bytes([i + 1]) * 6 for i in range(4)}
+    (base / "data/root/arr/c0/0").write_bytes(shard_bytes((2, 2), chunks, checksum=False))
+
+
+def test_directories_of_a_v3_draft_store_stay_exdev_the_store_itself_moves(tmp_path, mount):
+    """In a v3-draft store an array is two places (``meta/root/<p>.array.json``
+    and ``data/root/<p>``): its directories, and ``data``/``meta`` and their
+    ``root``, stay EXDEV (mv copies), and so does a directory renamed into
+    one; the whole store (the directory holding its ``zarr.json``) is
+    renamed as one."""
+    st = _local(tmp_path)
+    _draft_store(st.root, "proj")
+    (st.root / "plain").mkdir()
+    m = mount(st.root)
+    before = _view(m / "proj")
+    assert "data/root/arr/c0/1" in before and "data/root/arr/c1/0" in before
+    for old, new in (("proj/data/root/arr", "proj/data/root/arr2"), ("proj/data/root", "proj/data/r"),
+                     ("proj/data", "proj/d"), ("proj/meta", "proj/m"), ("plain", "proj/data/root/plain")):
+        with pytest.raises(OSError) as info:
+            os.rename(m / old, m / new)
+        assert info.value.errno == errno.EXDEV, (old, new)
+    os.rename(m / "proj", m / "moved")
+    assert _view(m / "moved") == before and not (m / "proj").exists()
+    assert (st.root / "moved/data/root/arr/c0/0").is_file()
+
+
+def test_a_precomputed_scale_stays_exdev_the_volume_moves(tmp_path, mount):
+    """A precomputed scale directory is named by its volume's ``info``: EXDEV
+    (mv copies); the volume's directory is renamed as one, its view the same."""
+    from tests import peers_precomputed as peers
+
+    st = _local(tmp_path)
+    twins = peers.write_volume_twins(tmp_path / "peers", peers.VOLUME_CASES[0])
+    import shutil
+
+    shutil.copytree(twins.sharded, st.root / "vol")
+    key = twins.info()["scales"][0]["key"]
+    m = mount(st.root)
+    before = _view(m / "vol")
+    assert any(k.startswith(key + "/") for k in before)
+    with pytest.raises(OSError) as info:
+        os.rename(m / "vol" / key, m / "vol/elsewhere")
+    assert info.value.errno == errno.EXDEV
+    os.rename(m / "vol", m / "volume")
+    assert _view(m / "volume") == before
+    assert "sharding" in json.loads((st.root / "volume/info").read_text())["scales"][0]
