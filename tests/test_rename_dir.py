@@ -337,3 +337,124 @@ def test_a_precomputed_scale_stays_exdev_the_volume_moves(tmp_path, mount):
     os.rename(m / "vol", m / "volume")
     assert _view(m / "volume") == before
     assert "sharding" in json.loads((st.root / "volume/info").read_text())["scales"][0]
+
+
+def test_readers_during_renames_get_the_right_bytes_or_enoent(tmp_path, mount):
+    """Threads reading chunk files (by path, from both names) and listing
+    while another renames the group back and forth: every read gives the
+    chunk's bytes or ENOENT (the name is elsewhere just now), never other
+    bytes, EIO or ESTALE; a rename meeting an open file is EXDEV (the rule),
+    and the mount logs no error."""
+    import threading
+
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "a/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    m = mount(st.root, "flush_delay=60")
+    expect = {f"arr/c/{i}/{j}": DATA[4 * i:4 * i + 4, 4 * j:4 * j + 4].tobytes() for i in range(4) for j in range(4)}
+    stop, bad, reads = threading.Event(), [], [0]
+
+    def reader(k: int) -> None:
+        names = sorted(expect)
+        n = k
+        while not stop.is_set():
+            n += 1
+            rel = names[n % len(names)]
+            for top in ("a", "b"):
+                try:
+                    got = (m / top / rel).read_bytes()
+                    if got != expect[rel]:
+                        bad.append((top, rel, "bytes"))
+                    reads[0] += 1
+                    os.listdir(m / top / "arr/c")
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    bad.append((top, rel, errno.errorcode.get(exc.errno)))
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    renamed, refused, here = 0, 0, "a"
+    try:
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline or (renamed < 10 and time.monotonic() < deadline + 26):
+            there = "b" if here == "a" else "a"
+            try:
+                os.rename(m / here, m / there)
+            except OSError as exc:
+                assert exc.errno == errno.EXDEV, exc
+                refused += 1
+                continue
+            renamed, here = renamed + 1, there
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not bad, bad[:10]
+    assert renamed >= 10 and reads[0] >= 10, (renamed, refused, reads[0])
+    assert sorted(os.listdir(st.root)) == [here]
+    assert _view(m / here) == {**{k: v for k, v in _view(m / here).items() if not k.startswith("arr/c/")},
+                               **expect}
+    m.umount()
+    assert " ERROR " not in m.log_text() and " WARNING " not in m.log_text(), m.log_text()[-3000:]
+
+
+def test_writers_during_renames_lose_nothing_and_never_bring_the_old_name_back(tmp_path, mount):
+    """A thread writing chunk files (whichever name the group has just now)
+    while another renames the group back and forth: chunks written and
+    closed are stored before a rename (the rename waits for their flush)
+    or it is EXDEV while one is open; at the end the stored array, at the
+    one name storage has, holds each chunk's last bytes, still sharded, and
+    the old name never came back (no directory made anew by a late flush)."""
+    import threading
+
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "a/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    m = mount(st.root, "flush_delay=60")
+    stop, last, bad = threading.Event(), {}, []
+
+    def writer() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            i, j = n % 4, (n // 4) % 4
+            data = np.full((4, 4), n, "<i4").tobytes()
+            for top in ("a", "b"):
+                try:
+                    write_file(m / top / f"arr/c/{i}/{j}", data)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    bad.append(errno.errorcode.get(exc.errno))
+                    continue
+                last[(i, j)] = n
+                break
+
+    t = threading.Thread(target=writer)
+    t.start()
+    renamed, here = 0, "a"
+    try:
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline or (renamed < 10 and time.monotonic() < deadline + 26):
+            there = "b" if here == "a" else "a"
+            try:
+                os.rename(m / here, m / there)
+            except OSError as exc:
+                assert exc.errno == errno.EXDEV, exc
+                continue
+            renamed, here = renamed + 1, there
+    finally:
+        stop.set()
+        t.join()
+    assert not bad, bad[:10]
+    assert renamed >= 10 and len(last) == 16, (renamed, len(last))
+    zs("sync", m.path)
+    m.umount()
+    assert sorted(os.listdir(st.root)) == [here]
+    stored = zarr.open_array(str(st.root / here / "arr"), mode="r")
+    assert stored.shards == (8, 8)
+    expect = np.zeros((16, 16), "<i4")
+    for (i, j), n in last.items():
+        expect[4 * i:4 * i + 4, 4 * j:4 * j + 4] = n
+    np.testing.assert_array_equal(stored[...], expect)
+    assert sorted(os.listdir(st.root / here / "arr/c/0")) == ["0", "1"]
