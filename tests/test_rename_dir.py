@@ -458,3 +458,47 @@ def test_writers_during_renames_lose_nothing_and_never_bring_the_old_name_back(t
         expect[4 * i:4 * i + 4, 4 * j:4 * j + 4] = n
     np.testing.assert_array_equal(stored[...], expect)
     assert sorted(os.listdir(st.root / here / "arr/c/0")) == ["0", "1"]
+
+
+def test_a_write_given_up_below_a_directory_keeps_it_from_being_renamed(tmp_path):
+    """A write given up at the deadline whose worker may still land it
+    (local: it makes the directories on its way) keeps the directory above it
+    from being renamed (EXDEV) until it has ended: else it would make the old
+    directory again, holding that one file.  Driven on the view itself."""
+    import trio
+
+    from zshardfs.backends.base import Unavailable
+    from zshardfs.backends.local import LocalBackend
+    from zshardfs.config import MountConfig
+    from zshardfs.daemon import build_view
+    from zshardfs.view import ViewError
+
+    class StuckPut(LocalBackend):
+        def put(self, *args, **kwargs):
+            time.sleep(1.5)  # in transit longer than the 0.5 s deadline
+            return super().put(*args, **kwargs)
+
+    (tmp_path / "store/g").mkdir(parents=True)
+    root = tmp_path / "store"
+    view = build_view(MountConfig(source=str(root), mountpoint=str(root) + "-mnt", read_only=False, timeout=0.5),
+                      StuckPut(str(root)))
+
+    async def rename() -> None:
+        with view.store.request_deadline():
+            top = view.root()
+            move = await view.prepare_dir_rename(top, "g", top, "h")
+            view.commit_dir_rename(move)
+            await view.dir_renamed(move)
+
+    async def main():
+        with view.store.request_deadline():
+            with pytest.raises(Unavailable):
+                await view.store.put("g/late", b"late")
+        with pytest.raises(ViewError) as info:
+            await rename()
+        assert info.value.errno == errno.EXDEV
+        await trio.sleep(1.5)  # its worker has ended: landed
+        await rename()
+
+    trio.run(main)
+    assert sorted(os.listdir(root)) == ["h"] and os.listdir(root / "h") == ["late"]

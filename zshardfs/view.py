@@ -2077,6 +2077,8 @@ class View:
         node = await self.lookup(parent, name)
         if node is None:
             raise ViewError(errno.ENOENT, f"{name}: no such directory")
+        if not node.is_dir:  # (replaced by a file meanwhile, in storage: copied, as any rename across)
+            raise ViewError(errno.EXDEV, f"{node.path}: no longer a directory")
         old_path, new_path = node.path, join_key(new_parent.path, new_name)
         if new_path.startswith(old_path + "/"):
             raise ViewError(errno.EINVAL, f"{old_path}: cannot be moved into itself")
@@ -2117,7 +2119,8 @@ class View:
         """EXDEV (``mv`` then copies) if anything below either place lives
         in memory: a file open or held (a buffer, a scratch file), an open
         handle, a rename under way, a dataset whose document this mount
-        removed; and, once ``flushed``, a chunk still to be stored."""
+        removed, a write given up that may still land; and, once
+        ``flushed``, a chunk still to be stored (or being stored)."""
         for path, key in ((move.old_path, move.old_key), (move.new_path, move.new_key)):
             below, key_below = path + "/", key + "/"
             busy = (any(p.startswith(below) for p in self.buffers)
@@ -2125,7 +2128,8 @@ class View:
                     or any(p.startswith(below) and hs for p, hs in self.readers.items())
                     or any(p.startswith(below) for p in self._renaming)
                     or any(k == key or k.startswith(key_below) for k in self.orphans)
-                    or (flushed and any(k.startswith(key_below) for k in self.writeback.dirty)))
+                    or (flushed and any(k.startswith(key_below) for k in self.writeback.dirty))
+                    or self.store.landing_below(key))  # (a late write would make the old place again)
             if busy:
                 raise ViewError(errno.EXDEV, f"{path}: something below it is open or not stored yet; not renamed "
                                              "(copied instead)")

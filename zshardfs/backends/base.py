@@ -792,6 +792,13 @@ class AsyncStore:
         S3 has no directories to rename)?"""
         return getattr(self.backend, "move_dir", None) is not None
 
+    def landing_below(self, key: str) -> bool:
+        """Is a write given up at its deadline, whose worker may still land
+        it, out for a key at or below directory ``key``?"""
+        below = key + "/"
+        return any((k == key or k.startswith(below)) and not all(e.is_set() for e in events)
+                   for k, events in self._landing.items() if isinstance(k, str))
+
     def move_dir_now(self, key: str, new_key: str, *, noreplace: bool) -> None:
         """Rename the directory ``key`` to ``new_key`` (see LocalBackend.move_dir),
         on the caller's thread: the event loop, so that no request runs
