@@ -519,3 +519,23 @@ def test_random_directory_renames_agree_with_a_directory_store():
 
     renamed = sum(int(n) for n in re.findall(r"renames:.*\bok (\d+)", out.stdout))
     assert renamed >= 20, out.stdout  # (renames did happen: 27 for these seeds)
+
+
+def test_an_array_made_through_the_mount_looks_the_same_once_moved(tmp_path, mount):
+    """An array made through the mount (-o shard=2) shows, as a directory
+    store would, only the chunk directories made or written (SEMANTICS 4.1);
+    moved right after, it shows the same: what the mount knows of the
+    arrays it made goes with them (before: c/3 appeared, in the grid but
+    never made)."""
+    st = _local(tmp_path)
+    m = mount(st.root, "flush_delay=60,shard=2")
+    a = zarr.create_array(store=str(m / "made"), shape=(16, 16), chunks=(4, 4), dtype="<i4", fill_value=0)
+    a[0:4, 0:4] = 1
+    zs("sync", m.path)
+    assert not (m / "made/c/3").exists()
+    before = _view(m / "made")
+    os.rename(m / "made", m / "moved")
+    assert not (m / "moved/c/3").exists() and not (m / "made").exists()
+    assert _view(m / "moved") == before
+    m.umount()
+    assert _sharded(st.root / "moved")

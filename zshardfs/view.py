@@ -2146,9 +2146,31 @@ class View:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EINVAL, errno.ENOTDIR, errno.EISDIR, errno.EXDEV):
                 raise ViewError(exc.errno, str(exc)) from None  # (an answer, not a failure: no error line)
             raise
-        self._forget_below(move.old_path, move.old_key)
         self._forget_below(move.new_path, move.new_key)
+        self._carry_made_here(move)
+        self._forget_below(move.old_path, move.old_key)
         self._made_in(_parent(move.new_path))
+
+    def _carry_made_here(self, move: "DirMove") -> None:
+        """What this mount knows of datasets it made below the old place
+        (made here: chunk directories exist once made or written to, as in a
+        directory store) holds for the new place: ``ls`` shows the same."""
+        def moved(p: str, old: str, new: str) -> str | None:
+            return new + p[len(old):] if p == old or p.startswith(old + "/") else None
+
+        op, np_, ok, nk = move.old_path, move.new_path, move.old_key, move.new_key
+        for root, when in list(self.born_here.items()):
+            if (to := moved(root, ok, nk)) is not None:
+                self.born_here[to] = when
+        for table in ("written_dirs", "removed_dirs"):
+            old = getattr(self, table)
+            old |= {to for p in old if (to := moved(p, op, np_)) is not None}
+        for d, names in list(self.new_dirs.items()):
+            if (to := moved(d, op, np_)) is not None:
+                self.new_dirs[to] = set(names)
+        for p, when in list(self._made_at.items()):
+            if (to := moved(p, op, np_)) is not None:
+                self._made_at[to] = when
 
     def _forget_below(self, path: str, key: str) -> None:
         below, key_below = path + "/", key + "/"
