@@ -1990,3 +1990,40 @@ def test_overlapping_listings_of_one_directory_without_list_ttl(tmp_path):
         assert "d" not in store._lists
 
     trio.run(main)
+
+
+def test_a_local_rewrite_keeps_the_stored_files_mode_and_owner(tmp_path):
+    """A local put replaces its file with a new one (a temporary file
+    renamed over it), which took the daemon's umask and user: a shard
+    another user kept private (0600) became world-readable 0644 at the
+    first chunk written through a root daemon's mount, a group-writable
+    one lost its group's write, and one its owner owned became root's.
+    The new file now takes the old one's permission bits (never setuid or
+    setgid) and, where the daemon may (root), its owner and group; a new
+    key gets the umask's mode, the daemon's user."""
+    os.makedirs(tmp_path / "arr")
+    private, shared = tmp_path / "arr" / "private", tmp_path / "arr" / "shared"
+    private.write_bytes(b"old")
+    shared.write_bytes(b"old")
+    os.chmod(private, 0o600)
+    os.chmod(shared, 0o6664)  # (setuid/setgid: not carried over)
+    if os.geteuid() == 0:
+        os.chown(private, 65534, 65534)
+        os.chown(shared, 1234, 4321)
+    b = LocalBackend(str(tmp_path))
+    b.put("arr/private", b"new")
+    b.put("arr/shared", b"new", if_match=b.stat("arr/shared").etag)
+    old_umask = os.umask(0o022)
+    try:
+        b.put("arr/fresh", b"new")
+    finally:
+        os.umask(old_umask)
+    st_p, st_s, st_f = (os.stat(tmp_path / "arr" / n) for n in ("private", "shared", "fresh"))
+    assert private.read_bytes() == shared.read_bytes() == b"new"
+    assert stat.S_IMODE(st_p.st_mode) == 0o600
+    assert stat.S_IMODE(st_s.st_mode) == 0o664
+    assert stat.S_IMODE(st_f.st_mode) == 0o644
+    if os.geteuid() == 0:
+        assert (st_p.st_uid, st_p.st_gid) == (65534, 65534)
+        assert (st_s.st_uid, st_s.st_gid) == (1234, 4321)
+        assert (st_f.st_uid, st_f.st_gid) == (0, 0)

@@ -3003,3 +3003,26 @@ def test_tensorstore_writes_through_the_mount_are_durable_when_it_returns(store,
     for i in (1, 2):
         for j in (0, 1):
             assert got[(i, j)] == np.full((2, 2), 9, "<i4").tobytes(), (i, j)
+
+
+def test_a_shard_rewritten_through_a_root_mount_keeps_its_mode_and_owner(tmp_path, mount):
+    """A chunk written through a root daemon's mount into a local shard
+    another user owns, kept private (0600), left the shard root's and
+    world-readable (0644: the daemon's umask); now it keeps its mode and
+    owner (tests/test_backends.py has the rule's cases)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    m = mount(src, "rw", "shard=2")
+    zarr.create_array(str(m / "a"), shape=(4, 4), chunks=(2, 2), dtype="u1", fill_value=0,
+                      compressors=None)[...] = 1
+    m.umount()
+    shard = src / "a" / "c" / "0" / "0"
+    assert shard.is_file()
+    os.chown(shard, 65534, 65534)
+    os.chmod(shard, 0o600)
+    m = mount(src, "rw", "allow_other")
+    (m / "a" / "c" / "0" / "1").write_bytes(bytes([7] * 4))
+    m.umount()
+    st = os.stat(shard)
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o600, 65534, 65534)
+    assert zarr.open_array(str(src / "a"), mode="r")[0, 2] == 7

@@ -232,6 +232,31 @@ def _key_lock(dfd: int, name: str, retry=_direct):
             os.close(fd)  # (releases the lock)
 
 
+def _take_mode_of(fd: int, name: str, dfd: int) -> None:
+    """Give the new file ``fd``, about to replace ``name`` in ``dfd``, the
+    permission bits of the regular file there (never setuid/setgid: bits
+    nobody gave the bytes written through the mount) and, where this
+    process may (root; a group it is in), its owner and group: before any
+    byte is written, so a private shard is never readable by others, nor
+    left root's by a root daemon.  Nothing there (a new key): the umask's
+    mode, the daemon's user, as any new file."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        return
+    mine = os.fstat(fd)
+    if (st.st_uid, st.st_gid) != (mine.st_uid, mine.st_gid):
+        for uid, gid in ((st.st_uid, st.st_gid), (-1, st.st_gid)):
+            try:
+                os.fchown(fd, uid, gid)
+                break
+            except OSError:
+                continue
+    os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o1777)
+
+
 def _open_regular(name: str, flags: int, dfd: int, retry=_direct) -> int:
     """``os.open`` in ``dfd`` that accepts a regular file only (EBUSY for
     anything else another user may have put there)."""
@@ -1083,6 +1108,7 @@ class LocalBackend:
                             dfd = self._open_dir(dir_key, make=True)
                 else:
                     raise FileExistsError(errno.EEXIST, "no free temporary name", dir_key)
+                _take_mode_of(fd, name, dfd)
                 with open(fd, "wb") as f:
                     f.write(data)
                     f.flush()
