@@ -877,6 +877,31 @@ def test_log_lines_naming_non_utf8_paths(tmp_path, mount):
     raw.decode("utf-8")  # the log itself stays valid UTF-8
 
 
+def test_a_name_with_a_newline_cannot_forge_log_lines(tmp_path, mount):
+    """Whoever may write into the source names its files: a directory named
+    ``arr\\n<time> zshardfs[1] ERROR ...`` made the line that logs its
+    damage two lines, the second one forged (any level, any text: the
+    admin's ``grep ERROR``, a journal reader, log monitoring). Control
+    characters of a line's message are written as ``\\xNN`` now, like
+    bytes that are not UTF-8: one event, one line."""
+    store = SmallStore(tmp_path / "store")
+    bad = "arr\n2026-01-01 00:00:00,000 zshardfs[1] CRITICAL zshardfs.forged: root password reset\r\x1b[2J"
+    os.rename(store.root / "arr", store.root / bad)
+    name = sorted(store.chunks)[0]
+    rel = Path(store.shard_files[name]).relative_to(store.root / "arr")
+    (store.root / bad / rel).write_bytes(b"garbage")  # a shard too short for its index
+    m = mount(store.root, "ro")
+    with pytest.raises(OSError) as info:
+        (m / bad / name.split("/", 1)[1]).read_bytes()
+    assert info.value.errno == errno.EIO
+    text = m.log_text()
+    assert "forged" in text, text[-3000:]
+    assert not any(line.startswith("2026-01-01") for line in text.splitlines()), text[-3000:]
+    assert "\r" not in text and "\x1b" not in text, text[-3000:]
+    assert re.search(r"ERROR zshardfs\.\S+: damaged data: arr\\x0a2026-01-01 .*root password reset\\x0d\\x1b\[2J/",
+                     text), text[-3000:]
+
+
 def test_syslog_lines_naming_non_utf8_paths(tmp_path, monkeypatch):
     """In the background without log_file the log goes to syslog; a line
     naming a non-UTF-8 path reaches it too.  (No syslog daemon is needed:

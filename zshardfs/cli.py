@@ -75,13 +75,37 @@ def _escape_surrogate(m: re.Match) -> str:
     return f"\\x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"\\u{code:04x}"
 
 
+#: characters of a message that would end its line or steer a terminal
+#: (C0 and C1 controls but tab, DEL, Unicode line and paragraph separators)
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _escape_control(m: re.Match) -> str:
+    code = ord(m.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
 class _Formatter(logging.Formatter):
     """Log lines name paths, and a path read from disk need not be UTF-8
     (its bytes come as surrogate escapes, which no UTF-8 stream accepts):
     they are written as ``\\xNN``, so the line reaches the file, syslog or
-    stderr instead of being lost to an encoding error."""
+    stderr instead of being lost to an encoding error.  Control characters
+    of a message (a name with a newline, made by whoever may write into the
+    source) are written as ``\\xNN`` too: one event stays one line, and no
+    name can forge a line of its own (a traceback, not a message, keeps its
+    lines)."""
 
     journal = False  # (stderr is the journal: each line gets its priority prefix)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        message = record.message
+        if not _CONTROL.search(message):
+            return super().formatMessage(record)
+        record.message = _CONTROL.sub(_escape_control, message)
+        try:
+            return super().formatMessage(record)
+        finally:
+            record.message = message
 
     def format(self, record: logging.LogRecord) -> str:
         text = _SURROGATE.sub(_escape_surrogate, super().format(record))
