@@ -902,6 +902,25 @@ def test_a_name_with_a_newline_cannot_forge_log_lines(tmp_path, mount):
                      text), text[-3000:]
 
 
+def test_fsck_prints_one_line_per_problem_whatever_the_names(tmp_path):
+    """``zshardfs fsck`` prints one line per problem, and the names in them
+    come from the store: a directory named ``arr\\xff\\nproblem: forged``
+    printed a forged ``problem:`` line and a byte that is not UTF-8 as is.
+    Now written as the log writes them (``\\xNN``)."""
+    store = SmallStore(tmp_path / "store")
+    bad = os.fsdecode(b"arr\xff\nproblem: forged\x1b[2J")
+    os.rename(store.root / "arr", store.root / bad)
+    name = sorted(store.chunks)[0]
+    rel = Path(store.shard_files[name]).relative_to(store.root / "arr")
+    (store.root / bad / rel).write_bytes(b"garbage")  # a shard too short for its index
+    result = subprocess.run([*ZSHARDFS, "fsck", str(store.root)], capture_output=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    lines = result.stdout.decode("utf-8").splitlines()  # (valid UTF-8)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("problem: damaged data: arr\\xff\\x0aproblem: forged\\x1b[2J/"), lines
+    assert "1 problems, 1 of them errors" in lines[1], lines
+
+
 def test_syslog_lines_naming_non_utf8_paths(tmp_path, monkeypatch):
     """In the background without log_file the log goes to syslog; a line
     naming a non-UTF-8 path reaches it too.  (No syslog daemon is needed:

@@ -85,6 +85,12 @@ def _escape_control(m: re.Match) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
+def printable(text: str) -> str:
+    """``text`` as one line of valid UTF-8: bytes that were not UTF-8 and
+    control characters written as ``\\xNN`` (what a log line's message gets)."""
+    return _SURROGATE.sub(_escape_surrogate, _CONTROL.sub(_escape_control, text))
+
+
 class _Formatter(logging.Formatter):
     """Log lines name paths, and a path read from disk need not be UTF-8
     (its bytes come as surrogate escapes, which no UTF-8 stream accepts):
@@ -770,7 +776,7 @@ def cmd_fsck(args) -> int:
         print(json.dumps({"source": cfg.source, **report.as_dict()}, indent=2))
     else:
         for problem in report.problems:
-            print(f"problem: {problem}")
+            print(f"problem: {printable(problem)}")  # (names from the store: one line each)
         read = f", {report.bytes_read} bytes read" if args.data else ""
         print(f"{cfg.source}: {report.directories} directories, {report.files} files "
               f"({report.chunk_files} chunk files){read}; {len(report.problems)} problems, "
