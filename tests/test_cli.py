@@ -854,7 +854,27 @@ def test_debug_logs_reads(store, mount):
     m = mount(store.root, "ro", "debug", "open_fill=0")
     name, data = first_chunk(store)
     assert (m / name).read_bytes() == data
-    assert re.search(rf"read\(\d+, 0, \d+\) -> <{len(data)} bytes>|read\(\d+, 0, \d+\) -> '", m.log_text())
+    assert re.search(rf"read\(\d+, 0, \d+\) -> <{len(data)} bytes>", m.log_text())
+
+
+def test_debug_logs_no_file_contents(tmp_path, mount):
+    """``-o debug`` logged the bytes of a READ's answer and of a WRITE's
+    data as text when they were at most 255 printable characters (the rule
+    for names): a password file or a small document written or read through
+    the mount ended up in the log, which other users may read. Reads and
+    writes now show their size only, as storage calls do at
+    ``log_level=DEBUG``."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "stored.txt").write_text("stored-secret-1234")
+    m = mount(src, "rw", "debug", "open_fill=0")
+    assert (m / "stored.txt").read_text() == "stored-secret-1234"
+    with open(m / "written.txt", "w") as f:
+        f.write("written-secret-5678")
+    text = m.log_text()
+    assert re.search(r"read\(\d+, 0, \d+\) -> <18 bytes>", text), text[-3000:]
+    assert re.search(r"write\(\d+, 0, <19 bytes>\) -> 19", text), text[-3000:]
+    assert "stored-secret" not in text and "written-secret" not in text, text[-3000:]
 
 
 def test_log_lines_naming_non_utf8_paths(tmp_path, mount):

@@ -105,9 +105,15 @@ TRACED = ("lookup", "forget", "getattr", "setattr", "readlink", "mknod", "mkdir"
           "create")
 
 
-def _show(value) -> str:
+#: handlers whose bytes are a file's contents (READ's answer, WRITE's
+#: data): logged by their size only, never as text (the log may be read by
+#: others than those who may read the files)
+CONTENTS = frozenset({"read", "write"})
+
+
+def _show(value, contents: bool = False) -> str:
     if isinstance(value, (bytes, bytearray, memoryview)):
-        if len(value) <= 255:  # a name, or a short xattr value
+        if len(value) <= 255 and not contents:  # a name, or a short xattr value
             try:
                 text = bytes(value).decode("utf-8")
             except UnicodeDecodeError:
@@ -127,7 +133,8 @@ def _show(value) -> str:
 
 def _traced(name: str, handler):
     async def traced(*args):
-        shown = ", ".join(_show(a) for a in args if not isinstance(a, pyfuse3.RequestContext))
+        contents = name in CONTENTS
+        shown = ", ".join(_show(a, contents) for a in args if not isinstance(a, pyfuse3.RequestContext))
         started = time.monotonic()  # (the time shown: which request waited, and how long)
         try:
             result = await handler(*args)
@@ -139,7 +146,8 @@ def _traced(name: str, handler):
             request_log.debug("%s(%s) -> %s in %.1f ms", name, shown, type(exc).__name__,
                               1000 * (time.monotonic() - started))
             raise
-        request_log.debug("%s(%s) -> %s in %.1f ms", name, shown, _show(result), 1000 * (time.monotonic() - started))
+        request_log.debug("%s(%s) -> %s in %.1f ms", name, shown, _show(result, contents),
+                          1000 * (time.monotonic() - started))
         return result
 
     traced.__name__ = name
