@@ -24,6 +24,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -826,6 +827,37 @@ def test_log_file_and_log_level(store, mount):
     loud = mount(store.root, "ro", "log_level=DEBUG")
     (loud / name).read_bytes()
     assert " DEBUG " in loud.log_text()
+
+
+def test_a_log_file_the_daemon_makes_is_not_world_readable(store, mount, tmp_path):
+    """The log names the store's files (and at ``debug`` every request): a
+    log file the daemon made was 0644 (umask 022), so every user of the
+    machine read what a mount without ``allow_other`` shows to no one else.
+    It is made 0640 now, also anew after a rotation; a file that exists
+    keeps its mode (logrotate's ``create`` decides)."""
+    old_umask = os.umask(0o022)
+    try:
+        m = mount(store.root, "ro")
+        name, _ = first_chunk(store)
+        (m / name).read_bytes()
+        assert stat.S_IMODE(os.stat(m.log).st_mode) == 0o640
+        os.rename(m.log, tmp_path / "rotated.log")
+        result = zs("reopen-log", m.path)
+        assert result.returncode == 0, result.stderr
+        assert stat.S_IMODE(os.stat(m.log).st_mode) == 0o640
+        kept = tmp_path / "kept.log"
+        kept.write_text("")
+        kept.chmod(0o644)
+        other = tmp_path / "mnt2"
+        other.mkdir()
+        run_mount(store.root, other, "ro", log=kept)
+        try:
+            assert "mounted" in kept.read_text()
+            assert stat.S_IMODE(os.stat(kept).st_mode) == 0o644
+        finally:
+            assert zs("umount", other).returncode == 0
+    finally:
+        os.umask(old_umask)
 
 
 def test_debug_logs_every_request(store, mount):

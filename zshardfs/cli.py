@@ -125,6 +125,17 @@ class _Formatter(logging.Formatter):
 SYSLOG = "/dev/log"
 
 
+#: mode of a log file the daemon makes: its lines name the store's files
+#: (and, at -o debug, every request), which a mount without allow_other
+#: shows to no other user; an existing file keeps its own (logrotate's create)
+LOG_FILE_MODE = 0o640
+
+
+def open_log_file(path: str) -> int:
+    """A descriptor of ``path`` for appending, made with LOG_FILE_MODE if new."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, LOG_FILE_MODE)
+
+
 class _LogFile(logging.handlers.WatchedFileHandler):
     """The ``-o log_file`` handler.  Opened anew when logrotate moved the
     file away (WatchedFileHandler: at the next line) and at :meth:`reopen`
@@ -136,7 +147,7 @@ class _LogFile(logging.handlers.WatchedFileHandler):
     std_too = False
 
     def _open(self):
-        stream = super()._open()
+        stream = open(open_log_file(self.baseFilename), self.mode, encoding=self.encoding, errors=self.errors)
         if self.std_too:
             for std in (sys.stdout, sys.stderr):
                 try:
@@ -292,7 +303,7 @@ def check_log_file(cfg: MountConfig) -> None:
     if os.path.realpath(cfg.log_file).startswith(mnt.rstrip("/") + "/"):
         raise ConfigError(f"the log file {cfg.log_file!r} is inside the mountpoint; put it elsewhere")
     try:
-        with open(cfg.log_file, "a"):
+        with open(open_log_file(cfg.log_file), "a"):
             pass
     except OSError as exc:
         raise ConfigError(f"cannot write the log file {cfg.log_file!r}: {exc.strerror}") from None
