@@ -631,6 +631,26 @@ def test_fsck_of_a_view_names_its_store(store, mnt, tmp_path):
         assert zs("umount", mnt).returncode == 0
 
 
+def test_fsck_of_a_dead_mount_names_its_store(store, mnt):
+    """A mount whose daemon was killed (every access ENOTCONN) cannot say
+    which store it shows; /proc/mounts still names it, and so does fsck's
+    refusal (before: "give it the store that mount shows", no name)."""
+    run_mount(store.root, mnt, "ro")
+    pid = daemon_pid(mnt)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: not process_running(pid), timeout=60)
+        with pytest.raises(OSError) as dead:
+            os.stat(mnt / "arr")
+        assert dead.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+        result = zs("fsck", mnt)
+        assert result.returncode == 2, result
+        assert_one_line_error(result, "zshardfs mount", f"'zshardfs fsck {store.root}'")
+    finally:
+        zs("umount", mnt)
+    assert mounts_at(mnt) == []
+
+
 @pytest.mark.parametrize("command", ["umount", "stats"])
 @pytest.mark.parametrize("where", ["plain_dir", "missing", "inside_a_mount", "other_fs_root"])
 def test_umount_stats_of_non_zshardfs_paths(store, mount, tmp_path, command, where):

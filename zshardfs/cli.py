@@ -590,6 +590,20 @@ def _zshardfs_mounts() -> dict[str, list[str]]:
     return found
 
 
+def _mount_source(mnt: str) -> str | None:
+    """The source (store) /proc/mounts names for the zshardfs mount ``mnt``:
+    there also when its daemon is dead and the mount answers nothing."""
+    try:
+        with open("/proc/mounts", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 3 and fields[2] == "fuse.zshardfs" and _unescape_mount_field(fields[1]) == mnt:
+                    return _unescape_mount_field(fields[0]) or None
+    except OSError:
+        pass
+    return None
+
+
 def _mount_owner(mnt: str) -> int | None:
     """The uid of the zshardfs mount ``mnt`` (its daemon's), if it is one."""
     for option in _zshardfs_mounts().get(mnt, ()):
@@ -771,7 +785,9 @@ def cmd_fsck(args) -> int:
                 store = json.loads(_control(view_of, "user.zshardfs.stats"))["source"]
                 what = f"'zshardfs fsck {store}'"
             except (ConfigError, ValueError, KeyError):
-                what = "give it the store that mount shows"
+                # (a dead mount answers nothing: the kernel's table names its source)
+                store = _mount_source(view_of)
+                what = f"'zshardfs fsck {store}'" if store else "give it the store that mount shows"
             return _fail(f"{cfg.source!r} is in the view of a zshardfs mount; fsck checks a store: {what}",
                          EXIT_USAGE)
         backend = open_backend(cfg)
