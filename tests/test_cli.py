@@ -1570,6 +1570,31 @@ def test_hup_usr1_usr2_never_end_the_daemon(store, mnt, tmp_path, signum):
     assert zs("umount", mnt).returncode == 0
 
 
+def test_hup_without_a_log_file_says_there_is_none_to_reopen(store, mnt):
+    """A daemon logging to stderr (no ``-o log_file``) given SIGHUP or
+    SIGUSR1 says, in one INFO line, that there is no log file to reopen,
+    and serves on (before: nothing at all happened and nothing was said,
+    so whoever sent it could not tell it had been received)."""
+    proc = subprocess.Popen([*ZSHARDFS, "mount", "-f", str(store.root), str(mnt), "-o", "ro"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: bool(mounts_at(mnt)) or proc.poll() is not None, timeout=20)
+        time.sleep(1)  # (its signal handlers are set up after the mount)
+        for signum in (signal.SIGHUP, signal.SIGUSR1):
+            os.kill(proc.pid, signum)
+        time.sleep(1)
+        assert proc.poll() is None and int(os.getxattr(mnt, "user.zshardfs.pid")) == proc.pid  # serving still
+        result = zs("umount", mnt)
+        assert result.returncode == 0, result.stderr
+        out, err = proc.communicate(timeout=30)
+    finally:
+        _stop(proc)
+    _assert_ended_cleanly(proc, err, mnt)
+    for name in ("SIGHUP", "SIGUSR1"):
+        lines = [ln for ln in err.splitlines() if f"signal {name}:" in ln]
+        assert len(lines) == 1 and " INFO " in lines[0] and "no log file to reopen" in lines[0], err
+
+
 def test_systemd_is_told_when_the_mount_is_ready(store, mnt, tmp_path):
     """``Type=notify`` (systemd/zshardfs@.service): a foreground daemon sends
     ``READY=1`` to ``$NOTIFY_SOCKET`` once the view is there, so units

@@ -483,9 +483,12 @@ class Mount:
                 log.info("unmounted %s", self.cfg.mountpoint)
 
     def _reopen_log(self, signum: int) -> None:
-        if self.reopen_log is not None:
-            self.reopen_log()
-            log.info("signal %s: log file reopened", signal.Signals(signum).name)
+        if self.reopen_log is None:  # (stderr, syslog or the journal: said, not silently ignored)
+            log.info("signal %s: no log file to reopen (this mount has no -o log_file); nothing done",
+                     signal.Signals(signum).name)
+            return
+        self.reopen_log()
+        log.info("signal %s: log file reopened", signal.Signals(signum).name)
 
     async def _signals(self, nursery, signals) -> None:
         """SIGTERM/SIGINT: store everything, then unmount; the same signal
