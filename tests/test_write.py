@@ -1704,6 +1704,62 @@ def test_directories_outside_the_grid_of_a_v2_keyed_array_are_refused(store, mou
     assert "arr/9: outside the chunk grid" in m.log_text()
 
 
+def test_directories_that_can_be_no_part_of_a_chunk_key_are_refused_at_once(store, mount, tmp_path):
+    """``cp -r MNT/arr/c/0 MNT/arr/c/0x``: ``0x`` is in the array's chunk
+    tree (claimed) but can never be part of a chunk key.  Its ``mkdir``
+    is ENOENT at once, with one INFO line per directory naming the array,
+    so ``cp`` fails loudly; before, it was made in memory, the files went
+    into it as temporaries, ``cp`` exited 0 and unmounting dropped them
+    all (one warning line).  For every encoding whose chunk keys make
+    directories (default ``/``, v2 ``/``, the v3-draft transformer); where
+    a name is no chunk key of the array's own directory (``c.0x`` with
+    ``.``, ``0x`` of a v2 ``/`` array) it is a plain directory, stored as
+    a directory store would.  Temporaries in valid chunk directories
+    (rsync's ``.0.XXXXXX``) stay fine."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    seed_array(store, tmp_path, "dot", (8, 8), (2, 2), (4, 4), "<i4", data=data, sep=".")
+    local = tmp_path / "seed-v2"
+    a = zarr.create_array(store=str(local), shape=(8, 8), chunks=(2, 2), shards=(4, 4), dtype="<i4",
+                          compressors=None, fill_value=0, chunk_key_encoding={"name": "v2", "separator": "/"})
+    a[...] = data
+    store.put_tree(local, "v2")
+    _put_transformer_array(store)
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "0").write_bytes(raw_chunk(5))
+    os.makedirs(m / "data/root/arr/c0", exist_ok=True)  # (the transformer array's data directory: its first chunk)
+    (m / "data/root/arr/c0/0").write_bytes(b"\x07" * 6)
+
+    copy = subprocess.run(["cp", "-r", str(m / "arr/c/0"), str(m / "arr/c/0x")], capture_output=True, text=True)
+    assert copy.returncode != 0 and "arr/c/0x" in copy.stderr, copy
+    refused = ["arr/c/0x", "arr/c/0/.d", "v2/0/0x", "data/root/arr/c0/0x", "data/root/arr/c1/x"]
+    for bad in refused[1:]:
+        copy = subprocess.run(["cp", "-r", str(src), str(m / bad)], capture_output=True, text=True)
+        assert copy.returncode != 0 and bad in copy.stderr, (bad, copy)
+    for bad in refused:
+        assert not (m / bad).exists(), bad
+        with pytest.raises(FileNotFoundError):
+            os.mkdir(m / bad)
+    assert sorted(os.listdir(m / "arr/c")) == ["0", "1", "2", "3"]
+    text = m.log_text()
+    for bad in refused:
+        lines = [ln for ln in text.splitlines() if f"{bad}: " in ln and "no part of a chunk key" in ln]
+        assert len(lines) == 1 and " INFO " in lines[0], (bad, text)
+
+    for plain in ("dot/c.0x", "v2/0x"):  # (no chunk key's name: plain directories)
+        copy = subprocess.run(["cp", "-r", str(src), str(m / plain)], capture_output=True, text=True)
+        assert copy.returncode == 0, (plain, copy)
+    (m / "arr/c/0/.0.Xa1b2c").write_bytes(raw_chunk(9))  # rsync's temporary, then its rename
+    os.rename(m / "arr/c/0/.0.Xa1b2c", m / "arr/c/0/0")
+    m.umount()
+    assert "discarded" not in m.log_text()  # nothing was kept only to be dropped
+    assert stored_chunks(store, "arr", (2, 2))[0, 0] == raw_chunk(9)
+    for plain in ("dot/c.0x/0", "v2/0x/0"):
+        assert store.get(plain) == raw_chunk(5), plain
+
+
 def test_rsync_of_a_grown_array_and_the_line_that_says_why(store, mount, tmp_path):
     """``rsync -a`` of an unsharded twin whose array grew makes the new chunk
     directories before it copies ``zarr.json`` (sorted order): the mount

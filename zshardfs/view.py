@@ -1297,6 +1297,19 @@ class View:
         log_once(log, logging.INFO, message, tag=f"outside the grid: {directory}")
         return ViewError(errno.ENOENT, f"{path}: outside the chunk grid")
 
+    @staticmethod
+    def _no_key_part(dataset: Dataset, path: str) -> ViewError:
+        """The refusal (ENOENT) of a directory ``path`` in ``dataset``'s chunk
+        namespace that can be no part of a chunk key (``c/0x``: ``cp -r c/0
+        c/0x``): whatever were written below it could never be stored.  One
+        INFO line per directory, naming the array and a key of it."""
+        keys = getattr(dataset, "keys", None)
+        example = f" (its chunk keys are like {keys.format((0,) * keys.ndim)})" if keys is not None else ""
+        message = (f"{path}: no part of a chunk key of {dataset.root or 'the root'}{example}: no directory can "
+                   "be made there (ENOENT)")
+        log_once(log, logging.INFO, message, tag=f"no key part: {path}")
+        return ViewError(errno.ENOENT, f"{path}: not a name in the chunk grid")
+
     async def create(self, parent: Node, name: str) -> Handle:
         """A new empty file ``name`` in ``parent``, opened for writing."""
         self._check_writable()
@@ -1914,6 +1927,8 @@ class View:
         if self._in_dataset(parent) and parent.dataset.outside(parent.rel + (name,)):
             path = join_key(parent.path, name)
             raise self._outside(parent.dataset, path, path)
+        if self._in_dataset(parent) and parent.dataset.no_key_part(parent.rel + (name,)):
+            raise self._no_key_part(parent.dataset, join_key(parent.path, name))
         dataset, stored = parent.dataset, False
         if not self._in_dataset(parent):
             dataset = await self.dataset_at(parent.key)  # (the array's own directory: its dataset)
@@ -1921,6 +1936,8 @@ class View:
                 # (``9`` of a ``v2``/``/`` array: its chunk directories begin here)
                 path = join_key(parent.path, name)
                 raise self._outside(dataset, path, path)
+            if dataset is not None and dataset.no_key_part((name,)):
+                raise self._no_key_part(dataset, join_key(parent.path, name))
             if dataset is None or not dataset.claims((name,)):
                 await self.store.make_dir(join_key(parent.key, name))
                 stored = self.store.keeps_empty_dirs

@@ -169,6 +169,13 @@ class Dataset(ABC):
         is refused (a temporary name would be kept in memory and dropped)."""
         return False
 
+    def no_key_part(self, rel: tuple[str, ...]) -> bool:
+        """True if ``rel`` is claimed (in the chunk namespace) yet can never
+        be a chunk file or a directory on the way to one (``c/0x``): a
+        directory made there could hold nothing ever stored, so making one
+        is refused (files there are temporaries, see 4.1)."""
+        return False
+
     #: does a document written through the view with a smaller shape remove
     #: the stored chunks outside it?  (Where the layout's writer deletes them
     #: right after storing that document, by names the view no longer shows.)

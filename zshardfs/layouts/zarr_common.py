@@ -322,6 +322,9 @@ class GridDataset(Dataset):
         parsed = self.keys.parse(rel)
         return parsed is not None and not all(0 <= c < n for c, n in zip(parsed[0], self.grid.inner_counts))
 
+    def no_key_part(self, rel) -> bool:
+        return self.keys.claims(rel) and self.keys.parse(rel) is None
+
     async def stored_outside(self, smaller: Dataset, pending) -> list[ChunkTarget]:
         counts = getattr(getattr(smaller, "grid", None), "inner_counts", None)
         old = self.grid.inner_counts
