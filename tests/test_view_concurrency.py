@@ -16,6 +16,7 @@ import os
 import shutil
 import threading
 import time
+import types
 
 import pytest
 import trio
@@ -1276,3 +1277,84 @@ def test_a_whole_chunk_read_again_after_a_page_drop_takes_one_crc32c_and_a_repla
         await ops.release(fh)
 
     trio.run(main)
+
+
+def test_a_listing_begun_before_a_writers_close_gives_the_size_it_wrote(tmp_path, monkeypatch):
+    """A writer's close (RELEASE) marks its inode's node stale, its size the one before
+    the writes (the next getattr asks the view), and a lookup or listing begun before the
+    close keeps that node as newer news. The listing handed the kernel that old size
+    (readdirplus: the kernel takes it, as the WRITEs ended before the READDIR was sent),
+    so a stat after ``close`` returned showed it: difftest --race 12, basic/local seed
+    7010, a scan watcher saw 200 bytes, then 1 (the size before a truncate's pwrite).
+    The kernel's RELEASE comes after close(2) has returned. Now the stale node's size is
+    asked of the view, as getattr does."""
+    import pyfuse3
+
+    from zshardfs.fuse_ops import Operations
+
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "a.bin").write_bytes(b"x" * 64)
+    view, store = _view(tmp_path)
+    ops = Operations(view, read_only=False)
+    replies = []
+    monkeypatch.setattr(pyfuse3, "readdir_reply", lambda token, name, attrs, off: replies.append((name, attrs)) or True)
+    monkeypatch.setattr(pyfuse3, "invalidate_inode", lambda *args, **kwargs: None)
+    listed, go = trio.Event(), trio.Event()
+    real_list = view.store.list
+
+    async def slow_list(*args, **kwargs):
+        out = await real_list(*args, **kwargs)
+        listed.set()
+        await go.wait()
+        return out
+    monkeypatch.setattr(view.store, "list", slow_list)
+
+    async def main():
+        plain = (await ops.lookup(pyfuse3.ROOT_INODE, b"plain")).st_ino
+        ino = (await ops.lookup(plain, b"a.bin")).st_ino
+        fields = types.SimpleNamespace(**{f"update_{k}": k == "size" for k in
+                                          ("size", "mode", "uid", "gid", "atime", "mtime", "ctime")})
+        attr = pyfuse3.EntryAttributes()
+        attr.st_size = 1
+        assert (await ops.setattr(ino, attr, fields, None, None)).st_size == 1  # truncate -s 1
+        fh = (await ops.open(ino, os.O_WRONLY, None)).fh
+        assert await ops.write(fh, 100, b"y" * 100) == 100
+        await ops.flush(fh)  # (close(2) returns after FLUSH; RELEASE follows on its own)
+        assert (await ops.getattr(ino)).st_size == 200
+        dh = await ops.opendir(plain, None)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ops.readdir, dh, 0, None)  # the watcher's listing, begun before the RELEASE
+            await listed.wait()
+            await ops.release(fh)
+            go.set()
+        await ops.releasedir(dh)
+        got = {name: attrs.st_size for name, attrs in replies if name == b"a.bin"}
+        assert got == {b"a.bin": 200}, got  # (before: 1, the size before the write)
+        assert (await ops.getattr(ino)).st_size == 200
+        # a lookup alike (the kernel looks a name up again once its entry expired)
+        assert (await ops.setattr(ino, attr, fields, None, None)).st_size == 1
+        fh = (await ops.open(ino, os.O_WRONLY, None)).fh
+        assert await ops.write(fh, 100, b"z" * 100) == 100
+        await ops.flush(fh)
+        found, go2 = trio.Event(), trio.Event()
+        real_lookup = view.lookup
+
+        async def slow_lookup(*args, **kwargs):
+            out = await real_lookup(*args, **kwargs)
+            found.set()
+            await go2.wait()
+            return out
+        monkeypatch.setattr(view, "lookup", slow_lookup)
+        looked = []
+
+        async def lookup():
+            looked.append(await ops.lookup(plain, b"a.bin"))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lookup)
+            await found.wait()
+            await ops.release(fh)
+            go2.set()
+        assert looked[0].st_ino == ino and looked[0].st_size == 200, looked[0].st_size  # (before: 1)
+
+    trio.run(main)
+    assert (tmp_path / "plain" / "a.bin").stat().st_size == 200

@@ -345,8 +345,15 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOENT)
         ino = self._inode_for(node, since=started)
         entry = self.inodes[ino]
+        attrs = self._attrs(ino, entry.node)
+        if entry.node.created == _STALE:  # (a writer closed it since the lookup began)
+            attrs = await self._current_attrs(ino, attrs)
+            if self.inodes.get(ino) is not entry:  # (forgotten meanwhile: as found)
+                ino = self._inode_for(node, since=started)
+                entry = self.inodes[ino]
+                attrs = self._attrs(ino, entry.node)
         entry.lookups += 1
-        return self._attrs(ino, entry.node)
+        return attrs
 
     async def forget(self, inode_list):
         for ino, nlookup in inode_list:
@@ -358,6 +365,23 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def getattr(self, inode, ctx=None):
+        return await self._getattr(inode)
+
+    async def _current_attrs(self, ino: int, fallback: pyfuse3.EntryAttributes) -> pyfuse3.EntryAttributes:
+        """For a lookup or listing whose inode kept a node marked stale (a
+        writer's close, a read that found it changed: newer news than what the
+        lookup or listing began with, see _inode_for): the attributes the view
+        gives now, as getattr asks.  That node's size is the one before the
+        writes, and the kernel takes it from the reply (readdirplus, lookup) when
+        the WRITEs ended before the request was sent, which they did: RELEASE
+        comes after close(2) returned.  ``fallback`` if storage cannot say."""
+        try:
+            return await self._getattr(ino)
+        except (StoreError, CorruptData, ViewError, pyfuse3.FUSEError) as exc:
+            log.debug("attributes of %d for a lookup or listing: %s", ino, exc)
+            return fallback
+
+    async def _getattr(self, inode):
         node = self._node(inode)
         if self.by_path.get(node.path) != inode and not node.is_dir:
             # unlinked or replaced while open for writing: its writers write
@@ -397,7 +421,7 @@ class Operations(pyfuse3.Operations):
                     # the inode took another node while the refresh was out
                     # (a truncate, a rename, a lookup): newer news than what
                     # the refresh began with, which must not replace it
-                    return await self.getattr(inode)
+                    return await self._getattr(inode)
                 if fresh is not None and entry is not None:
                     node = entry.node = fresh
         return self._attrs(inode, node)
@@ -480,6 +504,14 @@ class Operations(pyfuse3.Operations):
                 entry = inodes[ino]
                 node = entry.node
                 attrs = self._attrs(ino, node)
+                if node.created == _STALE:  # (a writer closed it since the listing began)
+                    attrs = await self._current_attrs(ino, attrs)
+                    if inodes.get(ino) is not entry:  # (forgotten meanwhile: as listed)
+                        ino = self._inode_for(listed, since=asked)
+                        entry = inodes[ino]
+                        node = entry.node
+                        attrs = self._attrs(ino, node)
+                    node = entry.node
             # (os.fsencode(node.name), without its two Python calls: every entry of every listing)
             name = node.path.rpartition("/")[2].encode(_FS_ENCODING, _FS_ERRORS)
             if not pyfuse3.readdir_reply(token, name, attrs, i + 1 + _DOTS):
