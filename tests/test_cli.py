@@ -929,15 +929,22 @@ def test_debug_logs_no_file_contents(tmp_path, mount):
     assert "stored-secret" not in text and "written-secret" not in text, text[-3000:]
 
 
+def _damaged_under_name(store, bad: str) -> str:
+    """Rename ``store``'s array to ``bad`` (a name whoever writes the source
+    may choose) and damage the shard of its first chunk; its chunk name."""
+    os.rename(store.root / "arr", store.root / bad)
+    name = sorted(store.chunks)[0]
+    rel = Path(store.shard_files[name]).relative_to(store.root / "arr")
+    (store.root / bad / rel).write_bytes(b"garbage")  # a shard too short for its index
+    return name
+
+
 def test_log_lines_naming_non_utf8_paths(tmp_path, mount):
     """A directory whose name is not UTF-8: the damage is logged, its name
     written as \\xNN, instead of a '--- Logging error ---' block."""
     store = SmallStore(tmp_path / "store")
     bad = os.fsdecode(b"arr\xff")
-    os.rename(store.root / "arr", store.root / bad)
-    name = sorted(store.chunks)[0]
-    rel = Path(store.shard_files[name]).relative_to(store.root / "arr")
-    (store.root / bad / rel).write_bytes(b"garbage")  # a shard too short for its index
+    name = _damaged_under_name(store, bad)
     m = mount(store.root, "ro")
     assert b"arr\xff" in os.listdir(os.fsencode(m))  # (listed with its own bytes)
     with pytest.raises(OSError) as info:
@@ -958,10 +965,7 @@ def test_a_name_with_a_newline_cannot_forge_log_lines(tmp_path, mount):
     bytes that are not UTF-8: one event, one line."""
     store = SmallStore(tmp_path / "store")
     bad = "arr\n2026-01-01 00:00:00,000 zshardfs[1] CRITICAL zshardfs.forged: root password reset\r\x1b[2J"
-    os.rename(store.root / "arr", store.root / bad)
-    name = sorted(store.chunks)[0]
-    rel = Path(store.shard_files[name]).relative_to(store.root / "arr")
-    (store.root / bad / rel).write_bytes(b"garbage")  # a shard too short for its index
+    name = _damaged_under_name(store, bad)
     m = mount(store.root, "ro")
     with pytest.raises(OSError) as info:
         (m / bad / name.split("/", 1)[1]).read_bytes()
@@ -981,10 +985,7 @@ def test_fsck_prints_one_line_per_problem_whatever_the_names(tmp_path):
     Now written as the log writes them (``\\xNN``)."""
     store = SmallStore(tmp_path / "store")
     bad = os.fsdecode(b"arr\xff\nproblem: forged\x1b[2J")
-    os.rename(store.root / "arr", store.root / bad)
-    name = sorted(store.chunks)[0]
-    rel = Path(store.shard_files[name]).relative_to(store.root / "arr")
-    (store.root / bad / rel).write_bytes(b"garbage")  # a shard too short for its index
+    _damaged_under_name(store, bad)
     result = subprocess.run([*ZSHARDFS, "fsck", str(store.root)], capture_output=True, timeout=120)
     assert result.returncode == 1, result.stderr
     lines = result.stdout.decode("utf-8").splitlines()  # (valid UTF-8)
