@@ -1,4 +1,4 @@
-"""Directory renames through a mount (SEMANTICS 4.19): on a local store a
+"""Directory renames through a mount (SEMANTICS 4.18; RENAME_NOREPLACE 4.19): on a local store a
 real rename of the stored directory, so a sharded array keeps its layout,
 shards and metadata as stored; elsewhere (S3, a dataset's own directories,
 anything below open or held in memory) EXDEV, and ``mv`` copies."""
@@ -539,3 +539,61 @@ def test_an_array_made_through_the_mount_looks_the_same_once_moved(tmp_path, mou
     assert _view(m / "moved") == before
     m.umount()
     assert _sharded(st.root / "moved")
+
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE, _RENAME_WHITEOUT = 1, 2, 4
+
+
+def _renameat2(old: Path, new: Path, flags: int) -> int:
+    """renameat2(2) through libc: 0, or the errno."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd = -100
+    rc = libc.renameat2(at_fdcwd, os.fsencode(str(old)), at_fdcwd, os.fsencode(str(new)), ctypes.c_uint(flags))
+    return 0 if rc == 0 else ctypes.get_errno()
+
+
+def test_rename_noreplace_for_files_and_directories(tmp_path, mount):
+    """renameat2(RENAME_NOREPLACE): EEXIST when the new name is taken (a
+    file, a chunk, a directory; nothing changes), a plain rename when it is
+    free (a file, a chunk, a directory); RENAME_EXCHANGE and RENAME_WHITEOUT
+    stay EINVAL.  ``mv`` (coreutils 9 tries NOREPLACE first) needs one
+    renameat2, no EINVAL fallback; ``mv -n`` keeps the taken name's file."""
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    (st.root / "a").write_bytes(b"a")
+    (st.root / "b").write_bytes(b"b")
+    (st.root / "d1").mkdir()
+    (st.root / "d1/x").write_bytes(b"x")
+    (st.root / "d2").mkdir()
+    m = mount(st.root)
+    before = _view(m / "arr")
+    assert _renameat2(m / "a", m / "b", _RENAME_NOREPLACE) == errno.EEXIST
+    assert (m / "a").read_bytes() == b"a" and (m / "b").read_bytes() == b"b"
+    assert _renameat2(m / "a", m / "d2", _RENAME_NOREPLACE) == errno.EEXIST
+    assert _renameat2(m / "d1", m / "d2", _RENAME_NOREPLACE) == errno.EEXIST  # (d2 empty: plain rename replaces it)
+    assert _renameat2(m / "d1", m / "b", _RENAME_NOREPLACE) == errno.EEXIST
+    assert _renameat2(m / "arr/c/0/0", m / "arr/c/0/1", _RENAME_NOREPLACE) == errno.EEXIST
+    assert _view(m / "arr") == before and os.listdir(m / "d1") == ["x"] and os.listdir(m / "d2") == []
+    for flags in (_RENAME_EXCHANGE, _RENAME_WHITEOUT, _RENAME_NOREPLACE | _RENAME_EXCHANGE):
+        assert _renameat2(m / "a", m / "b", flags) == errno.EINVAL
+    assert _renameat2(m / "a", m / "c", _RENAME_NOREPLACE) == 0
+    assert (m / "c").read_bytes() == b"a" and not (m / "a").exists() and st.get("c") == b"a"
+    assert _renameat2(m / "d1", m / "d3", _RENAME_NOREPLACE) == 0
+    assert os.listdir(m / "d3") == ["x"] and (st.root / "d3/x").read_bytes() == b"x" and not (st.root / "d1").exists()
+    chunk = (m / "arr/c/0/0").read_bytes()
+    assert _renameat2(m / "arr/c/0/0", m / "arr/c/0/0.tmp", _RENAME_NOREPLACE) == 0
+    assert (m / "arr/c/0/0.tmp").read_bytes() == chunk
+    assert _renameat2(m / "arr/c/0/0.tmp", m / "arr/c/0/0", _RENAME_NOREPLACE) == 0
+    assert _view(m / "arr") == before
+    # mv -n keeps the taken name; mv needs one renameat2 (no EINVAL, then a retry)
+    out = subprocess.run(["mv", "-n", str(m / "c"), str(m / "b")], capture_output=True, text=True, timeout=60)
+    assert (m / "b").read_bytes() == b"b" and (m / "c").read_bytes() == b"a", out.stderr
+    trace = tmp_path / "strace.txt"
+    out = subprocess.run(["strace", "-f", "-e", "trace=rename,renameat,renameat2", "-o", str(trace),
+                          "mv", str(m / "c"), str(m / "e")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    calls = [line for line in trace.read_text().splitlines() if "rename" in line]
+    assert len(calls) == 1 and "= 0" in calls[0], calls
+    assert (m / "e").read_bytes() == b"a" and not (m / "c").exists()

@@ -3082,3 +3082,29 @@ def test_a_shard_rewritten_through_a_root_mount_keeps_its_mode_and_owner(tmp_pat
     st = os.stat(shard)
     assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o600, 65534, 65534)
     assert zarr.open_array(str(src / "a"), mode="r")[0, 2] == 7
+
+
+def test_rename_noreplace_of_files_on_both_stores(store, mount, tmp_path):
+    """renameat2(RENAME_NOREPLACE) of files and chunks (SEMANTICS 4.19):
+    EEXIST onto a taken name (a stored file, one made through the mount and
+    not stored yet, a chunk); a plain rename onto a free name, stored."""
+    from tests.test_rename_dir import _RENAME_NOREPLACE, _renameat2
+
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    store.put("a", b"a")
+    store.put("b", b"b")
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    assert _renameat2(m / "a", m / "b", _RENAME_NOREPLACE) == errno.EEXIST
+    write_file(m / "new", b"n")  # held in memory (flush_delay)
+    assert _renameat2(m / "a", m / "new", _RENAME_NOREPLACE) == errno.EEXIST
+    assert (m / "a").read_bytes() == b"a" and (m / "new").read_bytes() == b"n"
+    assert _renameat2(m / "a", m / "c", _RENAME_NOREPLACE) == 0
+    assert (m / "c").read_bytes() == b"a" and not (m / "a").exists()
+    chunk = (m / "arr/c/0/0").read_bytes()
+    assert _renameat2(m / "arr/c/0/0", m / "arr/c/0/1", _RENAME_NOREPLACE) == errno.EEXIST
+    assert _renameat2(m / "arr/c/0/0", m / "arr/c/0/0.tmp", _RENAME_NOREPLACE) == 0
+    assert _renameat2(m / "arr/c/0/0.tmp", m / "arr/c/0/0", _RENAME_NOREPLACE) == 0
+    assert (m / "arr/c/0/0").read_bytes() == chunk
+    m.umount()  # (stores what flush_delay held)
+    assert store.get("c") == b"a" and store.get("a") is None and store.get("b") == b"b" and store.get("new") == b"n"

@@ -51,6 +51,10 @@ _STALE = float("-inf")
 #: readdir offsets of ``.`` and ``..``, listed before a directory's entries
 _DOTS = 2
 
+#: renameat2's flag (linux/fs.h) the mount honours: EEXIST if the new name is
+#: taken; RENAME_EXCHANGE and RENAME_WHITEOUT are EINVAL
+_RENAME_NOREPLACE = 1
+
 #: open flags that ask for writing
 _WRITING = os.O_WRONLY | os.O_RDWR
 
@@ -972,15 +976,20 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         self._writable()
-        if flags:
-            raise pyfuse3.FUSEError(errno.EINVAL)  # RENAME_EXCHANGE / NOREPLACE are not offered
+        if flags & ~_RENAME_NOREPLACE:
+            raise pyfuse3.FUSEError(errno.EINVAL)  # RENAME_EXCHANGE / RENAME_WHITEOUT are not offered
+        noreplace = bool(flags & _RENAME_NOREPLACE)
         old_parent, new_parent = self._node(parent_inode_old), self._node(parent_inode_new)
         old, new = os.fsdecode(name_old), os.fsdecode(name_new)
+        if noreplace and await self.view.lookup(new_parent, new) is not None:
+            # (the kernel refuses a name it knows taken itself; this one it
+            # did not know, or not yet.  Checked again where the name is taken)
+            raise pyfuse3.FUSEError(errno.EEXIST)
         old_path, new_path = f"{old_parent.path}/{old}".lstrip("/"), f"{new_parent.path}/{new}".lstrip("/")
         known = self.inodes.get(self.by_path.get(old_path, -1))
         if known is not None and known.node.is_dir and old_path != new_path:
             await self._rename_dir(old_parent, old, new_parent, new,
-                                   ((parent_inode_old, name_old), (parent_inode_new, name_new)))
+                                   ((parent_inode_old, name_old), (parent_inode_new, name_new)), noreplace)
             return
         # The file the new name held is no longer that name's from now on:
         # descriptors open on it keep reading what it held, at its size (see
@@ -988,7 +997,7 @@ class Operations(pyfuse3.Operations):
         replaced = self.by_path.get(new_path)
         self._forget_path(new_path)
         try:
-            await self.view.rename(old_parent, old, new_parent, new)
+            await self.view.rename(old_parent, old, new_parent, new, noreplace=noreplace)
         except BaseException as exc:
             # nothing was replaced: the name is its file's again
             if replaced is not None and replaced in self.inodes and new_path not in self.by_path:
@@ -1007,7 +1016,7 @@ class Operations(pyfuse3.Operations):
                 await self._invalidate(replaced)
 
     async def _rename_dir(self, old_parent: Node, old: str, new_parent: Node, new: str,
-                          entries: tuple[tuple[int, bytes], tuple[int, bytes]]) -> None:
+                          entries: tuple[tuple[int, bytes], tuple[int, bytes]], noreplace: bool = False) -> None:
         """A directory's rename: one rename in storage where the view can
         (a local store; see View.prepare_dir_rename), else EXDEV and ``mv``
         copies.  Open handles below either place (this table's) make it
@@ -1017,7 +1026,7 @@ class Operations(pyfuse3.Operations):
         entries itself (the dentry and those below it); the nodes of the
         inodes below are looked up again by their new paths at their next
         use (marked stale, and View._fresh for directories)."""
-        move = await self.view.prepare_dir_rename(old_parent, old, new_parent, new)
+        move = await self.view.prepare_dir_rename(old_parent, old, new_parent, new, noreplace=noreplace)
         self._no_handles_below(move.old_path)
         self._no_handles_below(move.new_path)
         self.view.commit_dir_rename(move)

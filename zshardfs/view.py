@@ -259,6 +259,7 @@ class DirMove:
     old_key: str
     new_key: str
     noreplace: bool  # the new name was free: it must still be (RENAME_NOREPLACE)
+    asked: bool = False  # the caller asked RENAME_NOREPLACE: a name taken meanwhile is EEXIST
 
 
 def _ancestors(key: str) -> list[str]:
@@ -1310,8 +1311,11 @@ class View:
         log_once(log, logging.INFO, message, tag=f"no key part: {path}")
         return ViewError(errno.ENOENT, f"{path}: not a name in the chunk grid")
 
-    async def create(self, parent: Node, name: str) -> Handle:
-        """A new empty file ``name`` in ``parent``, opened for writing."""
+    async def create(self, parent: Node, name: str, exclusive: bool = False) -> Handle:
+        """A new empty file ``name`` in ``parent``, opened for writing.
+        ``exclusive``: EEXIST if the name is taken, checked after the last
+        wait but the lookup, and again (this mount's files in memory) after it,
+        with no wait between that and the new file taking the name."""
         self._check_writable()
         self._check_name(name)
         parent = await self._fresh(parent)
@@ -1326,6 +1330,8 @@ class View:
         if dataset is not None:
             target = dataset.target(rel)
             if target is not None:
+                if exclusive and await self.lookup(parent, name) is not None:
+                    raise ViewError(errno.EEXIST, f"{path}: exists")
                 node = Node(path, False, 0, time.time(), dataset=dataset, rel=rel, target=target)
                 return await self.open(node, write=True, truncate=True)
             if dataset.outside(rel):
@@ -1337,6 +1343,9 @@ class View:
             key = join_key(parent.key, name)
         self._drop_abandoned_scratch()
         await self._room_for_files(path)
+        if exclusive and (path in self.buffers or await self.lookup(parent, name) is not None
+                          or path in self.buffers):
+            raise ViewError(errno.EEXIST, f"{path}: exists")
         buf = self.buffers[path] = FileBuffer(path, key, bytearray(), dirty=True, in_store=False)
         self._made_in(_parent(path))
         buf.handles += 1
@@ -2055,28 +2064,34 @@ class View:
                 return False
         return True
 
-    async def rename(self, parent: Node, name: str, new_parent: Node, new_name: str) -> None:
+    async def rename(self, parent: Node, name: str, new_parent: Node, new_name: str,
+                     noreplace: bool = False) -> None:
         """Rename a file (directories: EXDEV, so tools copy instead).  Writes
         through the file's open handles wait while it moves (its bytes are
         copied to the new name first): else one landing between the copy and
-        the move of the handles would go to the old name's buffer, and be lost."""
+        the move of the handles would go to the old name's buffer, and be lost.
+        ``noreplace`` (RENAME_NOREPLACE): EEXIST if the new name is taken,
+        checked last where the new file takes it (see :meth:`create`)."""
         path = join_key(parent.path, name)
         if path == join_key(new_parent.path, new_name):
             await self._file_to_change(parent, name, errno.EXDEV)  # (it must exist)
+            if noreplace:
+                raise ViewError(errno.EEXIST, f"{path}: exists")
             return
         self._check_name(new_name)
         while (earlier := self._renaming.get(path)) is not None:
             await waited_within_deadline(earlier, path, "a rename of it")
         done = self._renaming[path] = trio.Event()
         try:
-            await self._rename(parent, name, new_parent, new_name)
+            await self._rename(parent, name, new_parent, new_name, noreplace)
         finally:
             del self._renaming[path]
             done.set()
 
     # -- renaming a directory (local stores) ---------------------------------
 
-    async def prepare_dir_rename(self, parent: Node, name: str, new_parent: Node, new_name: str) -> "DirMove":
+    async def prepare_dir_rename(self, parent: Node, name: str, new_parent: Node, new_name: str,
+                                 noreplace: bool = False) -> "DirMove":
         """The checks of a directory's rename, and the flush of what is
         waiting to be stored below it and below the name it takes.  A
         directory is renamed in storage (one rename(2): its array keeps its
@@ -2122,11 +2137,13 @@ class View:
             if outside or key in await self._dirs_named_near(_parent(key)):
                 raise ViewError(errno.EXDEV, f"{key}: named by a document outside it (a precomputed scale)")
         existing = await self.lookup(new_parent, new_name)
+        if noreplace and existing is not None:
+            raise ViewError(errno.EEXIST, f"{new_path}: exists")
         if existing is not None and not existing.is_dir:
             raise ViewError(errno.ENOTDIR, f"{new_path}: not a directory")
         if existing is not None and (existing.key is None or existing.link is not None):
             raise ViewError(errno.EXDEV, f"{new_path}: not a stored directory")
-        move = DirMove(old_path, new_path, node.key, new_key, existing is None)
+        move = DirMove(old_path, new_path, node.key, new_key, existing is None, noreplace)
         self._quiet_below(move, flushed=False)
         await self.writeback.flush_below(node.key)
         await self.writeback.flush_below(new_key)
@@ -2157,6 +2174,10 @@ class View:
         every memory of both places is dropped: storage answers for them."""
         self._check_writable()
         self._quiet_below(move)
+        if move.noreplace and move.new_path in self.buffers:
+            # a file made at the free name meanwhile, in memory only (storage's
+            # RENAME_NOREPLACE cannot see it)
+            raise ViewError(errno.EEXIST if move.asked else errno.ENOTDIR, f"{move.new_path}: a file now")
         try:
             self.store.move_dir_now(move.old_key, move.new_key, noreplace=move.noreplace)
         except StoreError as exc:
@@ -2241,15 +2262,18 @@ class View:
         while (renaming := self._renaming.get(handle.node.path)) is not None:
             await waited_within_deadline(renaming, handle.node.path, "a rename of it")
 
-    async def _rename(self, parent: Node, name: str, new_parent: Node, new_name: str) -> None:
+    async def _rename(self, parent: Node, name: str, new_parent: Node, new_name: str,
+                      noreplace: bool = False) -> None:
         node = await self._file_to_change(parent, name, errno.EXDEV)
         if node.link is not None:
-            await self._rename_link(node, new_parent, new_name)
+            await self._rename_link(node, new_parent, new_name, noreplace)
             return
         buf = self.buffers.get(node.path)
         data = bytes(buf.data) if buf is not None else (
             await self.content(node) if node.is_chunk else await self._stored_bytes(node, recent_ok=True))
         existing = await self.lookup(new_parent, new_name)
+        if noreplace and existing is not None:
+            raise ViewError(errno.EEXIST, f"{join_key(new_parent.path, new_name)}: exists")
         if existing is not None and existing.is_dir:
             raise ViewError(errno.EISDIR, f"{new_name}: is a directory")
         # room first: a rename refused for it must leave the target as it was
@@ -2264,7 +2288,7 @@ class View:
                 await self._keep_for_readers(existing)
             replaced = self.buffers.get(existing.path) if existing is not None else None
             was_dirty = False
-            handle = await self.create(new_parent, new_name)
+            handle = await self.create(new_parent, new_name, exclusive=noreplace)
         except BaseException:
             self._reattach_writers(detached)
             raise
@@ -2323,12 +2347,14 @@ class View:
             await self._unlink(parent, name, moving=True)
         await self._move_writers(node.path, new_parent, new_name)
 
-    async def _rename_link(self, node: Node, new_parent: Node, new_name: str) -> None:
+    async def _rename_link(self, node: Node, new_parent: Node, new_name: str, noreplace: bool = False) -> None:
         """rename(2) of a symbolic link: the link itself moves (renameat),
         replacing a file at the new name; never what it names."""
         new_parent = await self._fresh(new_parent)
         new_key = await self._link_key(new_parent, new_name, node.link)
         existing = await self.lookup(new_parent, new_name)
+        if noreplace and (existing is not None or join_key(new_parent.path, new_name) in self.buffers):
+            raise ViewError(errno.EEXIST, f"{join_key(new_parent.path, new_name)}: exists")
         if existing is not None and existing.is_dir:
             raise ViewError(errno.EISDIR, f"{new_name}: is a directory")
         detached, buf, was_dirty = [], None, False
