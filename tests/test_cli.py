@@ -1863,3 +1863,49 @@ def test_sizes_that_are_not_sizes_are_refused(text):
     from zshardfs.config import OptionError, parse_size
     with pytest.raises(OptionError, match="is not a size"):
         parse_size(text, "chunk_cache")
+
+
+def test_a_log_file_path_that_is_a_symbolic_link_is_never_followed(store, mnt, tmp_path):
+    """``-o log_file`` is opened with O_NOFOLLOW: a symbolic link at its path
+    (placed there to make the daemon append to, or create, a file it names)
+    is refused at mount, one clear line and a non-zero exit, the file it
+    names untouched (not made).  A link put there after a rotation, at
+    SIGHUP and at the next line: the daemon keeps logging to the file it has
+    and says so once; its descriptors stay there too."""
+    victim = tmp_path / "victim"
+    link = tmp_path / "z.log"
+    link.symlink_to(victim)
+    assert_one_line_error(zs("mount", store.root, mnt, "-o", f"ro,log_file={link}"),
+                          "log file", "symbolic link")
+    assert not victim.exists() and not mounts_at(mnt)
+    link.unlink()
+
+    log = tmp_path / "z.log"
+    run_mount(store.root, mnt, "ro", "debug", log=log)
+    pid = daemon_pid(mnt)
+    name, data = first_chunk(store)
+    os.rename(log, tmp_path / "z.log.1")
+    log.symlink_to(victim)
+    os.kill(pid, signal.SIGHUP)
+    old = tmp_path / "z.log.1"
+    assert wait_for(lambda: "symbolic link" in old.read_text(), timeout=10), old.read_text()[-2000:]
+    for _ in range(3):
+        assert (mnt / name).read_bytes() == data  # (-o debug: lines, each one a reopen's chance)
+    time.sleep(0.3)
+    assert old.read_text().count("symbolic link") == 1, old.read_text()[-3000:]
+    # each reopen asked for says it again: a signal, and reopen-log, which fails
+    os.kill(pid, signal.SIGUSR1)
+    assert wait_for(lambda: old.read_text().count("symbolic link") == 2, timeout=10), old.read_text()[-3000:]
+    assert_one_line_error(zs("reopen-log", mnt), "could not open its log file anew")
+    assert (mnt / name).read_bytes() == data
+    text = old.read_text()
+    assert text.count("symbolic link") == 3, text[-3000:]
+    assert "Traceback" not in text and "Logging error" not in text and "log file reopened" not in text
+    assert not victim.exists() and log.is_symlink()
+    assert _fd_target(pid, 2) == str(old) and process_running(pid)
+    # the link replaced by a file again: the next reopen takes it
+    log.unlink()
+    os.kill(pid, signal.SIGHUP)
+    assert wait_for(lambda: log.exists() and "signal SIGHUP: log file reopened" in log.read_text(), timeout=10)
+    assert zs("umount", mnt).returncode == 0
+    assert not victim.exists()

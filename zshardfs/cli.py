@@ -132,8 +132,16 @@ LOG_FILE_MODE = 0o640
 
 
 def open_log_file(path: str) -> int:
-    """A descriptor of ``path`` for appending, made with LOG_FILE_MODE if new."""
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, LOG_FILE_MODE)
+    """A descriptor of ``path`` for appending, made with LOG_FILE_MODE if new.
+    Never through a symbolic link at ``path`` (O_NOFOLLOW: ELOOP): one put
+    there would make the daemon append to, or create, the file it names."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, LOG_FILE_MODE)
+
+
+def _log_open_error(path: str, exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return f"the log file {path!r} is a symbolic link; it is not followed (give the path of a file)"
+    return f"cannot write the log file {path!r}: {exc.strerror}"
 
 
 class _LogFile(logging.handlers.WatchedFileHandler):
@@ -145,6 +153,48 @@ class _LogFile(logging.handlers.WatchedFileHandler):
     messages follow the log instead of filling a rotated (or deleted) file."""
 
     std_too = False
+    #: (st_dev, st_ino) of what was at the path when it could not be opened
+    #: (said once; tried again only once something else is there)
+    _refused: tuple | None = None
+
+    def reopenIfNeeded(self):
+        """WatchedFileHandler's, but a file that cannot be opened anew (a
+        symbolic link now at the path) leaves the one open in use: logging
+        goes on there, and one line there says so."""
+        try:
+            st = os.stat(self.baseFilename, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and (st.st_dev, st.st_ino) in ((self.dev, self.ino), self._refused):
+            return
+        if self.stream is None:
+            return  # (emit opens it)
+        self._reopen_keeping_old(st)
+
+    def _reopen_keeping_old(self, st) -> bool:
+        try:
+            stream = self._open()
+        except OSError as exc:
+            if st is None or self._refused != (st.st_dev, st.st_ino):
+                self._refused = (st.st_dev, st.st_ino) if st is not None else None
+                self._say(f"{_log_open_error(self.baseFilename, exc)}; logging goes on to the file open before")
+            return False
+        self._refused = None
+        old, self.stream = self.stream, stream
+        if old is not None:
+            try:
+                old.flush()
+            finally:
+                old.close()
+        self._statstream()
+        return True
+
+    def _say(self, message: str) -> None:
+        record = logging.makeLogRecord({"name": __name__, "levelno": logging.ERROR, "levelname": "ERROR",
+                                        "msg": message})
+        if self.stream is not None:
+            self.stream.write(self.format(record) + self.terminator)
+            self.stream.flush()
 
     def _open(self):
         stream = open(open_log_file(self.baseFilename), self.mode, encoding=self.encoding, errors=self.errors)
@@ -163,21 +213,18 @@ class _LogFile(logging.handlers.WatchedFileHandler):
         self.std_too = True
         self.reopen()
 
-    def reopen(self) -> None:
-        """Close the file and open its path again (rotated or not)."""
+    def reopen(self) -> bool:
+        """Open the path again (rotated or not) and close the file open
+        before; False if it could not be opened (then that one stays in
+        use, and a line there says why)."""
         self.acquire()
         try:
-            if self.stream is not None:
-                try:
-                    self.stream.flush()
-                finally:
-                    self.stream.close()
-            self.stream = None
             try:
-                self.stream = self._open()
+                st = os.stat(self.baseFilename, follow_symlinks=False)
             except OSError:
-                return  # (the next line tries again, and reports it if it must)
-            self._statstream()
+                st = None
+            self._refused = None  # (asked for: said again if refused again)
+            return self._reopen_keeping_old(st)
         finally:
             self.release()
 
@@ -306,7 +353,7 @@ def check_log_file(cfg: MountConfig) -> None:
         with open(open_log_file(cfg.log_file), "a"):
             pass
     except OSError as exc:
-        raise ConfigError(f"cannot write the log file {cfg.log_file!r}: {exc.strerror}") from None
+        raise ConfigError(_log_open_error(cfg.log_file, exc)) from None
 
 
 def cmd_mount(args) -> int:
@@ -556,7 +603,10 @@ def cmd_reopen_log(args) -> int:
     except (ConfigError, ValueError) as exc:
         return _fail(str(exc))
     try:
-        os.getxattr(mnt, "user.zshardfs.reopen_log")
+        answer = os.getxattr(mnt, "user.zshardfs.reopen_log")
+        if answer.startswith(b"kept"):
+            return _fail(f"{mnt}: the daemon could not open its log file anew (a line in the file it logs to "
+                         "says why); it goes on logging there")
     except OSError as exc:
         if exc.errno == errno.EACCES:  # (the daemon's answer to another user)
             return _fail(f"{mnt}: only the mount's owner or root can reopen its log")

@@ -386,7 +386,8 @@ class Mount:
             self._may_sync(uid, "a reopen of the log file")
             if self.reopen_log is None:
                 return b"no log file"  # (stderr, syslog or the journal: nothing to reopen)
-            self.reopen_log()
+            if self.reopen_log() is False:  # (the old file, still in use, says why)
+                return b"kept the old log file"
             log.info("log file reopened (zshardfs reopen-log)")
             return b"reopened"
         if name == XATTR_UNMOUNT_REFUSED:
@@ -487,8 +488,8 @@ class Mount:
             log.info("signal %s: no log file to reopen (this mount has no -o log_file); nothing done",
                      signal.Signals(signum).name)
             return
-        self.reopen_log()
-        log.info("signal %s: log file reopened", signal.Signals(signum).name)
+        if self.reopen_log() is not False:  # (else the old file says why it stays)
+            log.info("signal %s: log file reopened", signal.Signals(signum).name)
 
     async def _signals(self, nursery, signals) -> None:
         """SIGTERM/SIGINT: store everything, then unmount; the same signal
