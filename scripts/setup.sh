@@ -31,12 +31,21 @@ find_python() {
     done
     return 1
 }
-PY=$(find_python) || { echo "setup: Python 3.12 is needed (zarr-python 3.4, the test oracle, requires it)" >&2; exit 1; }
+# looked for only when an environment is to be built: a user who cannot see
+# pyenv's Python can still run scripts/try.sh on a checkout set up by another
+PY=""
+need_python() {
+    [ -n "$PY" ] && return 0
+    PY=$(find_python) || { echo "setup: Python 3.12 is needed (zarr-python 3.4, the test oracle, requires it)" >&2; exit 1; }
+}
 
 stamp_ok() { [ -f "$1/.stamp" ] && [ "$(cat "$1/.stamp")" = "$2" ]; }
+# built for these dependencies, and its python runs and imports what it is for
+venv_ok() { stamp_ok "$1" "$deps_hash" && "$1/bin/python" -c "$2" >/dev/null 2>&1; }
 deps_hash=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 
-if ! stamp_ok .venv "$deps_hash"; then
+if ! venv_ok .venv 'import zshardfs'; then
+    need_python
     echo "setup: creating .venv with $PY"
     "$PY" -m venv .venv
     .venv/bin/pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
@@ -44,7 +53,8 @@ if ! stamp_ok .venv "$deps_hash"; then
     .venv/bin/python -c 'import zshardfs, pyfuse3, zarr, tensorstore, moto' 
     echo "$deps_hash" > .venv/.stamp
 fi
-if ! stamp_ok .venv-zarr2 "$deps_hash"; then
+if ! venv_ok .venv-zarr2 'import zarr'; then
+    need_python
     echo "setup: creating .venv-zarr2 (zarr-python 2.18)"
     "$PY" -m venv .venv-zarr2
     .venv-zarr2/bin/pip install -q 'zarr==2.18.7' 'numcodecs<0.16' numpy crc32c pytest 2>&1 | grep -v '^WARNING: Location' || true
