@@ -507,6 +507,63 @@ def test_a_write_given_up_below_a_directory_keeps_it_from_being_renamed(tmp_path
     assert sorted(os.listdir(root)) == ["h"] and os.listdir(root / "h") == ["late"]
 
 
+def _ops_on(st: Store):
+    """The FUSE operations of a writable view of ``st`` (no kernel: driven
+    by calls), as the daemon builds them."""
+    from zshardfs.backends.local import LocalBackend
+    from zshardfs.config import MountConfig
+    from zshardfs.daemon import build_view
+    from zshardfs.fuse_ops import Operations
+
+    root = str(st.root)
+    view = build_view(MountConfig(source=root, mountpoint=root + "-mnt", read_only=False), LocalBackend(root))
+    return view, Operations(view, read_only=False)
+
+
+def test_a_lookup_answered_across_a_rename_names_the_new_place(tmp_path, monkeypatch):
+    """A LOOKUP under a directory that is renamed while the view looks
+    (its parent's node taken before the wait) registered the inode at the
+    OLD path, with the old key: the kernel puts it under the moved parent,
+    and an open of it then wrote the chunk under the old key, whose flush
+    made the old directory again (the writers test's EEXIST/ENOTEMPTY on the
+    rename back, about one run in three).  Now a lookup that a directory's
+    rename overtook asks again from its parent as it is now."""
+    import pyfuse3
+    import trio
+
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "g/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    view, ops = _ops_on(st)
+    looked, go, slow = trio.Event(), trio.Event(), [True]
+    real_lookup = view.lookup
+
+    async def slow_lookup(parent, name, *args, **kwargs):
+        out = await real_lookup(parent, name, *args, **kwargs)
+        if name == "arr" and slow[0]:
+            slow[0] = False
+            looked.set()
+            await go.wait()
+        return out
+    monkeypatch.setattr(view, "lookup", slow_lookup)
+
+    async def main():
+        g = (await ops.lookup(pyfuse3.ROOT_INODE, b"g")).st_ino
+        found = []
+        async with trio.open_nursery() as nursery:
+            async def look():
+                found.append((await ops.lookup(g, b"arr")).st_ino)
+            nursery.start_soon(look)
+            await looked.wait()
+            await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
+            go.set()
+        node = ops.inodes[found[0]].node
+        assert (node.path, node.key) == ("h/arr", "h/arr")  # (before: g/arr, g/arr)
+        assert ops.by_path.get("g/arr") is None
+
+    trio.run(main)
+    assert sorted(os.listdir(st.root)) == ["h"]
+
+
 def test_random_directory_renames_agree_with_a_directory_store():
     """scripts/fuzz_dir_renames.py: random renames of groups, arrays, chunk
     directories and plain ones (onto free names, empty and full directories,

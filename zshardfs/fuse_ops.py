@@ -224,6 +224,7 @@ class Operations(pyfuse3.Operations):
         self._forgotten: OrderedDict[str, int] = OrderedDict()
         self._handles: dict[int, _DirHandle | tuple[int, Handle]] = {}
         self._next_fh = 1
+        self._dir_moves = 0  # directories renamed in storage (see lookup)
         w = 0 if read_only else 0o200
         self._dir_mode = stat.S_IFDIR | 0o555 | w
         self._file_mode = stat.S_IFREG | 0o444 | w
@@ -342,9 +343,19 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def lookup(self, parent_inode, name, ctx=None):
-        parent = self._node(parent_inode)
         started = time.monotonic()
-        node = await self.view.lookup(parent, os.fsdecode(name))
+        for _ in range(64):
+            parent, moves = self._node(parent_inode), self._dir_moves
+            node = await self.view.lookup(parent, os.fsdecode(name))
+            if self._dir_moves == moves:
+                break
+            # a directory was renamed while the view looked: what it found
+            # may be at the old path, whose key is gone (an open of it would
+            # store under the old key and make the old directory again), or
+            # the parent (moved: the kernel's parent inode) now has another
+            # path; asked again from the parent's node as it is now
+        else:
+            raise pyfuse3.FUSEError(errno.ESTALE)
         if node is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         ino = self._inode_for(node, since=started)
@@ -1030,6 +1041,7 @@ class Operations(pyfuse3.Operations):
         self._no_handles_below(move.old_path)
         self._no_handles_below(move.new_path)
         self.view.commit_dir_rename(move)
+        self._dir_moves += 1
         self._move_inodes(move)
         try:
             await self.view.dir_renamed(move)
