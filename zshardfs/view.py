@@ -357,6 +357,10 @@ class View:
         # files being renamed, by path: writes through their open handles
         # wait until the handles have moved to the new name (see rename)
         self._renaming: dict[str, trio.Event] = {}
+        # path -> opens for writing under way there (they await before the
+        # handle exists, and then store under the key they resolved): a
+        # directory above one is not renamed meanwhile (see _quiet_below)
+        self._opening: dict[str, int] = {}
         self._linking = trio.Lock()  # (see link)
         self._held_tried_at = float("-inf")  # (see _room_for_files)
         self.readers: dict[str, set[Handle]] = {}  # path -> read-only handles of chunk files
@@ -398,7 +402,8 @@ class View:
                 "emptied": len(self.emptied), "writers": len(self.writers), "readers": len(self.readers),
                 "born_here": len(self.born_here), "written_dirs": len(self.written_dirs),
                 "removed_dirs": len(self.removed_dirs), "own_versions": len(self.own_versions),
-                "renaming": len(self._renaming), "chunk_changes": len(self._chunk_changes),
+                "renaming": len(self._renaming), "opening": len(self._opening),
+                "chunk_changes": len(self._chunk_changes),
                 "fresh_nodes": len(self._fresh_nodes), "listed_nodes": self._listed_count,
                 "orphans": len(self.orphans),
                 "removed_documents": len(self.removed_documents), "probed": len(self.ctx.probed),
@@ -1188,6 +1193,21 @@ class View:
         if node.link is not None:  # (the kernel resolves links itself: never asked)
             raise ViewError(errno.ELOOP, f"{node.path}: a symbolic link")
         self._check_writable()
+        path = node.path
+        self._opening[path] = self._opening.get(path, 0) + 1
+        try:
+            return await self._open_writer(node, truncate)
+        finally:
+            if self._opening[path] <= 1:
+                del self._opening[path]
+            else:
+                self._opening[path] -= 1
+
+    async def _open_writer(self, node: Node, truncate: bool) -> Handle:
+        """open for writing: while it awaits (the node's freshness, the
+        chunk's content, room for a buffer) it is counted in ``_opening``, so
+        a directory above is not renamed under it: it would then open, and
+        store, under the old key (making the old directory again)."""
         node = await self._fresh(node)
         if node.is_chunk:
             t = node.target
@@ -2161,6 +2181,7 @@ class View:
                     or any(p.startswith(below) and hs for p, hs in self.writers.items())
                     or any(p.startswith(below) and hs for p, hs in self.readers.items())
                     or any(p.startswith(below) for p in self._renaming)
+                    or any(p.startswith(below) for p in self._opening)
                     or any(k == key or k.startswith(key_below) for k in self.orphans)
                     or (flushed and any(k.startswith(key_below) for k in self.writeback.dirty))
                     or self.store.landing_below(key))  # (a late write would make the old place again)
