@@ -616,6 +616,52 @@ def test_an_open_for_writing_under_way_keeps_the_directory_above_from_being_rena
     assert (stored[0:4, 4:8] == 7).all() and stored.shards == (8, 8)
 
 
+def test_a_create_under_way_keeps_the_directory_above_from_being_renamed(tmp_path, monkeypatch):
+    """A CREATE awaits (its parent's freshness, room for files) before its
+    file exists: a rename of a directory above in that wait went ahead, and
+    the create then made its file at the old path and key, stored at its
+    close: the old directory made again, holding it.  Counted as an open
+    under way: the rename is EXDEV; once the file is closed, it goes ahead
+    and carries the file."""
+    import pyfuse3
+    import trio
+
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "g/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    view, ops = _ops_on(st)
+    waiting, go, slow = trio.Event(), trio.Event(), [True]
+    real_room = view._room_for_files
+
+    async def slow_room(*args, **kwargs):
+        if slow[0]:
+            slow[0] = False
+            waiting.set()
+            await go.wait()
+        return await real_room(*args, **kwargs)
+    monkeypatch.setattr(view, "_room_for_files", slow_room)
+
+    async def main():
+        g = (await ops.lookup(pyfuse3.ROOT_INODE, b"g")).st_ino
+        fhs = []
+        async with trio.open_nursery() as nursery:
+            async def creator():
+                fhs.append((await ops.create(g, b"notes.txt", 0o644, os.O_WRONLY, None))[0].fh)
+            nursery.start_soon(creator)
+            await waiting.wait()
+            with pytest.raises(pyfuse3.FUSEError) as info:
+                await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
+            assert info.value.errno == errno.EXDEV  # (before: renamed, the file made at g/notes.txt)
+            go.set()
+        assert await ops.write(fhs[0], 0, b"hello") == 5
+        await ops.flush(fhs[0])
+        await ops.release(fhs[0])
+        await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
+
+    trio.run(main)
+    assert sorted(os.listdir(st.root)) == ["h"]
+    assert (st.root / "h/notes.txt").read_bytes() == b"hello"
+
+
 def test_random_directory_renames_agree_with_a_directory_store():
     """scripts/fuzz_dir_renames.py: random renames of groups, arrays, chunk
     directories and plain ones (onto free names, empty and full directories,

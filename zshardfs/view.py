@@ -357,9 +357,10 @@ class View:
         # files being renamed, by path: writes through their open handles
         # wait until the handles have moved to the new name (see rename)
         self._renaming: dict[str, trio.Event] = {}
-        # path -> opens for writing under way there (they await before the
-        # handle exists, and then store under the key they resolved): a
-        # directory above one is not renamed meanwhile (see _quiet_below)
+        # path -> opens for writing and creates under way there (they await
+        # before the handle exists, and then store under the key they
+        # resolved): a directory above one is not renamed meanwhile (see
+        # _quiet_below)
         self._opening: dict[str, int] = {}
         self._linking = trio.Lock()  # (see link)
         self._held_tried_at = float("-inf")  # (see _room_for_files)
@@ -1338,6 +1339,17 @@ class View:
         with no wait between that and the new file taking the name."""
         self._check_writable()
         self._check_name(name)
+        path = join_key(parent.path, name)
+        self._opening[path] = self._opening.get(path, 0) + 1  # (as open: see _open_writer)
+        try:
+            return await self._create(parent, name, exclusive)
+        finally:
+            if self._opening[path] <= 1:
+                del self._opening[path]
+            else:
+                self._opening[path] -= 1
+
+    async def _create(self, parent: Node, name: str, exclusive: bool) -> Handle:
         parent = await self._fresh(parent)
         path = join_key(parent.path, name)
         dataset, rel = (parent.dataset, parent.rel + (name,)) if self._in_dataset(parent) else (None, ())
