@@ -336,13 +336,13 @@ def test_a_rename_whose_wait_for_a_store_of_its_target_ends_at_the_deadline_keep
         synced, begin = {}, trio.Event()
         create = view.create
 
-        async def create_as_a_sync_begins(parent, name):
+        async def create_as_a_sync_begins(parent, name, **kwargs):
             if name == "f.txt" and not begin.is_set():
                 # a sync (a request of its own) begins storing f.txt now, its PUT held
                 backend.hold("put", "f.txt")
                 begin.set()
                 await backend.in_flight_now()
-            return await create(parent, name)
+            return await create(parent, name, **kwargs)
 
         async def sync():
             await begin.wait()
