@@ -1288,27 +1288,41 @@ class LocalBackend:
         bump(self.counters, "put")
         return self._link_info(key, st, target)
 
-    def move_link(self, key: str, new_key: str) -> None:
+    def _move_ends(self, key: str, new_key: str) -> tuple[str, str, str, str]:
+        """(source directory, source name, target directory, target name)
+        of a move of ``key`` to ``new_key``, both checked as store paths."""
         (src_dir, _, src), (dst_dir, _, dst) = key.rpartition("/"), new_key.rpartition("/")
         self._path(key)
         self._path(new_key)
         self._check_root(key)
+        return src_dir, src, dst_dir, dst
+
+    @contextmanager
+    def _two_dirs(self, src_dir: str, dst_dir: str):
+        """Descriptors of a move's two directories (OSError as _open_dir
+        raises it), both closed when the block ends."""
         sfd = dfd = -1
         try:
             sfd = self._open_dir(src_dir)
             dfd = self._open_dir(dst_dir)
-            if not stat.S_ISLNK(os.stat(src, dir_fd=sfd, follow_symlinks=False).st_mode):
-                raise FileNotFoundError(errno.ENOENT, "no longer a symbolic link", key)
-            os.rename(src, dst, src_dir_fd=sfd, dst_dir_fd=dfd)  # (renameat: the link itself moves)
-            os.fsync(dfd)
-            if src_dir != dst_dir:
-                os.fsync(sfd)
-        except OSError as exc:
-            raise self._fail(key, exc) from None
+            yield sfd, dfd
         finally:
             for fd in (sfd, dfd):
                 if fd >= 0:
                     os.close(fd)
+
+    def move_link(self, key: str, new_key: str) -> None:
+        src_dir, src, dst_dir, dst = self._move_ends(key, new_key)
+        try:
+            with self._two_dirs(src_dir, dst_dir) as (sfd, dfd):
+                if not stat.S_ISLNK(os.stat(src, dir_fd=sfd, follow_symlinks=False).st_mode):
+                    raise FileNotFoundError(errno.ENOENT, "no longer a symbolic link", key)
+                os.rename(src, dst, src_dir_fd=sfd, dst_dir_fd=dfd)  # (renameat: the link itself moves)
+                os.fsync(dfd)
+                if src_dir != dst_dir:
+                    os.fsync(sfd)
+        except OSError as exc:
+            raise self._fail(key, exc) from None
         bump(self.counters, "put")
         self._forget_fds(new_key)  # (a file it replaced)
 
@@ -1321,20 +1335,15 @@ class LocalBackend:
         it is not empty).  Run on the event loop by the caller (so nothing
         it holds of the old paths can change meanwhile): no fsync here, see
         :meth:`sync_dirs`."""
-        (src_dir, _, src), (dst_dir, _, dst) = key.rpartition("/"), new_key.rpartition("/")
-        self._path(key)
-        self._path(new_key)
-        self._check_root(key)
+        src_dir, src, dst_dir, dst = self._move_ends(key, new_key)
         if not src or not dst:
             raise self._fail(key, OSError(errno.EINVAL, "not a directory of the store"))
-        sfd = dfd = -1
         try:
-            sfd = self._open_dir(src_dir)
-            dfd = self._open_dir(dst_dir)
-            if not stat.S_ISDIR(os.stat(src, dir_fd=sfd, follow_symlinks=False).st_mode):
-                # (a link to a directory, followed by -o follow_symlinks: not renamed, copied)
-                raise OSError(errno.EXDEV, "not a directory of the store (a symbolic link to one)", key)
-            _renameat2(sfd, src, dfd, dst, _RENAME_NOREPLACE if noreplace else 0)
+            with self._two_dirs(src_dir, dst_dir) as (sfd, dfd):
+                if not stat.S_ISDIR(os.stat(src, dir_fd=sfd, follow_symlinks=False).st_mode):
+                    # (a link to a directory, followed by -o follow_symlinks: not renamed, copied)
+                    raise OSError(errno.EXDEV, "not a directory of the store (a symbolic link to one)", key)
+                _renameat2(sfd, src, dfd, dst, _RENAME_NOREPLACE if noreplace else 0)
         except OSError as exc:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EINVAL, errno.ENOTDIR, errno.EISDIR) or (
                     exc.errno == errno.EXDEV and exc.filename == key):
@@ -1342,10 +1351,6 @@ class LocalBackend:
                 err.errno = exc.errno
                 raise err from None
             raise self._fail(key, exc) from None
-        finally:
-            for fd in (sfd, dfd):
-                if fd >= 0:
-                    os.close(fd)
         bump(self.counters, "put")
         below = key + "/"
         with self._fd_lock:  # (kept descriptors answer for a path without a look: not for the old ones)
