@@ -292,18 +292,28 @@ def test_a_sigterm_as_soon_as_the_mount_is_ready_is_a_clean_stop(store, mnt, tmp
         assert "signal SIGTERM" in text and "unmounted" in text and "Traceback" not in text, text
 
 
-def test_foreground_unmounted_from_outside(store, mnt):
-    """``zshardfs umount`` (fusermount3 -u) ends a foreground daemon with 0."""
+def _foreground_ro_until_umount(store, mnt, while_mounted=lambda proc: None) -> str:
+    """A foreground read-only daemon of ``store`` at ``mnt``: once it is
+    mounted, ``while_mounted(proc)``, then ``zshardfs umount``; asserts that
+    the daemon ended cleanly (0, no traceback, nothing mounted) and returns
+    its stderr."""
     proc = subprocess.Popen([*ZSHARDFS, "mount", "-f", str(store.root), str(mnt), "-o", "ro"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert wait_for(lambda: bool(mounts_at(mnt)) or proc.poll() is not None, timeout=20)
+        while_mounted(proc)
         result = zs("umount", mnt)
         assert result.returncode == 0, result.stderr
         out, err = proc.communicate(timeout=30)
     finally:
         _stop(proc)
     _assert_ended_cleanly(proc, err, mnt)
+    return err
+
+
+def test_foreground_unmounted_from_outside(store, mnt):
+    """``zshardfs umount`` (fusermount3 -u) ends a foreground daemon with 0."""
+    _foreground_ro_until_umount(store, mnt)
 
 
 @pytest.mark.parametrize("fusermount_fails", [False, True])
@@ -1576,21 +1586,13 @@ def test_hup_without_a_log_file_says_there_is_none_to_reopen(store, mnt):
     SIGUSR1 says, in one INFO line, that there is no log file to reopen,
     and serves on (before: nothing at all happened and nothing was said,
     so whoever sent it could not tell it had been received)."""
-    proc = subprocess.Popen([*ZSHARDFS, "mount", "-f", str(store.root), str(mnt), "-o", "ro"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert wait_for(lambda: bool(mounts_at(mnt)) or proc.poll() is not None, timeout=20)
+    def signal_it(proc):
         time.sleep(1)  # (its signal handlers are set up after the mount)
         for signum in (signal.SIGHUP, signal.SIGUSR1):
             os.kill(proc.pid, signum)
         time.sleep(1)
         assert proc.poll() is None and int(os.getxattr(mnt, "user.zshardfs.pid")) == proc.pid  # serving still
-        result = zs("umount", mnt)
-        assert result.returncode == 0, result.stderr
-        out, err = proc.communicate(timeout=30)
-    finally:
-        _stop(proc)
-    _assert_ended_cleanly(proc, err, mnt)
+    err = _foreground_ro_until_umount(store, mnt, signal_it)
     for name in ("SIGHUP", "SIGUSR1"):
         lines = [ln for ln in err.splitlines() if f"signal {name}:" in ln]
         assert len(lines) == 1 and " INFO " in lines[0] and "no log file to reopen" in lines[0], err
