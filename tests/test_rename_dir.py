@@ -518,6 +518,38 @@ def _ops_on(st: Store):
     return view, Operations(view, read_only=False)
 
 
+def _hold_once(monkeypatch, obj, attr: str, when=lambda *args, **kwargs: True, *, before: bool = False):
+    """Replace ``obj.attr`` (an async method) by one that, at its first call
+    whose arguments ``when`` accepts, sets ``reached`` and waits for ``go``
+    (after the real call, or ``before`` it); returns (reached, go)."""
+    import trio
+
+    reached, go, real, pending = trio.Event(), trio.Event(), getattr(obj, attr), [True]
+
+    async def held(*args, **kwargs):
+        stop = pending[0] and when(*args, **kwargs)
+        if stop:
+            pending[0] = False
+            if before:
+                reached.set()
+                await go.wait()
+        out = await real(*args, **kwargs)
+        if stop and not before:
+            reached.set()
+            await go.wait()
+        return out
+    monkeypatch.setattr(obj, attr, held)
+    return reached, go
+
+
+async def _rename_g_to_h_is_exdev(ops) -> None:
+    import pyfuse3
+
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
+    assert info.value.errno == errno.EXDEV
+
+
 def test_a_lookup_answered_across_a_rename_names_the_new_place(tmp_path, monkeypatch):
     """A LOOKUP under a directory that is renamed while the view looks
     (its parent's node taken before the wait) registered the inode at the
@@ -532,17 +564,7 @@ def test_a_lookup_answered_across_a_rename_names_the_new_place(tmp_path, monkeyp
     st = _local(tmp_path)
     seed_array(st, tmp_path, "g/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
     view, ops = _ops_on(st)
-    looked, go, slow = trio.Event(), trio.Event(), [True]
-    real_lookup = view.lookup
-
-    async def slow_lookup(parent, name, *args, **kwargs):
-        out = await real_lookup(parent, name, *args, **kwargs)
-        if name == "arr" and slow[0]:
-            slow[0] = False
-            looked.set()
-            await go.wait()
-        return out
-    monkeypatch.setattr(view, "lookup", slow_lookup)
+    looked, go = _hold_once(monkeypatch, view, "lookup", lambda parent, name, *args, **kwargs: name == "arr")
 
     async def main():
         g = (await ops.lookup(pyfuse3.ROOT_INODE, b"g")).st_ino
@@ -576,17 +598,7 @@ def test_an_open_for_writing_under_way_keeps_the_directory_above_from_being_rena
     st = _local(tmp_path)
     seed_array(st, tmp_path, "g/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
     view, ops = _ops_on(st)
-    reading, go, slow = trio.Event(), trio.Event(), [True]
-    real_content = view.content
-
-    async def slow_content(node, *args, **kwargs):
-        out = await real_content(node, *args, **kwargs)
-        if slow[0] and node.is_chunk:
-            slow[0] = False
-            reading.set()
-            await go.wait()
-        return out
-    monkeypatch.setattr(view, "content", slow_content)
+    reading, go = _hold_once(monkeypatch, view, "content", lambda node, *args, **kwargs: node.is_chunk)
     data = np.full((4, 4), 7, "<i4").tobytes()
 
     async def main():
@@ -599,9 +611,7 @@ def test_an_open_for_writing_under_way_keeps_the_directory_above_from_being_rena
                 fhs.append((await ops.open(ino, os.O_WRONLY, None)).fh)
             nursery.start_soon(opener)
             await reading.wait()
-            with pytest.raises(pyfuse3.FUSEError) as info:
-                await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
-            assert info.value.errno == errno.EXDEV  # (before: renamed, the open went on under g/)
+            await _rename_g_to_h_is_exdev(ops)  # (before: renamed, the open went on under g/)
             go.set()
         assert await ops.write(fhs[0], 0, data) == len(data)
         await ops.flush(fhs[0])
@@ -629,16 +639,7 @@ def test_a_create_under_way_keeps_the_directory_above_from_being_renamed(tmp_pat
     st = _local(tmp_path)
     seed_array(st, tmp_path, "g/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
     view, ops = _ops_on(st)
-    waiting, go, slow = trio.Event(), trio.Event(), [True]
-    real_room = view._room_for_files
-
-    async def slow_room(*args, **kwargs):
-        if slow[0]:
-            slow[0] = False
-            waiting.set()
-            await go.wait()
-        return await real_room(*args, **kwargs)
-    monkeypatch.setattr(view, "_room_for_files", slow_room)
+    waiting, go = _hold_once(monkeypatch, view, "_room_for_files", before=True)
 
     async def main():
         g = (await ops.lookup(pyfuse3.ROOT_INODE, b"g")).st_ino
@@ -648,9 +649,7 @@ def test_a_create_under_way_keeps_the_directory_above_from_being_renamed(tmp_pat
                 fhs.append((await ops.create(g, b"notes.txt", 0o644, os.O_WRONLY, None))[0].fh)
             nursery.start_soon(creator)
             await waiting.wait()
-            with pytest.raises(pyfuse3.FUSEError) as info:
-                await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
-            assert info.value.errno == errno.EXDEV  # (before: renamed, the file made at g/notes.txt)
+            await _rename_g_to_h_is_exdev(ops)  # (before: renamed, the file made at g/notes.txt)
             go.set()
         assert await ops.write(fhs[0], 0, b"hello") == 5
         await ops.flush(fhs[0])
