@@ -119,6 +119,36 @@ async def _request(store: AsyncStore, fn, *args):
     return trio.current_time() - started, out
 
 
+async def _behind_a_later_request(view, backend, timeout: float, request, later) -> None:
+    """``request`` waits for a held PUT (``backend.hold``) that ``later``,
+    a request begun ``timeout / 2`` after it (so its deadline is later),
+    is making: ``request`` ends at its own deadline (Unavailable, EIO),
+    ``later`` once the PUT is let go, without an error."""
+    results = {}
+    began = trio.Event()
+
+    async def waiting():
+        with view.store.request_deadline():
+            began.set()
+            await backend.in_flight_now()  # the later request's PUT is out
+            results["waiter"] = await _request(view.store, *request)
+
+    async def begin_later():
+        await began.wait()
+        await trio.sleep(timeout / 2)  # (begins later: its deadline is later)
+        results["later"] = await _request(view.store, *later)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiting)
+        nursery.start_soon(begin_later)
+        await _until(lambda: "waiter" in results)
+        backend.go.set()
+    took, out = results["waiter"]
+    assert isinstance(out, Unavailable) and "deadline" in str(out), out
+    assert took < timeout / 2 + SLACK, took
+    assert results["later"][1] is None, results["later"]
+
+
 def test_a_flush_that_lost_a_race_does_not_pause_past_the_deadline(tmp_path, monkeypatch):
     """An fsync whose shard PUT lost a race to another writer pauses before
     merging again (a random backoff of up to 1 s): a pause that would end
@@ -264,33 +294,11 @@ def test_a_request_waiting_for_the_store_of_a_plain_file_ends_at_its_deadline(tm
         await view.write(h, 0, b"WRITTEN")
         reader = await view.open(await view.resolve("f.txt"), write=False, truncate=False)
         backend.hold("put", "f.txt")
-        results = {}
-        began = trio.Event()
         request = {"unlink": (view.unlink, root, "f.txt"),
                    "rename": (view.rename, root, "other.txt", root, "f.txt"),
                    "fsync": (view.fsync, reader),
                    "link": (view.rename, root, "link", root, "f.txt")}[waiter]
-
-        async def waiting():
-            with view.store.request_deadline():
-                began.set()
-                await backend.in_flight_now()  # the close's PUT is out
-                results[waiter] = await _request(view.store, *request)
-
-        async def close():
-            await began.wait()
-            await trio.sleep(timeout / 2)  # (begins later: its deadline is later)
-            results["close"] = await _request(view.store, view.flush, h)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(waiting)
-            nursery.start_soon(close)
-            await _until(lambda: waiter in results)
-            backend.go.set()
-        took, out = results[waiter]
-        assert isinstance(out, Unavailable) and "deadline" in str(out), out
-        assert took < timeout / 2 + SLACK, took
-        assert results["close"][1] is None, results["close"]
+        await _behind_a_later_request(view, backend, timeout, request, (view.flush, h))  # (the close's PUT)
         assert (tmp_path / "f.txt").read_bytes() == b"WRITTEN"
         # nothing changed: the file and its handles are as they were
         await view.write(h, 7, b"!")
@@ -396,29 +404,7 @@ def test_a_request_waiting_for_a_rename_of_its_file_ends_at_its_deadline(tmp_pat
         request = {"write": (view.write, h, 4, b"ZZ"), "close": (view.flush, h), "fsync": (view.fsync, h),
                    "truncate": (view.truncate, h.node, 12, h),
                    "rename": (view.rename, root, "f.txt", root, "h.txt")}[waiter]
-        results = {}
-        began = trio.Event()
-
-        async def waiting():
-            with view.store.request_deadline():
-                began.set()
-                await backend.in_flight_now()  # the rename's PUT is out
-                results[waiter] = await _request(view.store, *request)
-
-        async def rename():
-            await began.wait()
-            await trio.sleep(timeout / 2)  # (begins later: its deadline is later)
-            results["rename f.txt"] = await _request(view.store, view.rename, root, "f.txt", root, "g.txt")
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(waiting)
-            nursery.start_soon(rename)
-            await _until(lambda: waiter in results)
-            backend.go.set()
-        took, out = results[waiter]
-        assert isinstance(out, Unavailable) and "deadline" in str(out), out
-        assert took < timeout / 2 + SLACK, took
-        assert results["rename f.txt"][1] is None, results["rename f.txt"]
+        await _behind_a_later_request(view, backend, timeout, request, (view.rename, root, "f.txt", root, "g.txt"))
         assert sorted(p.name for p in tmp_path.iterdir()) == ["g.txt"]
         assert (tmp_path / "g.txt").read_bytes() == b"AAAA456789"
         if waiter == "rename":
