@@ -88,9 +88,11 @@ class LayoutContext:
     PROBED_MIN = 256 << 10
     PROBED_MAX_ITEMS = 256
 
-    def probed_get(self, layout: str, key: str, etag: str | None, size: int):
-        """(True, result) if a probe of this version concluded before; else (False, None)."""
-        if size < self.PROBED_MIN or etag is None:
+    def probed_get(self, layout: str, key: str, etag: str | None, size: int, min_size: int = PROBED_MIN):
+        """(True, result) if a probe of this version concluded before; else
+        (False, None).  ``min_size``: documents smaller are not kept (a layout
+        whose parse costs more than a lookup even when small passes 0)."""
+        if size < min_size or etag is None:
             return False, None
         entry = self.probed.get((layout, key, etag))
         if entry is None:
@@ -98,8 +100,9 @@ class LayoutContext:
         self.probed.move_to_end((layout, key, etag))
         return True, entry[0]
 
-    def probed_put(self, layout: str, key: str, etag: str | None, size: int, result) -> None:
-        if size < self.PROBED_MIN or etag is None:
+    def probed_put(self, layout: str, key: str, etag: str | None, size: int, result,
+                   min_size: int = PROBED_MIN) -> None:
+        if size < min_size or etag is None:
             return
         self.probed[(layout, key, etag)] = (result,)
         while len(self.probed) > self.PROBED_MAX_ITEMS:
