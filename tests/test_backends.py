@@ -1992,6 +1992,53 @@ def test_overlapping_listings_of_one_directory_without_list_ttl(tmp_path):
     trio.run(main)
 
 
+class CountedGets(LocalBackend):
+    """A local store that counts its GETs by key."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.gets: list[str] = []
+
+    def get(self, key, *args, **kwargs):
+        self.gets.append(key)
+        return super().get(key, *args, **kwargs)
+
+
+def test_without_list_ttl_a_request_reads_a_document_once_and_the_next_reads_it_again(tmp_path):
+    """With ``list_ttl`` 0 (``metadata_ttl=0``) nothing read is kept for
+    later requests, but one request reads a document (or finds it missing)
+    once, however many of its probes ask (a probe at depth d asks for d + 1
+    ``info``s, the look for the directories they name for the same ones
+    again).  The next request reads it again and sees another client's new
+    version; a write of the mount's own within the request is seen at once;
+    outside requests every call reads."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "info").write_bytes(b"one")
+    backend = CountedGets(str(tmp_path))
+    store = AsyncStore(backend, timeout=30, list_ttl=0)
+
+    async def main():
+        with store.request_deadline():
+            assert [(await store.get_document("d/info")).data for _ in range(3)] == [b"one"] * 3
+            for _ in range(2):
+                with pytest.raises(NotFound):
+                    await store.get_document("e/info")
+            assert backend.gets == ["d/info", "e/info"]  # (before: each call a GET)
+        (tmp_path / "d" / "info").write_bytes(b"two!")  # (another client)
+        with store.request_deadline():
+            assert (await store.get_document("d/info")).data == b"two!"
+            with pytest.raises(NotFound):
+                await store.get_document("e/info")
+            await store.put("e/info", b"made here")  # (the mount's own write: seen at once)
+            assert (await store.get_document("e/info")).data == b"made here"
+        assert backend.gets == ["d/info", "e/info", "d/info", "e/info", "e/info"]
+        for _ in range(2):
+            await store.get_document("d/info")
+        assert backend.gets[5:] == ["d/info", "d/info"]
+
+    trio.run(main)
+
+
 def test_a_local_rewrite_keeps_the_stored_files_mode_and_owner(tmp_path):
     """A local put replaces its file with a new one (a temporary file
     renamed over it), which took the daemon's umask and user: a shard

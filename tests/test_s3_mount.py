@@ -1647,6 +1647,34 @@ def test_metadata_probes_ask_at_once_and_never_twice(mount, moto_server, bucket,
     assert documents == {f"{PREFIX}/arr/zarr.json": 1}, documents
 
 
+def test_with_metadata_ttl_0_a_request_asks_for_each_info_once(mount, moto_server, bucket):
+    """With ``metadata_ttl=0`` every request asks storage again, but one
+    request asks for a document once: a listing of a plain directory at
+    depth d below a precomputed volume probes it (the ``info`` of d + 1
+    directories: its own and every one above) and then looks for the
+    directories those documents name (the same ``info``s but its own).
+    Before, it asked for each of those twice (2d + 1 GETs: 9 here); now
+    once each (d + 1)."""
+    sharding = {"@type": "neuroglancer_uint64_sharded_v1", "hash": "identity", "preshift_bits": 0,
+                "minishard_bits": 0, "shard_bits": 0, "minishard_index_encoding": "raw", "data_encoding": "raw"}
+    info = {"@type": "neuroglancer_multiscale_volume", "type": "image", "data_type": "uint8", "num_channels": 1,
+            "scales": [{"key": f"s{i}", "size": [64, 64, 64], "chunk_sizes": [[32, 32, 32]], "encoding": "raw",
+                        "resolution": [i + 1] * 3, "voxel_offset": [0, 0, 0], "sharding": sharding}
+                       for i in range(3)]}
+    moto_server.put_many(bucket, {f"{PREFIX}/vol/info": json.dumps(info).encode(),
+                                  f"{PREFIX}/vol/s0/0.shard": b"\0" * 16,
+                                  f"{PREFIX}/vol/extra/d0/d1/f.txt": b"x"})
+    m = s3_mount(mount, moto_server, bucket, "metadata_ttl=0", "attr_timeout=60")
+    deep = m.path / "vol/extra/d0/d1"
+    assert os.listdir(deep) == ["f.txt"]  # (the lookups of its path: each a request of its own)
+    mark = moto_server.mark()
+    assert os.listdir(deep) == ["f.txt"]  # (the kernel holds the path: one listing, no lookup)
+    infos = Counter(key for kind, key, _ in server_requests(moto_server, bucket, mark)
+                    if kind == "GET" and key.rsplit("/", 1)[-1] == "info")
+    above = ["vol/extra/d0/d1", "vol/extra/d0", "vol/extra", "vol", ""]
+    assert infos == {f"{PREFIX}/{d}/info".replace("//", "/"): 1 for d in above}, infos
+
+
 def test_walk_lists_and_loads_indexes_ahead(mount, moto_server, bucket, array, slow_endpoint):
     """A walk (``find``) of the array on S3: listing ``c`` lists the shard
     directories below it and loads their shards' indexes in the background,

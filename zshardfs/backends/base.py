@@ -124,6 +124,54 @@ async def waited_within_deadline(event: trio.Event, key: str, what: str) -> None
     raise Unavailable(f"{key}: {what} still running at the request's deadline", key)
 
 
+class _RequestDocuments:
+    """With ``metadata_ttl=0`` (nothing kept for later requests), the
+    metadata documents each kernel request has read or found missing, by
+    request: one request asks for a document once, however many of its
+    probes want it (a probe at depth d asks for the ``info`` of d + 1
+    directories, and the lookup's next probe, or the listing's next
+    directory's, for the same ones again).  Every read is made after the
+    request began, so the answer is as fresh as "ask storage each time"
+    promises.  A request is known by its deadline (the value every call it
+    makes shares; a nested one keeps the earlier); none outside requests.
+    Bounded: the most recent REQUESTS requests, BYTES of documents, each
+    dropped at its deadline."""
+
+    REQUESTS = 64
+    BYTES = 16 << 20
+
+    def __init__(self) -> None:
+        self._by_request: OrderedDict[float, list] = OrderedDict()  # deadline -> [{key: (blob, generation)}, bytes]
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+    def get(self, key: str) -> tuple[Blob | None, int] | None:
+        kept = self._by_request.get(_request_deadline.get())
+        return None if kept is None else kept[0].get(key)
+
+    def put(self, key: str, blob: Blob | None, generation: int, max_size: int) -> None:
+        deadline = _request_deadline.get()
+        size = 0 if blob is None else len(blob.data)
+        if deadline == math.inf or size > max_size:
+            return
+        kept = self._by_request.get(deadline)
+        if kept is None:
+            now = time.monotonic()
+            while self._by_request and (len(self._by_request) >= self.REQUESTS
+                                        or next(iter(self._by_request)) <= now):
+                self._bytes -= self._by_request.popitem(last=False)[1][1]
+            kept = self._by_request[deadline] = [{}, 0]
+        old = kept[0].get(key)
+        grown = size - (0 if old is None or old[0] is None else len(old[0].data))
+        kept[0][key] = (blob, generation)
+        kept[1] += grown
+        self._bytes += grown
+        while self._bytes > self.BYTES and self._by_request:
+            self._bytes -= self._by_request.popitem(last=False)[1][1]
+
+
 #: ``end_request(token)``: the end of the request
 #: :meth:`AsyncStore.begin_request` began (the C method itself: every kernel
 #: request calls it, and a Python function around it would double its cost)
@@ -483,6 +531,8 @@ class AsyncStore:
         # small whole objects (metadata documents) read in the last list_ttl
         # seconds: a probe and the listing that shows the document share one GET
         self._documents: OrderedDict[str, tuple[Blob | None, float]] = OrderedDict()
+        # list_ttl 0: the documents each request read, for the rest of it
+        self._request_documents = _RequestDocuments()
         # small directories listed lately: prefix -> when (see _listing_for_lookup)
         self._listed_lately: OrderedDict[str, float] = OrderedDict()
         # small objects this mount wrote in the last list_ttl seconds (see written)
@@ -493,6 +543,7 @@ class AsyncStore:
         """Entries of this layer's tables and its backend's (see Operations.table_sizes)."""
         own = {"listings": len(self._listings), "list_loads": len(self._lists), "unanswered": len(self._unanswered),
                "landing": len(self._landing), "store_documents": len(self._documents),
+               "request_documents": len(self._request_documents),
                "listed_lately": len(self._listed_lately), "written": len(self._written)}
         sizes = getattr(self.backend, "table_sizes", None)
         return {**own, **(sizes() if sizes is not None else {})}
@@ -871,7 +922,17 @@ class AsyncStore:
         missing or a listing of its directory did not show it (most
         directories are not datasets, and a probe asks for several documents
         in each).  TooLarge for one over DOCUMENT_LIMIT bytes, before
-        reading it."""
+        reading it.  With ``list_ttl`` 0, a document this kernel request
+        read (or found missing) already is not asked for again by it
+        (_RequestDocuments), unless the mount wrote anything meanwhile."""
+        if self.list_ttl <= 0:
+            kept = self._request_documents.get(key)
+            if kept is not None and kept[1] == self._list_generation:
+                if kept[0] is None:
+                    if etag is None:
+                        raise NotFound(f"{key}: not found earlier in this request", key)
+                elif etag is None or kept[0].info.etag == etag:
+                    return kept[0]
         cached = self._documents.get(key) if self.list_ttl > 0 else None
         if cached is not None and time.monotonic() - cached[1] < self.list_ttl:
             if cached[0] is None:
@@ -905,19 +966,25 @@ class AsyncStore:
             self._keep_document(key, blob, generation)
         return blob
 
+    def _keep_document(self, key: str, blob: Blob | None, generation: int) -> None:
+        """Remember a document read (None: found missing) for ``list_ttl``
+        (for the rest of the request with ``list_ttl`` 0), unless a write
+        of the mount's own happened while it was read."""
+        if generation != self._list_generation:
+            return
+        if self.list_ttl <= 0:
+            self._request_documents.put(key, blob, generation, self.DOCUMENT_MAX)
+            return
+        self._documents[key] = (blob, time.monotonic())
+        self._documents.move_to_end(key)
+        while len(self._documents) > self.LIST_CACHE_ITEMS:
+            self._documents.popitem(last=False)
+
     def too_large(self, key: str, size: int) -> TooLarge:
         """The error (and log line) for a document of ``size`` bytes."""
         return TooLarge(f"{key}: {size} bytes, more than the {self.DOCUMENT_LIMIT >> 20} MiB a metadata document "
                         "may have; shown as stored, not read as metadata", key, size)
 
-    def _keep_document(self, key: str, blob: Blob | None, generation: int) -> None:
-        """Remember a document read (None: found missing) for ``list_ttl``,
-        unless a write of the mount's own happened while it was read."""
-        if self.list_ttl > 0 and generation == self._list_generation:
-            self._documents[key] = (blob, time.monotonic())
-            self._documents.move_to_end(key)
-            while len(self._documents) > self.LIST_CACHE_ITEMS:
-                self._documents.popitem(last=False)
 
     async def get_or_none(self, key: str) -> Blob | None:
         try:
