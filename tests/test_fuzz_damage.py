@@ -219,3 +219,30 @@ def test_an_interrupted_mount_or_unmount_is_taken_down_by_cleanup(fuzz, tmp_path
     mounted = os.path.ismount(mnt)
     take_down(mnt)  # (nothing left behind by this test either)
     assert not left and not mounted, (left, mounted)
+
+
+def test_the_live_checker_lets_a_directory_removed_whole_list_empty_at_once_only(fuzz):
+    """pc_kv seed 405 on S3 (--live) once found "listing of D (damaged) is [], where a
+    fresh mount shows ENOENT": D was removed whole by the damage and listed at once, while
+    the kernel still held its entry. That is the documented answer, on both backends
+    (SEMANTICS Limits,
+    test_write.py::test_a_directory_another_client_removed_lists_empty_while_the_kernel_holds_it):
+    accepted at once, for a directory in a removed tree only; not past the TTLs, not for
+    a directory the damage did not remove, not for a listing of other names."""
+    import errno
+
+    damages = [{"path": "kv/a", "kind": "tree", "what": "directory removed"}]
+    ref = {"files": {}, "dirs": {"kv": ["a", "info"], "kv/a": ["x"], "kv/a/b": ["y"], "kv/c": ["z"]}}
+    fresh = {"files": {}, "dirs": {"kv": ["info"], "kv/c": ["z"]}}
+
+    def findings(dirs, old_too=True):
+        got = {"slow": [], "files": {}, "writes": {}, "dirs": {**fresh["dirs"], **dirs}}
+        return fuzz.check_live("t", got, ref, fresh, "pc_kv", damages, {}, [], old_too=old_too)
+
+    assert findings({"kv/a": [], "kv/a/b": []}) == []  # (before: two findings)
+    assert findings({"kv/a": ["x"], "kv/a/b": -errno.ENOENT}) == []  # (the old listing, an error)
+    assert len(findings({"kv/a": [], "kv/a/b": []}, old_too=False)) == 2  # (past the TTLs: as a fresh mount)
+    assert len(findings({"kv/a": ["q"]})) == 1
+    assert len(findings({"kv/c": []})) == 1  # (not removed)
+    damages[0]["what"] = "directory replaced by a file"
+    assert len(findings({"kv/a": []})) == 1

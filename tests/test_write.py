@@ -3108,3 +3108,28 @@ def test_rename_noreplace_of_files_on_both_stores(store, mount, tmp_path):
     assert (m / "arr/c/0/0").read_bytes() == chunk
     m.umount()  # (stores what flush_delay held)
     assert store.get("c") == b"a" and store.get("a") is None and store.get("b") == b"b" and store.get("new") == b"n"
+
+
+def test_a_directory_another_client_removed_lists_empty_while_the_kernel_holds_it(store, mount):
+    """A directory another client removed whole (S3: every key below it
+    deleted) lists as empty, not ENOENT, while the kernel holds its entry
+    (``attr_timeout``; the listing itself is asked anew past
+    ``metadata_ttl``): storage has nothing below it, and the directory is
+    gone only once the kernel asks for its entry again, as any change by
+    others shows within ``attr_timeout``.  (The live damage fuzzer met it:
+    pc_kv seed 405 on S3.)"""
+    for key, data in (("gone/x.txt", b"x"), ("gone/sub/y.txt", b"y"), ("kept.txt", b"k")):
+        store.put(key, data)
+    m = mount(store.source, "ro", "metadata_ttl=0.2", "attr_timeout=5", extra=store.extra)
+    assert sorted(os.listdir(m.path / "gone")) == ["sub", "x.txt"] and os.listdir(m.path / "gone/sub") == ["y.txt"]
+    if store.kind == "local":
+        shutil.rmtree(store.root / "gone")
+    else:
+        for key in ("gone/x.txt", "gone/sub/y.txt"):
+            store.server.s3.delete_object(Bucket=store.bucket, Key=f"{PREFIX}/{key}")
+    time.sleep(0.5)  # (past metadata_ttl, within attr_timeout)
+    assert os.listdir(m.path / "gone") == [] and os.listdir(m.path / "gone/sub") == []
+    assert util.wait_for(lambda: not os.path.lexists(m.path / "gone"), timeout=15)
+    with pytest.raises(FileNotFoundError):
+        os.listdir(m.path / "gone")
+    assert sorted(os.listdir(m.path)) == ["kept.txt"]
