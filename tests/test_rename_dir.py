@@ -754,3 +754,35 @@ def test_rename_noreplace_for_files_and_directories(tmp_path, mount):
     calls = [line for line in trace.read_text().splitlines() if "rename" in line]
     assert len(calls) == 1 and "= 0" in calls[0], calls
     assert (m / "e").read_bytes() == b"a" and not (m / "c").exists()
+
+
+def test_a_link_rename_onto_a_free_name_that_fails_in_storage_is_one_errno(tmp_path, monkeypatch, caplog):
+    """A symbolic link's rename to a free name whose move fails in storage
+    (here the link removed by another process between the view's lookup and
+    the move) answers ENOENT: it raised AttributeError in the undo meant for
+    a file replaced at the new name (there was none: None.path), so the
+    client got EIO and the log a traceback."""
+    import pyfuse3
+    import trio
+
+    st = _local(tmp_path)
+    os.symlink("x", st.root / "lnk")
+    view, ops = _ops_on(st)
+    real_move_link = view.store.move_link
+
+    async def move_link_raced(key, new_key):
+        os.unlink(st.root / key)  # (another process removes it just now)
+        return await real_move_link(key, new_key)
+    monkeypatch.setattr(view.store, "move_link", move_link_raced)
+    invalidated = []  # (no kernel here to tell)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: invalidated.append(args[1]))
+
+    async def main():
+        await ops.lookup(pyfuse3.ROOT_INODE, b"lnk")
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await ops.rename(pyfuse3.ROOT_INODE, b"lnk", pyfuse3.ROOT_INODE, b"moved", 0, None)
+        assert info.value.errno == errno.ENOENT
+
+    trio.run(main)
+    assert "failed unexpectedly" not in caplog.text and "Traceback" not in caplog.text, caplog.text
+    assert os.listdir(st.root) == [] and invalidated == [b"lnk", b"moved"]

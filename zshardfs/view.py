@@ -2401,7 +2401,8 @@ class View:
         try:
             await self.store.move_link(node.key, new_key)
         except BaseException as exc:
-            self._put_back(existing.path, buf, was_dirty, detached, exc)
+            if existing is not None:
+                self._put_back(existing.path, buf, was_dirty, detached, exc)
             raise
 
     async def _link_key(self, parent: Node, name: str, target: str | None) -> str:
