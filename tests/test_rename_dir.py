@@ -756,6 +756,43 @@ def test_rename_noreplace_for_files_and_directories(tmp_path, mount):
     assert (m / "e").read_bytes() == b"a" and not (m / "c").exists()
 
 
+def test_renames_across_a_file_system_mounted_inside_the_store_are_exdev(tmp_path, mount):
+    """A store holding another file system (a tmpfs mounted at store/fs):
+    rename(2) between the two is EXDEV (cross-device), which the mount
+    passes on, so ``mv`` copies -- for a directory (one level down, where
+    the key is not the name alone) and for a symbolic link; never ENOENT,
+    a 'symbolic link out of the store' warning, or a traceback."""
+    st = _local(tmp_path)
+    fs = st.root / "fs"
+    fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(fs)], check=True)
+    try:
+        (fs / "g/sub").mkdir(parents=True)
+        (fs / "g/sub/f").write_bytes(b"below")
+        (fs / "g/a.txt").write_bytes(b"a")
+        (fs / "L").mkdir()
+        os.symlink("x", fs / "L/lnk")
+        (st.root / "other").mkdir()
+        m = mount(st.root)
+        for old, new in (("fs/g", "other/g"), ("fs/L/lnk", "other/lnk")):
+            with pytest.raises(OSError) as info:
+                os.rename(m / old, m / new)
+            assert info.value.errno == errno.EXDEV, (old, new, info.value)
+        out = subprocess.run(["mv", str(m / "fs/g"), str(m / "other/g")], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert (st.root / "other/g/sub/f").read_bytes() == b"below" and not (fs / "g").exists()
+        out = subprocess.run(["mv", str(m / "fs/L/lnk"), str(m / "other/lnk")], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert os.readlink(st.root / "other/lnk") == "x" and not os.path.lexists(fs / "L/lnk")
+        m.umount()
+        text = m.log_text()
+        assert "out of the store" not in text and "Traceback" not in text, text
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
 def test_a_link_rename_onto_a_free_name_that_fails_in_storage_is_one_errno(tmp_path, monkeypatch, caplog):
     """A symbolic link's rename to a free name whose move fails in storage
     (here the link removed by another process between the view's lookup and

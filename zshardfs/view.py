@@ -2403,6 +2403,9 @@ class View:
         except BaseException as exc:
             if existing is not None:
                 self._put_back(existing.path, buf, was_dirty, detached, exc)
+            if isinstance(exc, StoreError) and exc.errno == errno.EXDEV:
+                # (another file system mounted inside the store: an answer, mv copies the link)
+                raise ViewError(errno.EXDEV, str(exc)) from None
             raise
 
     async def _link_key(self, parent: Node, name: str, target: str | None) -> str:

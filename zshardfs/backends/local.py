@@ -144,15 +144,24 @@ _writing_lock = threading.Lock()
 _RENAME_NOREPLACE = 1  # (linux/fs.h)
 
 
-def _renameat2(olddirfd: int, old: str, newdirfd: int, new: str, flags: int) -> None:
-    """renameat2(2) (glibc >= 2.28); os.rename when no flag is asked."""
-    if not flags:
-        os.rename(old, new, src_dir_fd=olddirfd, dst_dir_fd=newdirfd)
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.renameat2(olddirfd, os.fsencode(old), newdirfd, os.fsencode(new), ctypes.c_uint(flags)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), old)
+def _renameat2(olddirfd: int, old: str, newdirfd: int, new: str, flags: int, key: str) -> None:
+    """renameat2(2) (glibc >= 2.28); os.rename when no flag is asked.  Its
+    EXDEV (the two places on different file systems: one mounted inside the
+    store) names ``key``, the store's key of ``old``: the callers' answer
+    EXDEV (``mv`` copies), unlike an EXDEV of openat2, a path that would
+    leave the store."""
+    try:
+        if not flags:
+            os.rename(old, new, src_dir_fd=olddirfd, dst_dir_fd=newdirfd)
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.renameat2(olddirfd, os.fsencode(old), newdirfd, os.fsencode(new), ctypes.c_uint(flags)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), old)
+    except OSError as exc:
+        if exc.errno == errno.EXDEV:
+            raise OSError(errno.EXDEV, "on another file system (mounted inside the store)", key) from None
+        raise
 
 
 def _is_internal(name: str) -> bool:
@@ -1317,11 +1326,15 @@ class LocalBackend:
             with self._two_dirs(src_dir, dst_dir) as (sfd, dfd):
                 if not stat.S_ISLNK(os.stat(src, dir_fd=sfd, follow_symlinks=False).st_mode):
                     raise FileNotFoundError(errno.ENOENT, "no longer a symbolic link", key)
-                os.rename(src, dst, src_dir_fd=sfd, dst_dir_fd=dfd)  # (renameat: the link itself moves)
+                _renameat2(sfd, src, dfd, dst, 0, key)  # (renameat: the link itself moves)
                 os.fsync(dfd)
                 if src_dir != dst_dir:
                     os.fsync(sfd)
         except OSError as exc:
+            if exc.errno == errno.EXDEV and exc.filename == key:  # (across file systems: the caller copies)
+                err = StoreError(f"{key} -> {new_key}: {exc.strerror}", key)
+                err.errno = exc.errno
+                raise err from None
             raise self._fail(key, exc) from None
         bump(self.counters, "put")
         self._forget_fds(new_key)  # (a file it replaced)
@@ -1343,7 +1356,7 @@ class LocalBackend:
                 if not stat.S_ISDIR(os.stat(src, dir_fd=sfd, follow_symlinks=False).st_mode):
                     # (a link to a directory, followed by -o follow_symlinks: not renamed, copied)
                     raise OSError(errno.EXDEV, "not a directory of the store (a symbolic link to one)", key)
-                _renameat2(sfd, src, dfd, dst, _RENAME_NOREPLACE if noreplace else 0)
+                _renameat2(sfd, src, dfd, dst, _RENAME_NOREPLACE if noreplace else 0, key)
         except OSError as exc:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EINVAL, errno.ENOTDIR, errno.EISDIR) or (
                     exc.errno == errno.EXDEV and exc.filename == key):
