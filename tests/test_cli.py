@@ -1911,3 +1911,41 @@ def test_a_log_file_path_that_is_a_symbolic_link_is_never_followed(store, mnt, t
     assert wait_for(lambda: log.exists() and "signal SIGHUP: log file reopened" in log.read_text(), timeout=10)
     assert zs("umount", mnt).returncode == 0
     assert not victim.exists()
+
+
+def test_a_fifo_at_the_log_file_path_never_holds_the_daemon(store, mnt, tmp_path):
+    """``-o log_file`` naming a FIFO (no reader: an open for writing waits
+    for ever; a reader that stops reading: every line would): the mount is
+    refused at once, one clear line, non-zero exit -- it waited for ever.  A
+    FIFO put there after a rotation, at SIGHUP: the daemon goes on
+    answering and logging to the file it has, and says so there -- its
+    event loop waited in the open for ever, every request of the mount
+    with it."""
+    fifo = tmp_path / "z.log"
+    os.mkfifo(fifo)
+    assert_one_line_error(zs("mount", store.root, mnt, "-o", f"ro,log_file={fifo}", timeout=20), "log file", "FIFO")
+    assert not mounts_at(mnt)
+    fifo.unlink()
+
+    log = tmp_path / "z.log"
+    run_mount(store.root, mnt, "ro", log=log)
+    pid = daemon_pid(mnt)
+    name, data = first_chunk(store)
+    old = tmp_path / "z.log.1"
+    os.rename(log, old)
+    os.mkfifo(log)
+    try:
+        os.kill(pid, signal.SIGHUP)
+        assert wait_for(lambda: "FIFO" in old.read_text(), timeout=10), old.read_text()[-2000:]
+        read = subprocess.run(["cat", str(mnt / name)], capture_output=True, timeout=10)
+        assert read.returncode == 0 and read.stdout == data
+        assert "Traceback" not in old.read_text() and "log file reopened" not in old.read_text()
+    finally:
+        # (a daemon held in the open: a reader lets it go, so it can be unmounted)
+        reader = os.open(log, os.O_RDONLY | os.O_NONBLOCK)
+        time.sleep(0.2)
+        os.close(reader)
+        log.unlink()
+    os.kill(pid, signal.SIGHUP)
+    assert wait_for(lambda: log.exists() and "signal SIGHUP: log file reopened" in log.read_text(), timeout=10)
+    assert zs("umount", mnt).returncode == 0

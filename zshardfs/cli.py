@@ -134,13 +134,27 @@ LOG_FILE_MODE = 0o640
 def open_log_file(path: str) -> int:
     """A descriptor of ``path`` for appending, made with LOG_FILE_MODE if new.
     Never through a symbolic link at ``path`` (O_NOFOLLOW: ELOOP): one put
-    there would make the daemon append to, or create, the file it names."""
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, LOG_FILE_MODE)
+    there would make the daemon append to, or create, the file it names.
+    Never a FIFO (ENXIO): its open for writing waits for a reader, and its
+    writes for one that reads, for ever -- the mount command, or the daemon's
+    event loop at a reopen (a FIFO put there after a rotation), with it."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                 LOG_FILE_MODE)  # (O_NONBLOCK: a FIFO without a reader is ENXIO at once)
+    try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            raise OSError(errno.ENXIO, "a FIFO", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _log_open_error(path: str, exc: OSError) -> str:
     if exc.errno == errno.ELOOP:
         return f"the log file {path!r} is a symbolic link; it is not followed (give the path of a file)"
+    if exc.errno == errno.ENXIO:
+        return f"the log file {path!r} is a FIFO (or a socket); it is not written to (give the path of a file)"
     return f"cannot write the log file {path!r}: {exc.strerror}"
 
 
