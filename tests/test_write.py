@@ -3084,6 +3084,33 @@ def test_a_shard_rewritten_through_a_root_mount_keeps_its_mode_and_owner(tmp_pat
     assert zarr.open_array(str(src / "a"), mode="r")[0, 2] == 7
 
 
+def test_a_file_renamed_through_a_root_mount_to_a_free_name_keeps_its_mode_and_owner(tmp_path, mount):
+    """A rename of a plain file is stored as a copy under the new name
+    (then the old one removed): through a root daemon's mount, another
+    user's private (0600) file renamed to a free name became root's and
+    world-readable (0644: the daemon's umask) in the store, where rename(2)
+    keeps the file.  Now the copy takes the renamed file's mode and owner
+    before a byte is written (onto a taken name: that file's, as any file
+    stored again); a file made through the mount, renamed, is new."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d/secret.txt").write_bytes(b"secret")
+    os.chown(src / "d/secret.txt", 65534, 65534)
+    os.chmod(src / "d/secret.txt", 0o600)
+    m = mount(src, "rw", "allow_other")
+    os.rename(m / "d/secret.txt", m / "d/moved.txt")
+    os.rename(m / "d/moved.txt", m / "moved.txt")  # (another directory too)
+    write_file(m / "new.txt", b"new")
+    os.rename(m / "new.txt", m / "renamed-new.txt")
+    m.umount()
+    st = os.stat(src / "moved.txt")
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o600, 65534, 65534)
+    assert (src / "moved.txt").read_bytes() == b"secret"
+    assert sorted(os.listdir(src)) == ["d", "moved.txt", "renamed-new.txt"] and os.listdir(src / "d") == []
+    st = os.stat(src / "renamed-new.txt")
+    assert (st.st_uid, stat.S_IMODE(st.st_mode) & 0o7000) == (0, 0)
+
+
 def test_rename_noreplace_of_files_on_both_stores(store, mount, tmp_path):
     """renameat2(RENAME_NOREPLACE) of files and chunks (SEMANTICS 4.19):
     EEXIST onto a taken name (a stored file, one made through the mount and

@@ -120,6 +120,9 @@ class FileBuffer:
     # why its last store failed (None: it did not): such files wait in
     # memory for a later close, fsync or sync, and count against max_dirty
     error: StoreError | None = None
+    # the stored file it is a copy of (a rename's source): its first store
+    # onto a free key takes that file's mode and owner (local stores)
+    like: str | None = None
 
     def changed(self) -> None:
         self.dirty = True
@@ -1619,7 +1622,9 @@ class View:
             made_of = await self._datasets_made_of(buf.key, stored)
         if stored and a_document:
             await self._store_removals_first(buf.key, stored)
-        info = await self.writeback.superseding(buf.key, functools.partial(self.store.put, buf.key, data))
+        info = await self.writeback.superseding(buf.key, functools.partial(self.store.put, buf.key, data,
+                                                                           like=buf.like))
+        buf.like = None
         self.shards.forget(buf.key)
         if self._is_dataset_document(buf.key):
             self._document_changed(buf.key)
@@ -2346,6 +2351,11 @@ class View:
                 # the name holds a file already, perhaps stored: the new one is no
                 # new file, and its unlink must remove what storage holds there
                 handle.buffer.in_store = replaced is None or replaced.in_store or replaced.maybe_stored
+            if existing is None and handle.buffer is not None and node.key is not None and not node.is_chunk \
+                    and (buf is None or buf.in_store):
+                # a stored file moved to a free name: its copy there is that
+                # file (its mode and owner), as rename(2) keeps them
+                handle.buffer.like = node.key
             # (not held while its new name is itself being renamed: the
             # renames of a->b and b->a at once would wait for each other)
             await self.write(handle, 0, data, held_by_renames=False)

@@ -1029,11 +1029,15 @@ class AsyncStore:
                 self._listed_lately.popitem(last=False)
 
     async def put(self, key: str, data: bytes, *, if_match: str | None = None,
-                  if_none_match: bool = False) -> ObjectInfo:
+                  if_none_match: bool = False, like: str | None = None) -> ObjectInfo:
+        """``like``: the key of a stored file the new one is a copy of (a
+        file renamed): where files have modes and owners (local), a new one
+        takes that file's (see LocalBackend.put)."""
         info = None
+        more = {"like": like} if like is not None and getattr(self.backend, "keeps_modes", False) else {}
         try:
             info = await self._run(self.backend.put, key, data, if_match=if_match, if_none_match=if_none_match,
-                                   _writes=True)
+                                   _writes=True, **more)
             return info
         finally:
             self._changed(key, stored=info)

@@ -253,6 +253,12 @@ def _take_mode_of(fd: int, name: str, dfd: int) -> None:
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     except OSError:
         return
+    _give_mode(fd, st)
+
+
+def _give_mode(fd: int, st: os.stat_result) -> None:
+    """The new file ``fd`` gets the mode and owner of the regular file
+    ``st`` describes (see :func:`_take_mode_of`); nothing if it is none."""
     if not stat.S_ISREG(st.st_mode):
         return
     mine = os.fstat(fd)
@@ -264,6 +270,16 @@ def _take_mode_of(fd: int, name: str, dfd: int) -> None:
             except OSError:
                 continue
     os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o1777)
+
+
+def _exists(name: str, dfd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # (something there: it decides, see _take_mode_of)
+    return True
 
 
 def _open_regular(name: str, flags: int, dfd: int, retry=_direct) -> int:
@@ -1088,10 +1104,19 @@ class LocalBackend:
                 while len(self._swept) > self.SWEPT_DIRS:
                     self._swept.popitem(last=False)
 
-    def put(self, key, data, *, if_match=None, if_none_match=False) -> ObjectInfo:
+    #: put takes ``like``: the key of a stored file a new one is a copy of
+    keeps_modes = True
+
+    def put(self, key, data, *, if_match=None, if_none_match=False, like: str | None = None) -> ObjectInfo:
+        """``like``: the key of the stored file whose mode and owner a new
+        file (none at ``key``) takes, as the one at ``key`` is taken when
+        replaced (a file renamed through the view is stored as a copy under
+        its new name: rename(2) would keep them); gone, or no regular file:
+        the umask's, as any new file."""
         dir_key, _, name = key.rpartition("/")
         self._path(key)
         self._check_root(key)
+        like_st = self._lstat_or_none(like) if like is not None else None
         # (O_EXCL: a new file of a random name, never one that was there)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         dfd, tmp, shown = -1, None, None
@@ -1118,6 +1143,8 @@ class LocalBackend:
                 else:
                     raise FileExistsError(errno.EEXIST, "no free temporary name", dir_key)
                 _take_mode_of(fd, name, dfd)
+                if like_st is not None and not _exists(name, dfd):
+                    _give_mode(fd, like_st)
                 with open(fd, "wb") as f:
                     f.write(data)
                     f.flush()
@@ -1153,6 +1180,17 @@ class LocalBackend:
         self._forget_fds(key)
         bump(self.counters, "bytes_written", len(data))
         return self._info(key, st)
+
+    def _lstat_or_none(self, key: str) -> os.stat_result | None:
+        """``lstat`` of ``key`` (resolved below the root), None if it cannot be."""
+        try:
+            fd = self._open(key, os.O_PATH | os.O_NOFOLLOW)
+        except (OSError, StoreError):
+            return None
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
 
     def _path_blocked(self, key: str, dir_key: str) -> StoreError:
         """A put whose directory cannot be made or opened because something
