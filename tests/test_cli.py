@@ -1913,6 +1913,32 @@ def test_a_log_file_path_that_is_a_symbolic_link_is_never_followed(store, mnt, t
     assert not victim.exists()
 
 
+def test_a_log_file_that_cannot_be_made_anew_is_said_once(store, mnt, tmp_path):
+    """The log moved away (logrotate) and its directory gone, so nothing is
+    at the log's path and nothing can be made there: the daemon logs on to
+    the file it has, and says so ONCE -- it wrote the ERROR line before
+    every line it logged after (20 of them for three cat's at -o debug).
+    The directory back, the next line opens a new file there."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    log = logs / "z.log"
+    run_mount(store.root, mnt, "ro", "debug", log=log)
+    name, data = first_chunk(store)
+    old = tmp_path / "z.log.1"
+    os.rename(log, old)
+    logs.rmdir()
+    for _ in range(3):
+        assert (mnt / name).read_bytes() == data  # (-o debug: lines, each one a reopen's chance)
+    time.sleep(0.3)
+    text = old.read_text()
+    assert text.count("cannot write the log file") == 1, text[-3000:]
+    logs.mkdir()
+    assert (mnt / name).read_bytes() == data
+    assert wait_for(lambda: log.exists() and "zshardfs.requests" in log.read_text(), timeout=10)
+    assert old.read_text().count("cannot write the log file") == 1
+    assert zs("umount", mnt).returncode == 0
+
+
 def test_a_fifo_at_the_log_file_path_never_holds_the_daemon(store, mnt, tmp_path):
     """``-o log_file`` naming a FIFO (no reader: an open for writing waits
     for ever; a reader that stops reading: every line would): the mount is

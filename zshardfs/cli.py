@@ -168,8 +168,11 @@ class _LogFile(logging.handlers.WatchedFileHandler):
 
     std_too = False
     #: (st_dev, st_ino) of what was at the path when it could not be opened
-    #: (said once; tried again only once something else is there)
-    _refused: tuple | None = None
+    #: (said once; tried again only once something else is there), or
+    #: _ABSENT: nothing there, and nothing could be made (said once; tried
+    #: again at each line, as the directory may come back)
+    _refused: tuple | str | None = None
+    _ABSENT = "absent"
 
     def reopenIfNeeded(self):
         """WatchedFileHandler's, but a file that cannot be opened anew (a
@@ -189,8 +192,9 @@ class _LogFile(logging.handlers.WatchedFileHandler):
         try:
             stream = self._open()
         except OSError as exc:
-            if st is None or self._refused != (st.st_dev, st.st_ino):
-                self._refused = (st.st_dev, st.st_ino) if st is not None else None
+            what = (st.st_dev, st.st_ino) if st is not None else self._ABSENT
+            if self._refused != what:  # (said once, not before every line logged)
+                self._refused = what
                 self._say(f"{_log_open_error(self.baseFilename, exc)}; logging goes on to the file open before")
             return False
         self._refused = None
