@@ -823,3 +823,55 @@ def test_a_link_rename_onto_a_free_name_that_fails_in_storage_is_one_errno(tmp_p
     trio.run(main)
     assert "failed unexpectedly" not in caplog.text and "Traceback" not in caplog.text, caplog.text
     assert os.listdir(st.root) == [] and invalidated == [b"lnk", b"moved"]
+
+
+def test_a_listing_answered_across_a_rename_of_an_entry_shows_no_ghost(tmp_path, monkeypatch):
+    """A READDIR(PLUS) whose batch of entries was made before a directory
+    in it was renamed away (g/child -> moved) and answered after: the entry
+    was registered at its OLD path (g/child, key g/child) after
+    _move_inodes had moved everything else, and the kernel, given it by
+    readdirplus, held a ghost directory there, whose mkdir below made
+    g/child again in storage.  Now a batch that a directory's rename
+    overtook leaves out the entries at or below the places renamed away."""
+    import pyfuse3
+    import trio
+
+    st = _local(tmp_path)
+    (st.root / "g/child").mkdir(parents=True)
+    (st.root / "g/child/a.txt").write_bytes(b"a")
+    (st.root / "g/other.txt").write_bytes(b"o")
+    view, ops = _ops_on(st)
+    listed, go = trio.Event(), trio.Event()
+    real_batches = view.listdir_batches
+
+    async def slow_batches(node):
+        async for batch in real_batches(node):
+            if node.path == "g":
+                listed.set()
+                await go.wait()
+            yield batch
+    monkeypatch.setattr(view, "listdir_batches", slow_batches)
+    replied = []
+    monkeypatch.setattr(pyfuse3, "readdir_reply", lambda token, name, attrs, i: replied.append((name, attrs.st_ino))
+                        or True)
+
+    async def main():
+        g = (await ops.lookup(pyfuse3.ROOT_INODE, b"g")).st_ino
+        await ops.lookup(g, b"child")
+        fh = await ops.opendir(g, None)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ops.readdir, fh, 0, None)
+            await listed.wait()
+            await ops.rename(g, b"child", pyfuse3.ROOT_INODE, b"moved", 0, None)
+            go.set()
+        await ops.releasedir(fh)
+        names = {name: ino for name, ino in replied}
+        assert b"other.txt" in names
+        if b"child" in names:  # (a ghost: a mkdir below it must not make g/child again)
+            with pytest.raises(pyfuse3.FUSEError):
+                await ops.mkdir(names[b"child"], b"x", 0o755, None)
+        assert ops.by_path.get("g/child") is None
+
+    trio.run(main)
+    assert sorted(os.listdir(st.root / "g")) == ["other.txt"]
+    assert sorted(os.listdir(st.root / "moved")) == ["a.txt"]

@@ -30,7 +30,7 @@ import os
 import stat
 import sys
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -225,6 +225,10 @@ class Operations(pyfuse3.Operations):
         self._handles: dict[int, _DirHandle | tuple[int, Handle]] = {}
         self._next_fh = 1
         self._dir_moves = 0  # directories renamed in storage (see lookup)
+        # (when, old path) of the last directories renamed in storage: a
+        # listing's entries made before one are not given for its old places
+        # (see readdir)
+        self._moved_from: deque[tuple[float, str]] = deque(maxlen=1024)
         w = 0 if read_only else 0o200
         self._dir_mode = stat.S_IFDIR | 0o555 | w
         self._file_mode = stat.S_IFREG | 0o444 | w
@@ -508,6 +512,12 @@ class Operations(pyfuse3.Operations):
             if i >= len(entries):
                 return
             listed, asked = entries[i]
+            if self._moved_from and self._moved_from[-1][0] >= asked and self._moved_away(listed.path, asked):
+                # listed before a directory's rename moved it away: given, its
+                # inode would name the old place, where the kernel would hold a
+                # directory that is gone (a mkdir in it would make it again)
+                i += 1
+                continue
             ino = by_path.get(listed.path)
             entry = inodes.get(ino) if ino is not None else None
             if entry is not None and entry.attrs_for is listed and entry.node is listed:
@@ -534,6 +544,15 @@ class Operations(pyfuse3.Operations):
                 return
             entry.lookups += 1
             i += 1
+
+    def _moved_away(self, path: str, since: float) -> bool:
+        """Was ``path`` at or below a directory renamed away since ``since``?"""
+        for when, old in reversed(self._moved_from):
+            if when < since:
+                return False
+            if path == old or path.startswith(old + "/"):
+                return True
+        return False
 
     async def releasedir(self, fh):
         handle = self._handles.pop(fh, None)
@@ -1042,6 +1061,7 @@ class Operations(pyfuse3.Operations):
         self._no_handles_below(move.new_path)
         self.view.commit_dir_rename(move)
         self._dir_moves += 1
+        self._moved_from.append((time.monotonic(), move.old_path))
         self._move_inodes(move)
         try:
             await self.view.dir_renamed(move)
