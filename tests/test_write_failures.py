@@ -900,3 +900,30 @@ def test_a_file_refused_once_refuses_no_file_once_storage_works_again(small_fs, 
     assert (small_fs / "held").read_bytes() == b"h" * (800 << 10)  # stored by the first create
     m.umount()
     assert (small_fs / "after").read_bytes() == b"room again"
+
+
+def test_a_directory_rename_whose_flush_fails_logs_one_line(tmp_path, mount):
+    """mv of an array whose chunks written below cannot be stored (its
+    shard directory is a file): the rename fails (EIO, nothing moved) and
+    logs ONE line that says what failed -- it was two, the flush's own
+    'flush of arr/c/0/0 failed' and fuse_ops' 'rename: arr/c/0/0: ...' for
+    the same event.  Once storage works again, the rename goes through."""
+    store, data = _seeded(tmp_path)
+    m = mount(store, "flush_delay=60")
+    (m / "arr/c/0/0").write_bytes(b"\x09" * 16)
+    repair = _break_shards(store)
+    try:
+        mark = len(m.log_text())
+        with pytest.raises(OSError) as info:
+            os.rename(m / "arr", m / "moved")
+        assert info.value.errno == errno.EIO
+        lines = _problems_since(m, mark)
+        assert len(lines) == 1, lines
+        assert f"{store / 'arr/c'} is not a directory" in lines[0], lines
+        assert (store / "arr").is_dir() and not (store / "moved").exists()
+    finally:
+        repair()
+    os.rename(m / "arr", m / "moved")
+    m.umount()
+    data[0:2, 0:2] = 0x09090909
+    np.testing.assert_array_equal(zarr.open_array(str(store / "moved"), mode="r")[...], data)

@@ -52,7 +52,7 @@ from .layouts.base import ChunkEntry, ChunkTarget, Dataset, DirEntry, LayoutCont
 from .shards import ShardCache
 from .logonce import log_once
 from .together import first_error, off_loop, outcomes
-from .writeback import DirtyChunk, WriteBack
+from .writeback import DirtyChunk, WriteBack, failures_logged_by_caller
 
 log = logging.getLogger(__name__)
 
@@ -2182,8 +2182,17 @@ class View:
             raise ViewError(errno.EXDEV, f"{new_path}: not a stored directory")
         move = DirMove(old_path, new_path, node.key, new_key, existing is None, noreplace)
         self._quiet_below(move, flushed=False)
-        await self.writeback.flush_below(node.key)
-        await self.writeback.flush_below(new_key)
+        try:
+            with failures_logged_by_caller():  # (one line for the rename refused: the request's)
+                await self.writeback.flush_below(node.key)
+                await self.writeback.flush_below(new_key)
+        except (CorruptData, ViewError, Unavailable):
+            raise
+        except StoreError as exc:
+            err = StoreError(f"{old_path} -> {new_path}: not renamed: what was written below could not be stored "
+                             f"first (kept in memory, retried): {exc}", exc.key)
+            err.errno = exc.errno
+            raise err from None
         return move
 
     def _quiet_below(self, move: "DirMove", flushed: bool = True) -> None:
