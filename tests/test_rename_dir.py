@@ -807,9 +807,9 @@ def test_a_link_rename_onto_a_free_name_that_fails_in_storage_is_one_errno(tmp_p
     view, ops = _ops_on(st)
     real_move_link = view.store.move_link
 
-    async def move_link_raced(key, new_key):
+    async def move_link_raced(key, new_key, **kwargs):
         os.unlink(st.root / key)  # (another process removes it just now)
-        return await real_move_link(key, new_key)
+        return await real_move_link(key, new_key, **kwargs)
     monkeypatch.setattr(view.store, "move_link", move_link_raced)
     invalidated = []  # (no kernel here to tell)
     monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: invalidated.append(args[1]))
@@ -875,3 +875,33 @@ def test_a_listing_answered_across_a_rename_of_an_entry_shows_no_ghost(tmp_path,
     trio.run(main)
     assert sorted(os.listdir(st.root / "g")) == ["other.txt"]
     assert sorted(os.listdir(st.root / "moved")) == ["a.txt"]
+
+
+def test_a_link_renamed_with_noreplace_never_replaces_a_file_made_meanwhile(tmp_path, monkeypatch):
+    """renameat2(RENAME_NOREPLACE) of a symbolic link onto a name that was
+    free when checked and taken in storage just before the move (another
+    process writing there): EEXIST, the other's file left as it is.  The
+    link's move was a plain rename(2), which replaced that file (the
+    NOREPLACE of 4.19 was checked by lookups only, unlike a directory's)."""
+    import pyfuse3
+    import trio
+
+    st = _local(tmp_path)
+    os.symlink("x", st.root / "lnk")
+    view, ops = _ops_on(st)
+    real_move_link = view.store.move_link
+
+    async def move_link_raced(key, new_key, **kwargs):
+        (st.root / new_key).write_bytes(b"theirs")  # (another process takes the name just now)
+        return await real_move_link(key, new_key, **kwargs)
+    monkeypatch.setattr(view.store, "move_link", move_link_raced)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
+
+    async def main():
+        await ops.lookup(pyfuse3.ROOT_INODE, b"lnk")
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await ops.rename(pyfuse3.ROOT_INODE, b"lnk", pyfuse3.ROOT_INODE, b"new", _RENAME_NOREPLACE, None)
+        assert info.value.errno == errno.EEXIST
+
+    trio.run(main)
+    assert (st.root / "new").read_bytes() == b"theirs" and os.readlink(st.root / "lnk") == "x"

@@ -2418,13 +2418,15 @@ class View:
                     # (replaced: a close queued to store it stores nothing)
                     was_dirty, buf.dirty = buf.dirty, False
         try:
-            await self.store.move_link(node.key, new_key)
+            # (noreplace: in storage too, where another process may have taken the name since the lookup)
+            await self.store.move_link(node.key, new_key, noreplace=noreplace)
         except BaseException as exc:
             if existing is not None:
                 self._put_back(existing.path, buf, was_dirty, detached, exc)
-            if isinstance(exc, StoreError) and exc.errno == errno.EXDEV:
-                # (another file system mounted inside the store: an answer, mv copies the link)
-                raise ViewError(errno.EXDEV, str(exc)) from None
+            if isinstance(exc, StoreError) and exc.errno in (errno.EXDEV, errno.EEXIST):
+                # (another file system mounted inside the store: an answer, mv copies the link; the
+                # name taken meanwhile, RENAME_NOREPLACE)
+                raise ViewError(exc.errno, str(exc)) from None
             raise
 
     async def _link_key(self, parent: Node, name: str, target: str | None) -> str:

@@ -364,9 +364,10 @@ class Backend(Protocol):
         """Make a symbolic link ``key`` holding ``target`` (any text; EEXIST
         if the name is taken).  Only where ``symlinks``."""
 
-    def move_link(self, key: str, new_key: str) -> None:
+    def move_link(self, key: str, new_key: str, *, noreplace: bool = False) -> None:
         """Rename the symbolic link ``key`` itself to ``new_key`` (replacing
-        a file there, as rename(2)).  Only where ``symlinks``."""
+        a file there, as rename(2); ``noreplace``: EEXIST instead).  Only
+        where ``symlinks``."""
 
     def put(
         self,
@@ -830,9 +831,12 @@ class AsyncStore:
         finally:
             self._changed(key)
 
-    async def move_link(self, key: str, new_key: str) -> None:
+    async def move_link(self, key: str, new_key: str, *, noreplace: bool = False) -> None:
+        """``noreplace``: EEXIST (a StoreError of that errno) if anything is at
+        ``new_key`` (RENAME_NOREPLACE in storage)."""
+        more = {"noreplace": True} if noreplace else {}
         try:
-            await self._run(self.backend.move_link, key, new_key, _writes=True)
+            await self._run(self.backend.move_link, key, new_key, _writes=True, **more)
         finally:
             self._changed(key)
             self._changed(new_key)

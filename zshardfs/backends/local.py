@@ -1358,18 +1358,21 @@ class LocalBackend:
                 if fd >= 0:
                     os.close(fd)
 
-    def move_link(self, key: str, new_key: str) -> None:
+    def move_link(self, key: str, new_key: str, *, noreplace: bool = False) -> None:
+        """rename(2) of the link ``key`` itself to ``new_key``, replacing a
+        file there; ``noreplace``: never (renameat2 RENAME_NOREPLACE, EEXIST)."""
         src_dir, src, dst_dir, dst = self._move_ends(key, new_key)
         try:
             with self._two_dirs(src_dir, dst_dir) as (sfd, dfd):
                 if not stat.S_ISLNK(os.stat(src, dir_fd=sfd, follow_symlinks=False).st_mode):
                     raise FileNotFoundError(errno.ENOENT, "no longer a symbolic link", key)
-                _renameat2(sfd, src, dfd, dst, 0, key)  # (renameat: the link itself moves)
+                _renameat2(sfd, src, dfd, dst, _RENAME_NOREPLACE if noreplace else 0, key)  # (the link itself moves)
                 os.fsync(dfd)
                 if src_dir != dst_dir:
                     os.fsync(sfd)
         except OSError as exc:
-            if exc.errno == errno.EXDEV and exc.filename == key:  # (across file systems: the caller copies)
+            if (exc.errno == errno.EXDEV and exc.filename == key) or (noreplace and exc.errno == errno.EEXIST):
+                # (across file systems: the caller copies; the new name taken meanwhile)
                 err = StoreError(f"{key} -> {new_key}: {exc.strerror}", key)
                 err.errno = exc.errno
                 raise err from None
