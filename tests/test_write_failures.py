@@ -927,3 +927,29 @@ def test_a_directory_rename_whose_flush_fails_logs_one_line(tmp_path, mount):
     m.umount()
     data[0:2, 0:2] = 0x09090909
     np.testing.assert_array_equal(zarr.open_array(str(store / "moved"), mode="r")[...], data)
+
+
+def test_an_rmdir_whose_flush_fails_logs_one_line(tmp_path, mount):
+    """rm -r of an array whose chunk removals cannot be stored (its shard
+    directory made read-only by a bind mount): the rmdir that must store
+    them first fails (EROFS, the array's directory kept) and logs ONE line
+    that says what failed -- it was five, the flush's own line for each of
+    the four shards and fuse_ops' 'rmdir: arr/c/1/1: Read-only file system'.
+    Once storage works again, everything is stored."""
+    store, data = _seeded(tmp_path)
+    m = mount(store, "flush_delay=60")
+    shards = store / "arr/c"
+    subprocess.run(["mount", "--bind", str(shards), str(shards)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(shards)], check=True)
+        mark = len(m.log_text())
+        out = subprocess.run(["rm", "-r", str(m / "arr")], capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and "Read-only file system" in out.stderr, out.stderr
+        lines = _problems_since(m, mark)
+        assert len(lines) == 1, lines
+        assert "not removed" in lines[0] and "Read-only file system" in lines[0], lines
+        assert (store / "arr/c/0/0").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(shards)], check=False)
+    m.umount()
+    assert not (store / "arr/c/0/0").exists() and not (store / "arr/zarr.json").exists()

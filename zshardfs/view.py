@@ -2067,7 +2067,7 @@ class View:
             # at the next flush: now, so the stored directory is empty.  The
             # view forgets the directory only after these succeeded, so a
             # failed rmdir leaves it where it was.
-            await self.writeback.flush_below(node.key)
+            await self._flush_below_first(f"{node.path}: not removed: what was removed below", node.key)
             await self.store.remove_dir(node.key)
             self._forget_orphan(node.key)
         self._forget_made_dirs(parent.path, (name,))
@@ -2182,18 +2182,25 @@ class View:
             raise ViewError(errno.EXDEV, f"{new_path}: not a stored directory")
         move = DirMove(old_path, new_path, node.key, new_key, existing is None, noreplace)
         self._quiet_below(move, flushed=False)
+        await self._flush_below_first(f"{old_path} -> {new_path}: not renamed: what was written below", node.key,
+                                      new_key)
+        return move
+
+    async def _flush_below_first(self, what: str, *keys: str) -> None:
+        """Flush the dirty shards below the directories ``keys`` before a
+        request that needs them stored (a directory's rename or removal).
+        A failure is the request's one line (``what`` could not be stored
+        first, and why), not also one of each shard's flush."""
         try:
-            with failures_logged_by_caller():  # (one line for the rename refused: the request's)
-                await self.writeback.flush_below(node.key)
-                await self.writeback.flush_below(new_key)
+            with failures_logged_by_caller():
+                for key in keys:
+                    await self.writeback.flush_below(key)
         except (CorruptData, ViewError, Unavailable):
-            raise
+            raise  # (damage has its own line, 5.2; a deadline is said as such)
         except StoreError as exc:
-            err = StoreError(f"{old_path} -> {new_path}: not renamed: what was written below could not be stored "
-                             f"first (kept in memory, retried): {exc}", exc.key)
+            err = StoreError(f"{what} could not be stored first (kept in memory, retried): {exc}", exc.key)
             err.errno = exc.errno
             raise err from None
-        return move
 
     def _quiet_below(self, move: "DirMove", flushed: bool = True) -> None:
         """EXDEV (``mv`` then copies) if anything below either place lives
