@@ -2807,6 +2807,43 @@ def test_zarr2_shrinking_a_transformer_array_removes_the_chunks_outside(store, m
     np.testing.assert_array_equal(zarr2(m / "proj/data/root", "read"), np.arange(64, dtype="u2").reshape(8, 8) + 1)
 
 
+def test_zarr2_shrinking_an_array_whose_chunks_the_kernel_holds(store, mount, tmp_path):
+    """The chunks the mount removes itself when zarr 2.18 shrinks a
+    transformer array (above) are forgotten by the kernel at once.  Read
+    through the mount first, every chunk's entry is in the kernel's cache;
+    zarr 2.18 then deletes the chunks outside the new shape by name, and a
+    chunk the kernel still showed (``isfile``) but the mount had removed made
+    its ``os.remove`` fail: the resize raised FileNotFoundError, and reads of
+    the array grown again raised it too until ``attr_timeout`` passed."""
+    import io
+
+    from tests.peers_zarr import ZARR2_PYTHON
+
+    script = tmp_path / "resize.py"
+    script.write_text(_ZARR2_RESIZE)
+    env = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
+
+    def zarr2(root, what) -> np.ndarray | None:
+        out = subprocess.run([str(ZARR2_PYTHON), str(script), str(Path(__file__).parent), str(root), what],
+                             env=env, capture_output=True, timeout=120)
+        assert out.returncode == 0, out.stderr.decode()[-600:]
+        return np.load(io.BytesIO(out.stdout)) if what == "read" else None
+
+    zarr2(tmp_path / "seed" / "t", "create-sharded")
+    zarr2(tmp_path / "twin", "create-plain")
+    store.put_tree(tmp_path / "seed" / "t", "t")
+    m = mount(store.source, "attr_timeout=60", extra=store.extra)
+    np.testing.assert_array_equal(zarr2(m / "t", "read"), zarr2(tmp_path / "twin", "read"))
+    zarr2(m / "t", "shrink-grow")
+    zarr2(tmp_path / "twin", "shrink-grow")
+    np.testing.assert_array_equal(zarr2(m / "t", "read"), zarr2(tmp_path / "twin", "read"))
+    for name in ("c3/0", "c0/3", "c2/2"):  # (removed, outside (5, 3) in chunks of 2)
+        assert not os.path.exists(m / "t/data/root/arr" / name), name
+    m.umount()
+    np.testing.assert_array_equal(zarr2(store.local_copy(tmp_path / "copy") / "t", "read"),
+                                  zarr2(tmp_path / "twin", "read"))
+
+
 @pytest.mark.parametrize("how", ["garbage_then_restore", "emptied_synced_restored"])
 def test_a_transformer_document_emptied_and_restored_keeps_the_array(store, mount, tmp_path, how):
     """``echo oops > meta/root/arr.array.json`` or ``: > ...; zshardfs sync``,

@@ -94,6 +94,8 @@ def _translate(fn):
             raise pyfuse3.FUSEError(errno.EIO) from None
         finally:
             end_request(token)
+            if self.view.removed_here:
+                self._forget_removed_here()
 
     return wrapper
 
@@ -976,6 +978,22 @@ class Operations(pyfuse3.Operations):
             self._in_doubt((parent_inode, name))
             raise
         self._forget_path(f"{parent.path}/{os.fsdecode(name)}".lstrip("/"))
+
+    def _forget_removed_here(self) -> None:
+        """The kernel forgets its entries of the chunks the view removed by
+        itself (View.removed_here: zarr 2.18's shrink of a transformer
+        array), which it would show for ``attr_timeout``: a writer deleting
+        them by name found them (``isfile``) and its ``os.remove`` failed
+        (ENOENT), and a reader opening one got ENOENT instead of the fill."""
+        gone, self.view.removed_here = self.view.removed_here, set()
+        for entry in list(self.inodes.values()):
+            t = entry.node.target
+            if t is None or (t.shard_key, t.chunk_id) not in gone:
+                continue
+            parent, _, name = entry.node.path.rpartition("/")
+            parent_inode = self.by_path.get(parent)
+            if parent_inode is not None:
+                self._in_doubt((parent_inode, os.fsencode(name)))
 
     def _in_doubt(self, *entries: tuple[int, bytes]) -> None:
         """A rename or unlink failed in storage after part of its work (a

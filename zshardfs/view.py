@@ -395,6 +395,11 @@ class View:
         # datasets, REMOVED_DOCUMENTS_BYTES of documents.
         self.orphans: OrderedDict[str, tuple[Dataset, str]] = OrderedDict()
         self.removed_documents: OrderedDict[str, bytes] = OrderedDict()
+        # chunks this mount removed by itself, not by a request naming them
+        # (_prune_outside): (shard key, chunk id).  The kernel may hold their
+        # entries (a reader looked them up): Operations makes it forget them
+        # after the request (see Operations._forget_removed_here)
+        self.removed_here: set[tuple[str, int]] = set()
         # (S3) info key -> (etag, the directories it names): see _info_dirs
         self._info_dirs_kept: OrderedDict[str, tuple[str, frozenset[str]]] = OrderedDict()
 
@@ -1695,6 +1700,8 @@ class View:
         for t in gone:
             self.writeback.delete(t.shard_key, before.shard_format, t.shard_ctx, t.chunk_id, before.shard_home)
             self._chunk_changed(t)
+        if len(self.removed_here) < 1 << 20:  # (else the kernel's entries time out, attr_timeout)
+            self.removed_here.update((t.shard_key, t.chunk_id) for t in gone)
         if gone:
             log.info("%s: shape shrank: %d chunks outside it removed", dir_key, len(gone))
 
