@@ -2721,6 +2721,11 @@ elif what == "shrink-grow":
     z = zarr.open_array(store=store, path="arr", mode="r+", zarr_version=3)
     z.resize(5, 3)
     z.resize(8, 8)
+elif what.startswith("overwrite"):  # (zarr.create(overwrite=True): erase the document, then each chunk)
+    shape, chunks = ((8, 8), (2, 2)) if what == "overwrite-same" else ((7, 9, 2), (2, 2, 2))
+    z = zarr.create(shape=shape, chunks=chunks, dtype="u2", store=store, path="arr", zarr_version=3,
+                    compressor=None, fill_value=5, overwrite=True)
+    z[...] = np.arange(z.size, dtype="u2").reshape(shape) % 7
 else:
     z = zarr.open_array(store=store, path="arr", mode="r", zarr_version=3)
     np.save(sys.stdout.buffer, z[...])
@@ -2842,6 +2847,46 @@ def test_zarr2_shrinking_an_array_whose_chunks_the_kernel_holds(store, mount, tm
     m.umount()
     np.testing.assert_array_equal(zarr2(store.local_copy(tmp_path / "copy") / "t", "read"),
                                   zarr2(tmp_path / "twin", "read"))
+
+
+@pytest.mark.parametrize("how", ["overwrite", "overwrite-same"])
+def test_zarr2_overwriting_a_transformer_array_through_the_mount(store, mount, tmp_path, how):
+    """``zarr.create(..., overwrite=True)`` of zarr 2.18 over a v3-draft
+    transformer array: it erases the array's document, then every chunk
+    file it lists (its directories stay, as in a directory store), then
+    writes the new document and chunks.  The last chunk of each shard gone,
+    the mount deleted the shards and their directories with them (stored
+    before the new document), while the kernel still held those chunk
+    directories from the listing: the new array's first chunk write found
+    ``data/root/arr/c0`` there (cached) and its ``makedirs``/``open`` below
+    it got ENOENT (KeyError / FileNotFoundError out of zarr; nothing in the
+    log).  The kernel now forgets the entries of a dataset whose last chunk
+    went with its document, once a new document takes its place."""
+    import io
+
+    from tests.peers_zarr import ZARR2_PYTHON
+
+    script = tmp_path / "resize.py"
+    script.write_text(_ZARR2_RESIZE)
+    env = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
+
+    def zarr2(root, what) -> np.ndarray | None:
+        out = subprocess.run([str(ZARR2_PYTHON), str(script), str(Path(__file__).parent), str(root), what],
+                             env=env, capture_output=True, timeout=120)
+        assert out.returncode == 0, out.stderr.decode()[-600:]
+        return np.load(io.BytesIO(out.stdout)) if what == "read" else None
+
+    zarr2(tmp_path / "seed" / "t", "create-sharded")
+    zarr2(tmp_path / "twin", "create-plain")
+    store.put_tree(tmp_path / "seed" / "t", "t")
+    m = mount(store.source, "attr_timeout=60", extra=store.extra)
+    zarr2(m / "t", how)
+    zarr2(tmp_path / "twin", how)
+    expected = zarr2(tmp_path / "twin", "read")
+    np.testing.assert_array_equal(zarr2(m / "t", "read"), expected)
+    m.umount()
+    np.testing.assert_array_equal(zarr2(store.local_copy(tmp_path / "copy") / "t", "read"), expected)
+    assert "Traceback" not in m.log_text()
 
 
 @pytest.mark.parametrize("how", ["garbage_then_restore", "emptied_synced_restored"])

@@ -94,7 +94,7 @@ def _translate(fn):
             raise pyfuse3.FUSEError(errno.EIO) from None
         finally:
             end_request(token)
-            if self.view.removed_here:
+            if self.view.removed_here or self.view.datasets_gone:
                 self._forget_removed_here()
 
     return wrapper
@@ -984,13 +984,22 @@ class Operations(pyfuse3.Operations):
         itself (View.removed_here: zarr 2.18's shrink of a transformer
         array), which it would show for ``attr_timeout``: a writer deleting
         them by name found them (``isfile``) and its ``os.remove`` failed
-        (ENOENT), and a reader opening one got ENOENT instead of the fill."""
+        (ENOENT), and a reader opening one got ENOENT instead of the fill.
+        So it does of the chunk files and directories of a dataset that is
+        gone (View.datasets_gone: its document and every chunk removed, a
+        new document in its place; zarr 2.18's ``overwrite=True``): storage
+        lost those directories with their last shard, and a writer making
+        the new array's chunks below one the kernel still showed got ENOENT."""
         gone, self.view.removed_here = self.view.removed_here, set()
+        datasets, self.view.datasets_gone = self.view.datasets_gone, set()
         for entry in list(self.inodes.values()):
-            t = entry.node.target
-            if t is None or (t.shard_key, t.chunk_id) not in gone:
+            node, t = entry.node, entry.node.target
+            if t is not None and (t.shard_key, t.chunk_id) in gone:
+                pass
+            elif not (datasets and node.dataset is not None and node.key is None
+                      and (node.dataset.root, node.dataset.version) in datasets):
                 continue
-            parent, _, name = entry.node.path.rpartition("/")
+            parent, _, name = node.path.rpartition("/")
             parent_inode = self.by_path.get(parent)
             if parent_inode is not None:
                 self._in_doubt((parent_inode, os.fsencode(name)))

@@ -400,6 +400,11 @@ class View:
         # entries (a reader looked them up): Operations makes it forget them
         # after the request (see Operations._forget_removed_here)
         self.removed_here: set[tuple[str, int]] = set()
+        # (dataset root, version) of the datasets whose document this mount
+        # removed and whose last chunk went before a new document took its
+        # place (_removed_document): the entries the kernel holds of their
+        # chunk files and directories are forgotten likewise
+        self.datasets_gone: set[tuple[str, tuple]] = set()
         # (S3) info key -> (etag, the directories it names): see _info_dirs
         self._info_dirs_kept: OrderedDict[str, tuple[str, frozenset[str]]] = OrderedDict()
 
@@ -1751,6 +1756,9 @@ class View:
                 return data
         for dir_key in dirs:  # all gone: their shards' deletions are stored before a new document
             await self.writeback.flush_below(dir_key)
+        # (and the directories storage lost with them, which a directory
+        # store keeps: the kernel, which may hold them, is told to forget them)
+        self.datasets_gone.update((d, self.orphans[d][0].version) for d in dirs if d in self.orphans)
         self._forget_removed(key)  # ...which is new
         return None
 
