@@ -95,7 +95,7 @@ def _translate(fn):
         finally:
             end_request(token)
             if self.view.removed_here or self.view.datasets_gone:
-                self._forget_removed_here()
+                await self._forget_removed_here(args)
 
     return wrapper
 
@@ -979,7 +979,7 @@ class Operations(pyfuse3.Operations):
             raise
         self._forget_path(f"{parent.path}/{os.fsdecode(name)}".lstrip("/"))
 
-    def _forget_removed_here(self) -> None:
+    async def _forget_removed_here(self, args: tuple = ()) -> None:
         """The kernel forgets its entries of the chunks the view removed by
         itself (View.removed_here: zarr 2.18's shrink of a transformer
         array), which it would show for ``attr_timeout``: a writer deleting
@@ -989,10 +989,22 @@ class Operations(pyfuse3.Operations):
         gone (View.datasets_gone: its document and every chunk removed, a
         new document in its place; zarr 2.18's ``overwrite=True``): storage
         lost those directories with their last shard, and a writer making
-        the new array's chunks below one the kernel still showed got ENOENT."""
+        the new array's chunks below one the kernel still showed got ENOENT.
+
+        Before the request is answered: the writer's next call comes at
+        once, and a notification queued for pyfuse3's thread may not have
+        reached the kernel by then.  An entry in a directory (or of an
+        inode) this request names cannot be invalidated while the kernel
+        waits for it (it holds their locks): that one is queued instead;
+        and the wait ends after 2 s whatever happened (a related request
+        holding a lock for longer), the rest queued."""
         gone, self.view.removed_here = self.view.removed_here, set()
         datasets, self.view.datasets_gone = self.view.datasets_gone, set()
-        for entry in list(self.inodes.values()):
+        held = {a for a in args if isinstance(a, int) and a in self.inodes}
+        held |= {h.inode for a in args if isinstance(a, int)
+                 and isinstance(h := self._handles.get(a), _DirHandle)}
+        now, later = [], []
+        for ino, entry in list(self.inodes.items()):
             node, t = entry.node, entry.node.target
             if t is not None and (t.shard_key, t.chunk_id) in gone:
                 pass
@@ -1002,7 +1014,20 @@ class Operations(pyfuse3.Operations):
             parent, _, name = node.path.rpartition("/")
             parent_inode = self.by_path.get(parent)
             if parent_inode is not None:
-                self._in_doubt((parent_inode, os.fsencode(name)))
+                (later if parent_inode in held or ino in held else now).append((parent_inode, os.fsencode(name)))
+        done = []
+
+        def invalidate() -> None:
+            for parent_inode, name in now:
+                try:
+                    pyfuse3.invalidate_entry(parent_inode, name)
+                except OSError:  # (ENOENT: the kernel does not hold it)
+                    pass
+                done.append(name)
+
+        with trio.move_on_after(2.0):
+            await trio.to_thread.run_sync(invalidate, limiter=self._notify_limiter, abandon_on_cancel=True)
+        self._in_doubt(*later, *now[len(done):])
 
     def _in_doubt(self, *entries: tuple[int, bytes]) -> None:
         """A rename or unlink failed in storage after part of its work (a
