@@ -240,6 +240,28 @@ def test_shard_factors_for_other_dimensions_store_the_array_as_written(store, mo
     np.testing.assert_array_equal(stored_cube[...], 7)
 
 
+def test_an_array_with_a_variable_chunk_grid_is_stored_as_written_and_said(store, mount, tmp_path):
+    """``-o shard=K`` shards arrays whose chunk grid is regular: a new
+    array with a ``rectilinear`` chunk grid (zarr-python 3.4's
+    ``chunks=[[10, 20, 30], [25, 25]]``), whose chunks differ in size, is
+    stored unsharded, as written, with one log line (before: no line, the
+    array silently unsharded); grown and shrunk it reads as written."""
+    m = mount(store.source, "shard=2", extra=store.extra)
+    with zarr.config.set({"array.rectilinear_chunks": True}):
+        a = zarr.create_array(str(m / "var"), shape=(60, 50), chunks=[[10, 20, 30], [25, 25]], dtype="<i4",
+                              fill_value=0, compressors=None)
+        a[...] = np.arange(3000, dtype="<i4").reshape(60, 50)
+        a.resize((80, 50))
+        a[60:80] = 4
+        a.resize((30, 40))
+        m.umount()
+        assert m.log_text().count("var/zarr.json: stored unsharded, as written: -o shard shards arrays with a "
+                                  'regular chunk grid, and this one\'s is "rectilinear"') == 1
+        stored = zarr.open_array(str(store.local_copy(tmp_path / "copy") / "var"), mode="r")
+        assert [c["name"] for c in stored.metadata.to_dict()["codecs"]] == ["bytes"]
+        np.testing.assert_array_equal(stored[...], np.arange(3000, dtype="<i4").reshape(60, 50)[:30, :40])
+
+
 def test_shard_factors_are_kept_and_too_large_shards_are_logged(store, mount, tmp_path):
     """``-o shard=K`` shards hold K chunks per dimension as asked, also past
     the array's shape when it is made (an array made empty and appended to

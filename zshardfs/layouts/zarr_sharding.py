@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -448,9 +449,14 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
                     log.warning("%s: stored unsharded, as written: sharded, it could not be shown (%s)", key, exc)
                 out = None
             ndim = len(doc.get("shape") or [])
+            grid = (doc.get("chunk_grid") or {}).get("name") if isinstance(doc.get("chunk_grid"), dict) else None
             if out is None and len(shard_option) not in (1, ndim) and ndim:
                 log.warning("%s: stored unsharded, as written: -o shard has %d factors but the array has %d "
                             "dimensions", key, len(shard_option), ndim)
+            elif out is None and ndim and grid != "regular":
+                # (its chunks differ in size: no regular inner chunk grid could hold them)
+                log.warning("%s: stored unsharded, as written: -o shard shards arrays with a regular chunk "
+                            "grid, and this one's is %s", key, json.dumps(grid))
     result = out if out is not None else doc
     _remember(key, dump_json(result, new) if _meta_or_none(result) else None)
     return dump_json(out, new) if out is not None else None
