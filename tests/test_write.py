@@ -2727,6 +2727,14 @@ elif what.startswith("overwrite"):  # (zarr.create(overwrite=True): erase the do
     z = zarr.create(shape=shape, chunks=chunks, dtype="u2", store=store, path="arr", zarr_version=3,
                     compressor=None, fill_value=5, overwrite=True)
     z[...] = np.arange(z.size, dtype="u2").reshape(shape) % 7
+elif what == "consolidate":  # (an attribute changed first, then meta/root/consolidated/.zmetadata)
+    zarr.group(store=store, zarr_version=3)  # (open_consolidated opens the root group)
+    zarr.open_array(store=store, path="arr", mode="r+", zarr_version=3).attrs["note"] = "consolidated"
+    zarr.consolidate_metadata(store)
+elif what == "read-consolidated":
+    z = zarr.open_consolidated(store, zarr_version=3, mode="r")["arr"]
+    assert z.attrs.get("note") == "consolidated", dict(z.attrs)
+    np.save(sys.stdout.buffer, z[...])
 else:
     z = zarr.open_array(store=store, path="arr", mode="r", zarr_version=3)
     np.save(sys.stdout.buffer, z[...])
@@ -2849,6 +2857,48 @@ def test_zarr2_shrinking_an_array_whose_chunks_the_kernel_holds(store, mount, tm
     m.umount()
     np.testing.assert_array_equal(zarr2(store.local_copy(tmp_path / "copy") / "t", "read"),
                                   zarr2(tmp_path / "twin", "read"))
+
+
+def test_zarr2_consolidated_metadata_of_transformer_arrays_is_shown_and_stored_mapped(store, mount, tmp_path):
+    """zarr 2.18's consolidated metadata (``meta/root/consolidated/.zmetadata``:
+    every array and group document of the store, one JSON object) holds
+    the array documents with their sharding transformer.  Shown as stored,
+    zarr 2.18 reading the mount consolidated took the view's chunk files
+    for shards (ValueError: cannot reshape); consolidated through the
+    mount, it was stored with the view's documents, without the
+    transformer, and zarr 2.18 reading the store itself consolidated took
+    its shards for chunks (the same error).  Each member is now shown
+    without the transformer, as its own document is, and stored with it
+    put back (attributes carried over), as its own document is."""
+    import io
+
+    from tests.peers_zarr import ZARR2_PYTHON
+
+    script = tmp_path / "resize.py"
+    script.write_text(_ZARR2_RESIZE)
+    env = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
+
+    def zarr2(root, what) -> np.ndarray | None:
+        out = subprocess.run([str(ZARR2_PYTHON), str(script), str(Path(__file__).parent), str(root), what],
+                             env=env, capture_output=True, timeout=120)
+        assert out.returncode == 0, out.stderr.decode()[-600:]
+        return np.load(io.BytesIO(out.stdout)) if what.startswith("read") else None
+
+    for root, how in ((tmp_path / "seed" / "t", "create-sharded"), (tmp_path / "twin", "create-plain")):
+        zarr2(root, how)
+        zarr2(root, "consolidate")
+    expected = zarr2(tmp_path / "twin", "read-consolidated")
+    store.put_tree(tmp_path / "seed" / "t", "t")
+    m = mount(store.source, extra=store.extra)
+    doc = "meta/root/consolidated/.zmetadata"
+    np.testing.assert_array_equal(zarr2(m / "t", "read-consolidated"), expected)
+    assert json.loads((m / "t" / doc).read_bytes()) == json.loads((tmp_path / "twin" / doc).read_bytes())
+    zarr2(m / "t", "consolidate")  # (again, through the mount)
+    np.testing.assert_array_equal(zarr2(m / "t", "read-consolidated"), expected)
+    m.umount()
+    stored = json.loads(store.get(f"t/{doc}"))["metadata"]["meta/root/arr.array.json"]
+    assert stored["storage_transformers"][0]["configuration"] == {"chunks_per_shard": [2, 2]}, stored
+    np.testing.assert_array_equal(zarr2(store.local_copy(tmp_path / "copy") / "t", "read-consolidated"), expected)
 
 
 @pytest.mark.parametrize("how", ["overwrite", "overwrite-same"])

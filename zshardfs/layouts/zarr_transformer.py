@@ -15,9 +15,11 @@ when the list becomes empty) and shows every inner chunk at its own key.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from ..backends.base import NotFound
+from ..together import off_loop
 from .base import NEW_SHARDED, LayoutContext, dump_json, load_json, load_json_async, warn_once
 from .grids import GridError, ShardGrid
 from .zarr_common import ChunkKeys, GridDataset, ZarrShardFormat
@@ -54,30 +56,64 @@ def _splits(key: str, root: str) -> list[tuple[str, str]]:
     return out
 
 
+#: zarr 2.18's consolidated metadata (``consolidate_metadata``'s default
+#: key): {"zarr_consolidated_format": 1, "metadata": {key: document}}, every
+#: array and group document of the store by its key
+CONSOLIDATED = "/.zmetadata"
+
+
+def _is_consolidated(key: str) -> bool:
+    return key.endswith(CONSOLIDATED) and bool(_splits(key, META_ROOT))
+
+
 def is_document(key: str) -> bool:
-    return key.endswith(SUFFIX) and bool(_splits(key, META_ROOT))
+    return (key.endswith(SUFFIX) or key.endswith(CONSOLIDATED)) and bool(_splits(key, META_ROOT))
 
 
 def dataset_dirs(key: str, data: bytes) -> list[str]:
     """``<prefix>meta/root/<p>.array.json`` describes the array under
     ``<prefix>data/root/<p>`` (each reading of the key: the view keeps
-    those that are datasets)."""
+    those that are datasets).  (Consolidated metadata describes none: its
+    arrays are their own documents'.)"""
+    if not key.endswith(SUFFIX):
+        return []
     return [prefix + DATA_ROOT + rest[:-len(SUFFIX)] for prefix, rest in _splits(key, META_ROOT)]
 
 
-def rewrite_document(key: str, data: bytes) -> bytes | None:
-    doc = load_json(data, key)
-    if doc is None or _transformer(doc) is None:
-        return None
-    if _dataset_params(doc, key) is None:
-        return None  # shown raw; _dataset_params logged why
+def _unsharded(doc: dict) -> dict:
     out = dict(doc)
     rest = [t for t in doc["storage_transformers"] if not _is_sharding(t)]
     if rest:
         out["storage_transformers"] = rest
     else:
         del out["storage_transformers"]
-    return dump_json(out, data)
+    return out
+
+
+def _members(doc) -> dict | None:
+    members = doc.get("metadata") if isinstance(doc, dict) else None
+    return members if isinstance(members, dict) else None
+
+
+def rewrite_document(key: str, data: bytes) -> bytes | None:
+    doc = load_json(data, key)
+    if doc is None:
+        return None
+    if _is_consolidated(key):
+        # each sharded array member shown as its own document is
+        members = _members(doc)
+        if members is None:
+            return None
+        out = {k: _unsharded(v) if k.endswith(SUFFIX) and isinstance(v, dict) and _transformer(v) is not None
+               and _dataset_params(v, f"{key}: {k}") is not None else v for k, v in members.items()}
+        if all(out[k] is members[k] for k in members):
+            return None
+        return dump_json({**doc, "metadata": out}, data)
+    if _transformer(doc) is None:
+        return None
+    if _dataset_params(doc, key) is None:
+        return None  # shown raw; _dataset_params logged why
+    return dump_json(_unsharded(doc), data)
 
 
 #: fields the stored shards are laid out by: a document written through the
@@ -109,12 +145,59 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option=Non
         return None  # no document (emptied, or not JSON): as written; the view keeps the chunks (4.15)
     if _transformer(doc) is not None:
         return None  # the stored form itself, written back
+    return dump_json(_map_back(doc, old), new)
+
+
+def _map_back(doc: dict, old: dict) -> dict:
+    """The view's document ``doc`` of the transformer-sharded array stored
+    as ``old``, with the sharding transformer put back (ValueError: a
+    change the stored shards cannot take)."""
     changed = [f for f in _FIXED if doc.get(f) != old.get(f)]
     if changed:
         raise ValueError(f"changing {', '.join(changed)} would make the stored shards unreadable")
     out = dict(doc)
     out["storage_transformers"] = [_transformer(old), *(doc.get("storage_transformers") or [])]
-    return dump_json(out, new)
+    return out
+
+
+async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored: bytes | None,
+                                shard_option, pending=None) -> bytes | None:
+    """``accept_document``; and for consolidated metadata written through
+    the view (zarr 2.18's ``consolidate_metadata``, which copies the view's
+    documents), each member that is the view's form of a transformer-sharded
+    array mapped back onto that array's stored document, as the document
+    itself is (else zarr 2.18 opening the store consolidated would take its
+    shards for chunks).  A member whose array is not stored (yet), or is
+    not sharded, is stored as written."""
+    if not _is_consolidated(key):
+        return await off_loop(functools.partial(accept_document, key, new, stored, shard_option), len(new))
+    doc = await load_json_async(new, key)
+    members = _members(doc)
+    if members is None:
+        return None
+    out = dict(members)
+    for name, member in members.items():
+        if not (name.startswith(META_ROOT) and name.endswith(SUFFIX) and isinstance(member, dict)) \
+                or _transformer(member) is not None:
+            continue
+        for prefix, _ in _splits(key, META_ROOT):  # (the store's place: each reading, as probe)
+            try:
+                blob = await ctx.store.get_document(prefix + name)
+                break
+            except NotFound:
+                continue
+        else:
+            continue
+        old = await load_json_async(blob.data, blob.info.key)
+        if old is None or _transformer(old) is None or _dataset_params(old, blob.info.key) is None:
+            continue
+        try:
+            out[name] = _map_back(member, old)
+        except ValueError as exc:
+            raise ValueError(f"consolidated member {name!r}: {exc}") from None
+    if all(out[k] is members[k] for k in members):
+        return None
+    return dump_json({**doc, "metadata": out}, new)
 
 
 def _dataset_params(doc: dict, what: str):
