@@ -2859,6 +2859,39 @@ def test_zarr2_shrinking_an_array_whose_chunks_the_kernel_holds(store, mount, tm
                                   zarr2(tmp_path / "twin", "read"))
 
 
+def test_zarr2_arrays_made_in_a_shard_mount_are_stored_as_written_and_said(store, mount, tmp_path):
+    """``-o shard=K`` shards new Zarr v3 arrays (their ``zarr.json``); a new
+    v3-draft array zarr 2.18 makes through the mount is stored unsharded,
+    as written, with one log line (before: no line, though shard=K was
+    asked); it reads back as written, from the mount and from the store."""
+    import io
+
+    from tests.peers_zarr import ZARR2_PYTHON
+
+    script = tmp_path / "resize.py"
+    script.write_text(_ZARR2_RESIZE)
+    env = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
+
+    def zarr2(root, what) -> np.ndarray | None:
+        out = subprocess.run([str(ZARR2_PYTHON), str(script), str(Path(__file__).parent), str(root), what],
+                             env=env, capture_output=True, timeout=120)
+        assert out.returncode == 0, out.stderr.decode()[-600:]
+        return np.load(io.BytesIO(out.stdout)) if what.startswith("read") else None
+
+    m = mount(store.source, "shard=2", extra=store.extra)
+    zarr2(m / "t", "create-plain")
+    zarr2(m / "t", "shrink-grow")
+    zarr2(tmp_path / "twin", "create-plain")
+    zarr2(tmp_path / "twin", "shrink-grow")
+    expected = zarr2(tmp_path / "twin", "read")
+    np.testing.assert_array_equal(zarr2(m / "t", "read"), expected)
+    m.umount()
+    assert m.log_text().count("t/meta/root/arr.array.json: stored unsharded, as written: -o shard shards "
+                              "Zarr v3 arrays") == 1, m.log_text()
+    assert "storage_transformers" not in json.loads(store.get("t/meta/root/arr.array.json"))
+    np.testing.assert_array_equal(zarr2(store.local_copy(tmp_path / "copy") / "t", "read"), expected)
+
+
 def test_zarr2_consolidated_metadata_of_transformer_arrays_is_shown_and_stored_mapped(store, mount, tmp_path):
     """zarr 2.18's consolidated metadata (``meta/root/consolidated/.zmetadata``:
     every array and group document of the store, one JSON object) holds

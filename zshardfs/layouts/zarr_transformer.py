@@ -136,6 +136,10 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option=Non
         doc = load_json(new, key)
         if doc is not None and _transformer(doc) is not None and _dataset_params(doc, key) is not None:
             raise ValueError(NEW_SHARDED)
+        if shard_option and isinstance(doc, dict) and isinstance(doc.get("shape"), list) and doc["shape"]:
+            # (a new array: the transformer is not added, as -o shard adds the codec to a zarr.json)
+            warn_once(log, f"{key}: stored unsharded, as written: -o shard shards Zarr v3 arrays (zarr.json), "
+                           "not v3-draft storage-transformer ones")
         return None
     old = load_json(stored, key)
     if old is None or _transformer(old) is None or _dataset_params(old, key) is None:
