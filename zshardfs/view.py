@@ -1758,7 +1758,8 @@ class View:
             await self.writeback.flush_below(dir_key)
         # (and the directories storage lost with them, which a directory
         # store keeps: the kernel, which may hold them, is told to forget them)
-        self.datasets_gone.update((d, self.orphans[d][0].version) for d in dirs if d in self.orphans)
+        self.datasets_gone.update((d, self.orphans[d][0].version) for d in dirs
+                                  if d in self.orphans and self.orphans[d][0].version)
         self._forget_removed(key)  # ...which is new
         return None
 
