@@ -905,3 +905,126 @@ def test_a_link_renamed_with_noreplace_never_replaces_a_file_made_meanwhile(tmp_
 
     trio.run(main)
     assert (st.root / "new").read_bytes() == b"theirs" and os.readlink(st.root / "lnk") == "x"
+
+
+def _held(view, monkeypatch, method: str, when):
+    """``view.<method>`` holds, once it has answered a call ``when(*args)``
+    accepts, until the returned ``go`` is set (``held`` is set meanwhile):
+    the request has taken its nodes and is about to use them."""
+    import trio
+
+    held, go, real = trio.Event(), trio.Event(), getattr(view, method)
+
+    async def holding(*args, **kwargs):
+        out = await real(*args, **kwargs)
+        if not held.is_set() and when(*args):
+            held.set()
+            await go.wait()
+        return out
+    monkeypatch.setattr(view, method, holding)
+    return held, go
+
+
+def _fields(**set_):
+    import types
+
+    names = ("update_size", "update_mode", "update_uid", "update_gid", "update_atime", "update_mtime", "update_ctime")
+    return types.SimpleNamespace(**{n: set_.get(n, False) for n in names})
+
+
+#: (request, the view method it is held in once it has answered, for which name)
+_HELD_REQUESTS = {
+    "mkdir": ("lookup", "new"),
+    "rmdir": ("lookup", "sub"),
+    "unlink": ("lookup", "1"),
+    "symlink": ("lookup", "ln"),
+    "link": ("lookup", "copy.txt"),
+    "rename": ("lookup", "moved"),
+    "truncate": ("refresh", None),
+}
+
+
+@pytest.mark.parametrize("request_", sorted(_HELD_REQUESTS))
+def test_a_request_under_way_below_a_directory_keeps_it_from_being_renamed(tmp_path, monkeypatch, request_):
+    """MKDIR, RMDIR, UNLINK (of a chunk), SYMLINK, LINK, a file's RENAME
+    and a SETATTR that truncates by path take their nodes before they await
+    (the view's lookup of the name, a truncate's refresh) and use them
+    after: a rename of a directory above in that wait went ahead, and the
+    request then acted at the OLD path: mkdir, link and rename made the old
+    directory again (g/new, g/copy.txt, g/moved), rmdir removed nothing and answered success (h/sub stayed),
+    unlink queued its delete under the old shard key (the chunk stayed at h,
+    the flush made g again), symlink was ENOENT, and truncate gave its inode
+    back the old node (a write through it then stored at g).  A request
+    under way now counts as something open below: the rename is EXDEV (mv
+    copies); once it has ended, the rename goes ahead, and the request's
+    effect is found at the new place, the old name never back."""
+    import pyfuse3
+    import trio
+
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "g/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    (st.root / "g/sub").mkdir()
+    (st.root / "g/notes.txt").write_bytes(b"hello")
+    (st.root / "top.txt").write_bytes(b"top")
+    view, ops = _ops_on(st)
+    method, name = _HELD_REQUESTS[request_]
+    chunk = np.full((4, 4), 7, "<i4").tobytes()
+
+    async def main():
+        ino = {}
+        for path in ("g", "g/arr", "g/arr/c", "g/arr/c/0", "g/arr/c/0/1", "g/notes.txt", "top.txt"):
+            parent, _, leaf = path.rpartition("/")
+            ino[path] = (await ops.lookup(ino.get(parent, pyfuse3.ROOT_INODE), leaf.encode())).st_ino
+        held, go = _held(view, monkeypatch, method,
+                         (lambda *a: a[1] == name) if name is not None else (lambda node, *a: node.is_chunk))
+        requests = {
+            "mkdir": lambda: ops.mkdir(ino["g"], b"new", 0o755, None),
+            "rmdir": lambda: ops.rmdir(ino["g"], b"sub", None),
+            "unlink": lambda: ops.unlink(ino["g/arr/c/0"], b"1", None),
+            "symlink": lambda: ops.symlink(ino["g"], b"ln", b"notes.txt", None),
+            "link": lambda: ops.link(ino["g/notes.txt"], ino["g"], b"copy.txt", None),
+            "rename": lambda: ops.rename(pyfuse3.ROOT_INODE, b"top.txt", ino["g"], b"moved", 0, None),
+            "truncate": lambda: ops.setattr(ino["g/arr/c/0/1"], types.SimpleNamespace(st_size=len(chunk)),
+                                            _fields(update_size=True), None, None),
+        }
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(requests[request_])
+            await held.wait()
+            with pytest.raises(pyfuse3.FUSEError) as info:
+                await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
+            assert info.value.errno == errno.EXDEV  # (before: renamed, the request went on at g/)
+            go.set()
+        await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
+        if request_ == "truncate":  # (its inode names the new place: written through, stored there)
+            assert ops.inodes[ino["g/arr/c/0/1"]].node.path == "h/arr/c/0/1"
+            fh = (await ops.open(ino["g/arr/c/0/1"], os.O_WRONLY, None)).fh
+            assert await ops.write(fh, 0, chunk) == len(chunk)
+            await ops.flush(fh)
+            await ops.release(fh)
+        with view.store.request_deadline():
+            await view.writeback.sync_all()
+
+    import types
+
+    trio.run(main)
+    left = ["h"] if request_ == "rename" else ["h", "top.txt"]
+    assert sorted(os.listdir(st.root)) == left  # (the old name never comes back)
+    h = st.root / "h"
+    expect = DATA.copy()
+    if request_ == "mkdir":
+        assert (h / "new").is_dir()
+    if request_ == "rmdir":
+        assert not (h / "sub").exists()
+    if request_ == "unlink":
+        expect[0:4, 4:8] = 0
+    if request_ == "symlink":
+        assert os.readlink(h / "ln") == "notes.txt"
+    if request_ == "link":
+        assert (h / "copy.txt").read_bytes() == b"hello" and (h / "notes.txt").read_bytes() == b"hello"
+    if request_ == "rename":
+        assert (h / "moved").read_bytes() == b"top"
+    if request_ == "truncate":
+        expect[0:4, 4:8] = 7
+    stored = zarr.open_array(str(h / "arr"), mode="r")
+    np.testing.assert_array_equal(stored[...], expect)
+    assert stored.shards == (8, 8)

@@ -1207,15 +1207,27 @@ class View:
         if node.link is not None:  # (the kernel resolves links itself: never asked)
             raise ViewError(errno.ELOOP, f"{node.path}: a symbolic link")
         self._check_writable()
-        path = node.path
-        self._opening[path] = self._opening.get(path, 0) + 1
-        try:
+        with self._under_way(node.path):
             return await self._open_writer(node, truncate)
+
+    @contextlib.contextmanager
+    def _under_way(self, *paths: str):
+        """While held, a request at ``paths`` is under way (an open for
+        writing, a create, mkdir, rmdir, unlink, symlink, link, truncate, a
+        file's rename): it awaits before it acts, and then acts at the paths
+        and keys it resolved first, so a directory above one of them is not
+        renamed meanwhile (:meth:`_quiet_below`: EXDEV, ``mv`` copies); it
+        would make the old directory again, or act on nothing there."""
+        for path in paths:
+            self._opening[path] = self._opening.get(path, 0) + 1
+        try:
+            yield
         finally:
-            if self._opening[path] <= 1:
-                del self._opening[path]
-            else:
-                self._opening[path] -= 1
+            for path in paths:
+                if self._opening[path] <= 1:
+                    del self._opening[path]
+                else:
+                    self._opening[path] -= 1
 
     async def _open_writer(self, node: Node, truncate: bool) -> Handle:
         """open for writing: while it awaits (the node's freshness, the
@@ -1352,15 +1364,8 @@ class View:
         with no wait between that and the new file taking the name."""
         self._check_writable()
         self._check_name(name)
-        path = join_key(parent.path, name)
-        self._opening[path] = self._opening.get(path, 0) + 1  # (as open: see _open_writer)
-        try:
+        with self._under_way(join_key(parent.path, name)):
             return await self._create(parent, name, exclusive)
-        finally:
-            if self._opening[path] <= 1:
-                del self._opening[path]
-            else:
-                self._opening[path] -= 1
 
     async def _create(self, parent: Node, name: str, exclusive: bool) -> Handle:
         parent = await self._fresh(parent)
@@ -1440,6 +1445,10 @@ class View:
             raise ViewError(errno.EFBIG, message)
 
     async def truncate(self, node: Node, size: int, handle: Handle | None = None) -> Node:
+        with self._under_way(node.path):  # (until the node it answers is made: see _under_way)
+            return await self._truncate(node, size, handle)
+
+    async def _truncate(self, node: Node, size: int, handle: Handle | None) -> Node:
         self._check_writable()
         self._check_size(node, size)
         if handle is not None and handle.writable:
@@ -1876,7 +1885,8 @@ class View:
         return node
 
     async def unlink(self, parent: Node, name: str) -> None:
-        await self._unlink(parent, name)
+        with self._under_way(join_key(parent.path, name)):
+            await self._unlink(parent, name)
 
     @contextlib.asynccontextmanager
     async def _no_store_of(self, path: str):
@@ -1981,6 +1991,10 @@ class View:
         return False
 
     async def mkdir(self, parent: Node, name: str) -> Node:
+        with self._under_way(join_key(parent.path, name)):
+            return await self._mkdir(parent, name)
+
+    async def _mkdir(self, parent: Node, name: str) -> Node:
         self._check_writable()
         self._check_name(name)
         parent = await self._fresh(parent)
@@ -2069,6 +2083,10 @@ class View:
             path = parent
 
     async def rmdir(self, parent: Node, name: str) -> None:
+        with self._under_way(join_key(parent.path, name)):
+            await self._rmdir(parent, name)
+
+    async def _rmdir(self, parent: Node, name: str) -> None:
         self._check_writable()
         parent = await self._fresh(parent)
         node = await self.lookup(parent, name)
@@ -2132,14 +2150,15 @@ class View:
                 raise ViewError(errno.EEXIST, f"{path}: exists")
             return
         self._check_name(new_name)
-        while (earlier := self._renaming.get(path)) is not None:
-            await waited_within_deadline(earlier, path, "a rename of it")
-        done = self._renaming[path] = trio.Event()
-        try:
-            await self._rename(parent, name, new_parent, new_name, noreplace)
-        finally:
-            del self._renaming[path]
-            done.set()
+        with self._under_way(path, join_key(new_parent.path, new_name)):
+            while (earlier := self._renaming.get(path)) is not None:
+                await waited_within_deadline(earlier, path, "a rename of it")
+            done = self._renaming[path] = trio.Event()
+            try:
+                await self._rename(parent, name, new_parent, new_name, noreplace)
+            finally:
+                del self._renaming[path]
+                done.set()
 
     # -- renaming a directory (local stores) ---------------------------------
 
@@ -2477,6 +2496,10 @@ class View:
         """symlink(2): a link holding ``target`` as given (the client's
         kernel resolves it), made only where names pass through and only if
         it stays in the view (see :func:`_stays_in_view`)."""
+        with self._under_way(join_key(parent.path, name)):
+            return await self._symlink(parent, name, target)
+
+    async def _symlink(self, parent: Node, name: str, target: str) -> Node:
         self._check_writable()
         self._check_name(name)
         parent = await self._fresh(parent)
@@ -2495,6 +2518,10 @@ class View:
         writes a temporary, links it to the name (failing if it exists) and
         unlinks the temporary.  Links are made one at a time, so two made
         at once cannot both find the name free."""
+        with self._under_way(node.path, join_key(new_parent.path, new_name)):
+            return await self._link(node, new_parent, new_name)
+
+    async def _link(self, node: Node, new_parent: Node, new_name: str) -> Node:
         self._check_writable()
         self._check_name(new_name)
         if node.is_dir:
