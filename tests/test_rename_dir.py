@@ -1028,3 +1028,48 @@ def test_a_request_under_way_below_a_directory_keeps_it_from_being_renamed(tmp_p
     stored = zarr.open_array(str(h / "arr"), mode="r")
     np.testing.assert_array_equal(stored[...], expect)
     assert stored.shards == (8, 8)
+
+
+@pytest.mark.parametrize("kind", ["file", "dir"])
+def test_a_rename_overtaken_by_a_directory_s_rename_names_the_new_place(tmp_path, monkeypatch, kind):
+    """A RENAME takes the nodes of its two parents before it awaits (the
+    lookup of a RENAME_NOREPLACE's new name; a directory's checks and
+    flush): a rename of the new parent (g -> h) in that wait went ahead,
+    and the rename then moved a file to the OLD path (top.txt stored as
+    g/moved.txt: the old directory made again) or failed ENOENT (a
+    directory: its new place was gone).  Now a rename that another
+    directory's rename overtook asks again from its parents as they are
+    now: the file or directory lands in h."""
+    import pyfuse3
+    import trio
+
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "g/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    (st.root / "top.txt").write_bytes(b"top")
+    (st.root / "d").mkdir()
+    (st.root / "d/x").write_bytes(b"x")
+    view, ops = _ops_on(st)
+    source = b"top.txt" if kind == "file" else b"d"
+
+    async def main():
+        g = (await ops.lookup(pyfuse3.ROOT_INODE, b"g")).st_ino
+        await ops.lookup(pyfuse3.ROOT_INODE, source)
+        held, go = _held(view, monkeypatch, "lookup", lambda parent, name, *a: name == "moved")
+        async with trio.open_nursery() as nursery:
+            # (the file with RENAME_NOREPLACE, held in its lookup of the new
+            # name; the directory without, held in prepare_dir_rename's)
+            nursery.start_soon(ops.rename, pyfuse3.ROOT_INODE, source, g, b"moved", int(kind == "file"), None)
+            await held.wait()
+            await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
+            go.set()
+        with view.store.request_deadline():
+            await view.writeback.sync_all()
+
+    trio.run(main)
+    left = ["d", "h"] if kind == "file" else ["h", "top.txt"]
+    assert sorted(os.listdir(st.root)) == left  # (before: g made again, or d left and ENOENT)
+    if kind == "file":
+        assert (st.root / "h/moved").read_bytes() == b"top"
+    else:
+        assert os.listdir(st.root / "h/moved") == ["x"]
+    np.testing.assert_array_equal(zarr.open_array(str(st.root / "h/arr"), mode="r")[...], DATA)

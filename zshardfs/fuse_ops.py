@@ -1061,18 +1061,32 @@ class Operations(pyfuse3.Operations):
         if flags & ~_RENAME_NOREPLACE:
             raise pyfuse3.FUSEError(errno.EINVAL)  # RENAME_EXCHANGE / RENAME_WHITEOUT are not offered
         noreplace = bool(flags & _RENAME_NOREPLACE)
-        old_parent, new_parent = self._node(parent_inode_old), self._node(parent_inode_new)
         old, new = os.fsdecode(name_old), os.fsdecode(name_new)
-        if noreplace and await self.view.lookup(new_parent, new) is not None:
-            # (the kernel refuses a name it knows taken itself; this one it
-            # did not know, or not yet.  Checked again where the name is taken)
-            raise pyfuse3.FUSEError(errno.EEXIST)
-        old_path, new_path = f"{old_parent.path}/{old}".lstrip("/"), f"{new_parent.path}/{new}".lstrip("/")
-        known = self.inodes.get(self.by_path.get(old_path, -1))
-        if known is not None and known.node.is_dir and old_path != new_path:
-            await self._rename_dir(old_parent, old, new_parent, new,
-                                   ((parent_inode_old, name_old), (parent_inode_new, name_new)), noreplace)
-            return
+        for _ in range(64):
+            # (a directory renamed while this one awaits, as in lookup: its
+            # parents' nodes may name the old place, where the rename would
+            # make the old directory again; asked again as they are now.  From
+            # the view's rename on, its places are counted as under way)
+            moves = self._dir_moves
+            old_parent, new_parent = self._node(parent_inode_old), self._node(parent_inode_new)
+            if noreplace and await self.view.lookup(new_parent, new) is not None:
+                if self._dir_moves != moves:
+                    continue
+                # (the kernel refuses a name it knows taken itself; this one it
+                # did not know, or not yet.  Checked again where the name is taken)
+                raise pyfuse3.FUSEError(errno.EEXIST)
+            if self._dir_moves != moves:
+                continue
+            old_path, new_path = f"{old_parent.path}/{old}".lstrip("/"), f"{new_parent.path}/{new}".lstrip("/")
+            known = self.inodes.get(self.by_path.get(old_path, -1))
+            if not (known is not None and known.node.is_dir and old_path != new_path):
+                break
+            if await self._rename_dir(old_parent, old, new_parent, new,
+                                      ((parent_inode_old, name_old), (parent_inode_new, name_new)), noreplace,
+                                      moves):
+                return
+        else:
+            raise pyfuse3.FUSEError(errno.ESTALE)
         # The file the new name held is no longer that name's from now on:
         # descriptors open on it keep reading what it held, at its size (see
         # getattr), while the view already shows the new bytes there.
@@ -1098,7 +1112,8 @@ class Operations(pyfuse3.Operations):
                 await self._invalidate(replaced)
 
     async def _rename_dir(self, old_parent: Node, old: str, new_parent: Node, new: str,
-                          entries: tuple[tuple[int, bytes], tuple[int, bytes]], noreplace: bool = False) -> None:
+                          entries: tuple[tuple[int, bytes], tuple[int, bytes]], noreplace: bool = False,
+                          moves: int | None = None) -> bool:
         """A directory's rename: one rename in storage where the view can
         (a local store; see View.prepare_dir_rename), else EXDEV and ``mv``
         copies.  Open handles below either place (this table's) make it
@@ -1107,8 +1122,12 @@ class Operations(pyfuse3.Operations):
         request sees the one without the other.  The kernel moves its
         entries itself (the dentry and those below it); the nodes of the
         inodes below are looked up again by their new paths at their next
-        use (marked stale, and View._fresh for directories)."""
+        use (marked stale, and View._fresh for directories).  False: another
+        directory's rename (``moves``: their count when the parents' nodes
+        were taken) overtook the checks, which are to be made again."""
         move = await self.view.prepare_dir_rename(old_parent, old, new_parent, new, noreplace=noreplace)
+        if moves is not None and self._dir_moves != moves:
+            return False
         self._no_handles_below(move.old_path)
         self._no_handles_below(move.new_path)
         self.view.commit_dir_rename(move)
@@ -1122,6 +1141,7 @@ class Operations(pyfuse3.Operations):
             # keeps the old entry, which must go (and the new name be looked up)
             self._in_doubt(*entries)
             raise
+        return True
 
     def _no_handles_below(self, path: str) -> None:
         below = path + "/"
