@@ -1073,3 +1073,38 @@ def test_a_rename_overtaken_by_a_directory_s_rename_names_the_new_place(tmp_path
     else:
         assert os.listdir(st.root / "h/moved") == ["x"]
     np.testing.assert_array_equal(zarr.open_array(str(st.root / "h/arr"), mode="r")[...], DATA)
+
+
+@pytest.mark.parametrize("request_", ["mkdir", "create"])
+def test_a_directory_node_from_before_its_rename_is_enoent(tmp_path, request_):
+    """A node of a directory taken before its rename and used after (a
+    listing's entries, filled before the rename and handed to the kernel
+    after it, whose dentry the kernel then keeps): View._fresh found its
+    path gone and went on with the old node, so a mkdir or a create there
+    made the old directory again in storage (g/x; a symlink there fails in
+    storage, ENOENT).  A directory whose path is gone is now ENOENT, as a
+    removed one is."""
+    import trio
+
+    from zshardfs.view import ViewError
+
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "g/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    view, ops = _ops_on(st)
+
+    async def main():
+        import pyfuse3
+
+        stale = ops.inodes[(await ops.lookup(pyfuse3.ROOT_INODE, b"g")).st_ino].node
+        await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
+        with pytest.raises(ViewError) as info:
+            if request_ == "mkdir":
+                await view.mkdir(stale, "x")
+            else:
+                await view.release(await view.create(stale, "x"))
+        assert info.value.errno == errno.ENOENT
+        with view.store.request_deadline():
+            await view.writeback.sync_all()
+
+    trio.run(main)
+    assert sorted(os.listdir(st.root)) == ["h"] and sorted(os.listdir(st.root / "h")) == ["arr"]

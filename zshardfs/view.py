@@ -480,6 +480,13 @@ class View:
                 # shape shrunk: the kernel may still hold its entry, whose old
                 # grid would take chunks the new one hides (stored, never shown)
                 raise ViewError(errno.ENOENT, f"{node.path}: outside the chunk grid now")
+            if fresh is None and node.is_dir and self.store.keeps_empty_dirs:
+                # a directory renamed or removed since (a listing's entry
+                # handed to the kernel after its rename): a file or directory
+                # made in it would make the old directory again in storage.
+                # (On S3 a directory is there while a key is below it: one
+                # emptied is made again by a file stored in it, as before)
+                raise ViewError(errno.ENOENT, f"{node.path}: no longer exists")
             if fresh is None:
                 return node
             if self.document_writes == writes:  # (else resolved partly before another change)
