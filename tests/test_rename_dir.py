@@ -304,17 +304,22 @@ def test_directories_of_a_v3_draft_store_stay_exdev_the_store_itself_moves(tmp_p
     st = _local(tmp_path)
     _draft_store(st.root, "proj")
     (st.root / "plain").mkdir()
+    (st.root / "proj/meta/extra").mkdir()
     m = mount(st.root)
     before = _view(m / "proj")
     assert "data/root/arr/c0/1" in before and "data/root/arr/c1/0" in before
+    # (below ``data`` or ``meta`` but outside their ``root`` too, as a target or a source:
+    # difftest --dirmv, zarr2 seed 5, saw ``mv plain meta/mt0`` renamed)
     for old, new in (("proj/data/root/arr", "proj/data/root/arr2"), ("proj/data/root", "proj/data/r"),
-                     ("proj/data", "proj/d"), ("proj/meta", "proj/m"), ("plain", "proj/data/root/plain")):
+                     ("proj/data", "proj/d"), ("proj/meta", "proj/m"), ("plain", "proj/data/root/plain"),
+                     ("plain", "proj/meta/plain"), ("plain", "proj/data/plain"), ("proj/meta/extra", "extra")):
         with pytest.raises(OSError) as info:
             os.rename(m / old, m / new)
         assert info.value.errno == errno.EXDEV, (old, new)
     os.rename(m / "proj", m / "moved")
     assert _view(m / "moved") == before and not (m / "proj").exists()
     assert (st.root / "moved/data/root/arr/c0/0").is_file()
+    assert (st.root / "plain").is_dir() and (st.root / "moved/meta/extra").is_dir()
 
 
 def test_a_precomputed_scale_stays_exdev_the_volume_moves(tmp_path, mount):

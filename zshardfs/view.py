@@ -2202,8 +2202,7 @@ class View:
             raise ViewError(errno.EXDEV, f"{old_path} -> {new_path}: a directory of a dataset's namespace")
         new_key = join_key(new_parent.key, new_name)
         for key in (node.key, new_key):
-            if _in_draft_store(key) or (key.rpartition("/")[2] in ("meta", "data")
-                                        and await self.store.is_dir(join_key(key, "root"))):
+            if _in_draft_store(key) or await self._at_or_below_draft_top(key):
                 raise ViewError(errno.EXDEV, f"{key}: inside a v3-draft store (an array is two places there)")
         for key in {*_ancestors(node.key), *_ancestors(new_key)}:
             if await self.dataset_at(key) is not None:
@@ -2243,6 +2242,15 @@ class View:
             err = StoreError(f"{what} could not be stored first (kept in memory, retried): {exc}", exc.key)
             err.errno = exc.errno
             raise err from None
+
+    async def _at_or_below_draft_top(self, key: str) -> bool:
+        """Is ``key`` a v3-draft store's ``meta`` or ``data`` (a directory of
+        that name holding ``root``), or below one (outside its ``root`` too)?"""
+        parts = key.split("/") if key else []
+        for i in range(len(parts), 0, -1):
+            if parts[i - 1] in ("meta", "data") and await self.store.is_dir(join_key("/".join(parts[:i]), "root")):
+                return True
+        return False
 
     def _quiet_below(self, move: "DirMove", flushed: bool = True) -> None:
         """EXDEV (``mv`` then copies) if anything below either place lives
