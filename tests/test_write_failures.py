@@ -953,3 +953,37 @@ def test_an_rmdir_whose_flush_fails_logs_one_line(tmp_path, mount):
         subprocess.run(["umount", "-l", str(shards)], check=False)
     m.umount()
     assert not (store / "arr/c/0/0").exists() and not (store / "arr/zarr.json").exists()
+
+
+def test_an_fsync_whose_flush_fails_logs_one_line(tmp_path, mount):
+    """fsync(2) of a chunk file whose shard cannot be stored (its shard
+    directory is a file) is EIO and logs ONE line, the flush's ('flush of
+    arr/c/0/0 failed (kept in memory, retried): ... is not a directory'):
+    fuse_ops' 'fsync: arr/c/0/0: ...' for the same failure came with it,
+    and an fsync of the directory right after (tensorstore's, after its
+    rename), EIO too, added 'fsyncdir: ...': three lines, now the one (the
+    flush's line is said once a minute)."""
+    store, data = _seeded(tmp_path)
+    m = mount(store, "flush_delay=60")
+    fd = os.open(m / "arr/c/0/0", os.O_WRONLY)
+    dfd = os.open(m / "arr/c/0", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.write(fd, b"\x09" * 16)
+        os.unlink(m / "arr/c/1/1")  # (a removal pending: the directory's fsync stores it)
+        repair = _break_shards(store)
+        try:
+            mark = len(m.log_text())
+            for target in (fd, dfd):
+                with pytest.raises(OSError) as info:
+                    os.fsync(target)
+                assert info.value.errno == errno.EIO
+            lines = _problems_since(m, mark)
+            assert len(lines) == 1, lines
+            assert "flush of arr/c/0/0 failed" in lines[0] and "is not a directory" in lines[0], lines
+        finally:
+            repair()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.close(dfd)
+    m.umount()

@@ -86,7 +86,8 @@ def _translate(fn):
             log.debug("%s: %s", fn.__name__, exc)
             raise pyfuse3.FUSEError(exc.errno) from None
         except StoreError as exc:
-            if exc.errno not in (errno.ENOENT,):
+            if exc.errno not in (errno.ENOENT,) and not getattr(exc, "logged", False):
+                # (a flush's failure has had its line, writeback: not one more per request meeting it)
                 _log_once(logging.ERROR, f"{fn.__name__}: {exc}")
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
         except Exception:

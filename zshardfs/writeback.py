@@ -471,6 +471,7 @@ class WriteBack:
                 elif not _CALLER_LOGS_FAILURES.get():
                     # retried every second while writers wait: one line a minute
                     log_once(log, logging.ERROR, f"flush of {key} failed (kept in memory, retried): {exc}")
+                    exc.logged = True  # (its line: a request failing with it adds none, see fuse_ops._translate)
             else:
                 shard.error = None
                 shard.failures = 0
