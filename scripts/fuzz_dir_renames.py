@@ -5,7 +5,15 @@ to which every rename the mount accepted is applied too.  After every step
 the mount's tree equals the twin's; at the end, after a remount, too, and
 the stored arrays are still sharded.  (SEMANTICS 4.18.)
 
-    .venv/bin/python scripts/fuzz_dir_renames.py --seeds 1-5 --steps 150
+``--busy``: during every rename, another thread makes and removes groups,
+symbolic links and links (copies) in the groups, and writes, truncates (by
+path) and unlinks chunks of the arrays, each through a directory descriptor
+held from the start (as a shell's working directory: it follows its
+directory through renames), in the mount and in the twin alike; the rename
+may then be EXDEV (something below is under way), and the two must still
+agree.
+
+    .venv/bin/python scripts/fuzz_dir_renames.py --seeds 1-5 --steps 150 [--busy]
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +43,150 @@ def tree(root: Path) -> dict[str, bytes | None]:
         for d in dirs:
             out[os.path.normpath(os.path.join(rel, d))] = None
         for f in files:
-            out[os.path.normpath(os.path.join(rel, f))] = (Path(dirpath) / f).read_bytes()
+            p = Path(dirpath) / f
+            out[os.path.normpath(os.path.join(rel, f))] = (b"-> " + os.fsencode(os.readlink(p)) if p.is_symlink()
+                                                          else p.read_bytes())
     return out
+
+
+def comparable(t: dict[str, bytes | None]) -> dict[str, bytes | None]:
+    """``t`` without the directories inside an array that hold no file (a
+    chunk directory whose chunks were all unlinked: the mount shows it only
+    while a shard below is stored, a directory store keeps it empty)."""
+    arrays = set()
+    for p, v in t.items():
+        if p.endswith("zarr.json") and v and not v.startswith(b"-> "):
+            try:
+                if json.loads(v).get("node_type") == "array":
+                    arrays.add(os.path.dirname(p))
+            except ValueError:
+                pass
+    full = set()  # (directories with a file below)
+    for p, v in t.items():
+        if v is not None:
+            parts = p.split("/")
+            full.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    return {p: v for p, v in t.items() if v is not None or p in full or not inside_array(p, sorted(arrays))}
+
+
+def differences(mount: dict, twin: dict) -> list[str]:
+    """The first ten paths where the mount's tree and the twin's differ, each
+    marked with where it is (or ``!=`` for other bytes)."""
+    out = ([f"{p} (mount only)" for p in mount if p not in twin] + [f"{p} (twin only)" for p in twin if p not in mount]
+           + [f"{p} !=" for p in mount if p in twin and mount[p] != twin[p]])
+    return sorted(out)[:10]
+
+
+#: names the busy thread makes (never a rename's source or target)
+BUSY = "zz"
+
+
+class Busy:
+    """The other thread of ``--busy``: ops through directory descriptors held
+    on the same directories of the mount and of the twin (groups, arrays),
+    run while the main thread renames; every op's answer in the mount must
+    be the twin's."""
+
+    def __init__(self, rng: random.Random, mnt: Path, twin: Path, groups: list[str], arrays: list[str]):
+        self.rng, self.mnt, self.twin = rng, mnt, twin
+        self.twin_fds = {rel: os.open(twin / rel, os.O_PATH | os.O_DIRECTORY) for rel in groups + arrays}
+        self.groups, self.arrays = groups, arrays
+        self.mnt_fds: dict[str, int] = {}
+        self.failures: list[str] = []
+        self.counts: dict[str, int] = {}
+        self.n = 0
+
+    def where(self, rel: str) -> str:
+        """Where the directory first at ``rel`` is now (the twin's descriptor knows)."""
+        return os.path.relpath(os.readlink(f"/proc/self/fd/{self.twin_fds[rel]}"), self.twin)
+
+    def open_mount(self) -> None:
+        self.mnt_fds = {rel: os.open(self.mnt / self.where(rel), os.O_PATH | os.O_DIRECTORY) for rel in self.twin_fds}
+
+    def close_mount(self) -> None:
+        for fd in self.mnt_fds.values():
+            os.close(fd)
+        self.mnt_fds = {}
+
+    def both(self, what: str, fn) -> None:
+        """``fn(fd)`` in the mount, then in the twin: the same answer."""
+        answers = []
+        for fds in (self.mnt_fds, self.twin_fds):
+            try:
+                fn(fds)
+                answers.append("ok")
+            except OSError as exc:
+                answers.append(errno.errorcode.get(exc.errno, str(exc.errno)))
+        if os.environ.get("VERBOSE"):
+            print(f"     busy {what}: {answers[0]}")
+        key = f"{what.split()[0]} {answers[0]}"
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if answers[0] != answers[1]:
+            self.failures.append(f"{what}: mount {answers[0]}, twin {answers[1]}")
+
+    def one(self) -> None:
+        rng = self.rng
+        x = rng.random()
+        if x < 0.45:
+            g = rng.choice(self.groups)
+            self.n += 1
+            name = f"{BUSY}{rng.randrange(4)}"
+            kind = rng.choice(["mkdir", "rmdir", "symlink", "link", "unlink"])
+            if kind == "mkdir":
+                def mkdir(fds):
+                    os.mkdir(name, dir_fd=fds[g])
+                    fd = os.open(f"{name}/zarr.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=fds[g])
+                    try:
+                        os.write(fd, json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode())
+                    finally:
+                        os.close(fd)
+                self.both(f"mkdir {g}/{name}", mkdir)
+            elif kind == "rmdir":
+                def rmdir(fds):
+                    try:
+                        os.unlink(f"{name}/zarr.json", dir_fd=fds[g])
+                    except FileNotFoundError:
+                        pass
+                    os.rmdir(name, dir_fd=fds[g])
+                self.both(f"rmdir {g}/{name}", rmdir)
+            elif kind == "symlink":
+                self.both(f"symlink {g}/{name}l", lambda fds: os.symlink("zarr.json", f"{name}l", dir_fd=fds[g]))
+            elif kind == "link":
+                self.both(f"link {g}/{name}c", lambda fds: os.link("zarr.json", f"{name}c", src_dir_fd=fds[g],
+                                                                   dst_dir_fd=fds[g]))
+            else:
+                victim = rng.choice([f"{name}l", f"{name}c"])
+                self.both(f"unlink {g}/{victim}", lambda fds: os.unlink(victim, dir_fd=fds[g]))
+        else:
+            a = rng.choice(self.arrays)
+            chunk = f"c/{rng.randrange(4)}/{rng.randrange(4)}"
+            kind = rng.choice(["write", "truncate", "unlink"])
+            if kind == "write":
+                data = np.full((4, 4), rng.randrange(1000), "<i4").tobytes()
+
+                def write(fds):
+                    fd = os.open(chunk, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=fds[a])
+                    try:
+                        os.write(fd, data)
+                    finally:
+                        os.close(fd)
+                self.both(f"write {a}/{chunk}", write)
+            elif kind == "truncate":  # (by path: SETATTR without a handle)
+                size = rng.choice([0, 16, 64, 80])
+                self.both(f"truncate {a}/{chunk} {size}",
+                          lambda fds: os.truncate(f"/proc/self/fd/{fds[a]}/{chunk}", size))
+            else:
+                self.both(f"unlink {a}/{chunk}", lambda fds: os.unlink(chunk, dir_fd=fds[a]))
+
+    def during(self, fn):
+        """``fn()`` while this thread runs a few ops; ``fn``'s answer."""
+        ops = self.rng.randrange(1, 5)
+        thread = threading.Thread(target=lambda: [self.one() for _ in range(ops)])
+        thread.start()
+        try:
+            return fn()
+        finally:
+            thread.join()
 
 
 def arrays_in(root: Path) -> list[str]:
@@ -53,7 +204,7 @@ def inside_array(rel: str, arrays: list[str]) -> bool:
     return any(rel.startswith(a + "/") for a in arrays)
 
 
-def run(seed: int, steps: int, base: Path, counts: dict[str, int]) -> int:
+def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = False) -> int:
     """Failures of one seed; ``counts``: the renames' answers, by errno name."""
     rng = random.Random(seed)
     store, mnt, twin = base / "store", base / "mnt", base / "twin"
@@ -79,11 +230,17 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int]) -> int:
 
     mount()
     failures = 0
+    other = None
     try:
         shutil.copytree(mnt, twin)
+        if busy:
+            other = Busy(random.Random(seed * 7919), mnt, twin, ["g1", "g1/sub", "g2"],
+                         ["g1/a", "g1/sub/b", "g2/c", "top"])
+            other.open_mount()
         for step in range(steps):
             arrays = arrays_in(twin)
-            dirs = sorted(p for p, v in tree(twin).items() if v is None)
+            dirs = sorted(p for p, v in tree(twin).items()
+                          if v is None and not any(n.startswith(BUSY) for n in p.split("/")))
             x = rng.random()
             if x < 0.55 and dirs:
                 outer = [d for d in dirs if not inside_array(d, arrays)]  # (mostly those: 4.18's renames)
@@ -93,11 +250,18 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int]) -> int:
                 parent = rng.choice(outer_parents if rng.random() < 0.85 else parents)
                 dst = os.path.join(parent, rng.choice(["n1", "n2", "empty", "x"])) if rng.random() < 0.8 \
                     else rng.choice(dirs)
-                try:
-                    os.rename(mnt / src, mnt / dst)
-                    got = "ok"
-                except OSError as exc:
-                    got = errno.errorcode[exc.errno]
+                def rename() -> str:
+                    try:
+                        os.rename(mnt / src, mnt / dst)
+                        return "ok"
+                    except OSError as exc:
+                        return errno.errorcode[exc.errno]
+                got = other.during(rename) if other is not None else rename()
+                for failure in other.failures if other is not None else ():
+                    print(f"seed {seed} step {step} (during mv {src} {dst}): {failure}")
+                    failures += 1
+                if other is not None:
+                    other.failures.clear()
                 # the twin: a plain directory store; the mount answers as it does,
                 # or EXDEV where 4.18 says (either place inside an array)
                 existed = (twin / dst).is_dir()
@@ -106,7 +270,8 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int]) -> int:
                     twin_got = "ok"
                 except OSError as exc:
                     twin_got = errno.errorcode[exc.errno]
-                exdev = inside_array(src, arrays) or inside_array(dst, arrays)
+                # (or, --busy, wherever a request of the other thread was under way below)
+                exdev = inside_array(src, arrays) or inside_array(dst, arrays) or other is not None
                 if got != twin_got and not (exdev and got == "EXDEV"):
                     print(f"seed {seed} step {step}: rename {src} -> {dst}: mount {got}, twin {twin_got}")
                     failures += 1
@@ -125,21 +290,29 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int]) -> int:
                 for root in (mnt, twin):
                     (root / arr / f"c/{i}").mkdir(exist_ok=True)
                     (root / arr / f"c/{i}/{j}").write_bytes(data)
+                print(f"  {step}: write {arr}/c/{i}/{j}") if os.environ.get("VERBOSE") else None
             elif x < 0.9:
                 subprocess.run([*ZSHARDFS, "sync", str(mnt)], check=True, capture_output=True, timeout=120)
             else:
+                if other is not None:
+                    other.close_mount()
                 umount()
                 mount()
-            a, b = tree(mnt), tree(twin)
+                if other is not None:
+                    other.open_mount()
+            a, b = comparable(tree(mnt)), comparable(tree(twin))
             if a != b:
-                diff = sorted(set(a) ^ set(b)) + sorted(k for k in set(a) & set(b) if a[k] != b[k])
-                print(f"seed {seed} step {step}: trees differ: {diff[:10]}")
+                print(f"seed {seed} step {step}: trees differ: {differences(a, b)}")
                 failures += 1
                 break
+        if other is not None:
+            other.close_mount()
+            counts.update({f"busy {k}": v for k, v in other.counts.items()})
         umount()
         mount()
-        if tree(mnt) != tree(twin):
-            print(f"seed {seed}: trees differ after a remount")
+        a, b = comparable(tree(mnt)), comparable(tree(twin))
+        if a != b:
+            print(f"seed {seed}: trees differ after a remount: {differences(a, b)}")
             failures += 1
         for arr in arrays_in(twin):
             doc = json.loads((store / arr / "zarr.json").read_text())
@@ -159,13 +332,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="1-3")
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--busy", action="store_true", help="ops of another thread during the renames")
     args = ap.parse_args()
     lo, _, hi = args.seeds.partition("-")
     total = 0
     for seed in range(int(lo), int(hi or lo) + 1):
         counts: dict[str, int] = {}
         with tempfile.TemporaryDirectory(prefix="zshardfs-dirfuzz-") as tmp:
-            failures = run(seed, args.steps, Path(tmp), counts)
+            failures = run(seed, args.steps, Path(tmp), counts, args.busy)
         print(f"seed {seed}: {'ok' if not failures else f'{failures} failures'}; renames: "
               + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
         total += failures

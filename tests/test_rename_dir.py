@@ -683,6 +683,25 @@ def test_random_directory_renames_agree_with_a_directory_store():
     assert renamed >= 20, out.stdout  # (renames did happen: 27 for these seeds)
 
 
+def test_random_directory_renames_with_requests_under_way_agree_with_a_directory_store():
+    """scripts/fuzz_dir_renames.py --busy: the same, with another thread
+    making and removing groups, symbolic links and links, and writing,
+    truncating (by path) and unlinking chunks through directory descriptors
+    held from the start, during every rename: every such op answers as in
+    the twin, and the trees agree (before the requests under way were
+    counted, seed 3 made the old directory again: g1/n1/empty/zz1 after
+    g1/n1 -> g1/x)."""
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "scripts/fuzz_dir_renames.py"), "--seeds", "3", "--steps", "80",
+                          "--busy"], capture_output=True, text=True, timeout=900, cwd=root)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    import re
+
+    renamed = sum(int(n) for n in re.findall(r"renames:.*\bok (\d+)$", out.stdout, re.M))
+    busy = sum(int(n) for n in re.findall(r"busy \w+ ok (\d+)", out.stdout))
+    assert renamed >= 10 and busy >= 40, out.stdout  # (both did happen: 24 and 70 for this seed)
+
+
 def test_an_array_made_through_the_mount_looks_the_same_once_moved(tmp_path, mount):
     """An array made through the mount (-o shard=2) shows, as a directory
     store would, only the chunk directories made or written (SEMANTICS 4.1);
