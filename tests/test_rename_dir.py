@@ -931,24 +931,6 @@ def test_a_link_renamed_with_noreplace_never_replaces_a_file_made_meanwhile(tmp_
     assert (st.root / "new").read_bytes() == b"theirs" and os.readlink(st.root / "lnk") == "x"
 
 
-def _held(view, monkeypatch, method: str, when):
-    """``view.<method>`` holds, once it has answered a call ``when(*args)``
-    accepts, until the returned ``go`` is set (``held`` is set meanwhile):
-    the request has taken its nodes and is about to use them."""
-    import trio
-
-    held, go, real = trio.Event(), trio.Event(), getattr(view, method)
-
-    async def holding(*args, **kwargs):
-        out = await real(*args, **kwargs)
-        if not held.is_set() and when(*args):
-            held.set()
-            await go.wait()
-        return out
-    monkeypatch.setattr(view, method, holding)
-    return held, go
-
-
 def _fields(**set_):
     import types
 
@@ -999,8 +981,9 @@ def test_a_request_under_way_below_a_directory_keeps_it_from_being_renamed(tmp_p
         for path in ("g", "g/arr", "g/arr/c", "g/arr/c/0", "g/arr/c/0/1", "g/notes.txt", "top.txt"):
             parent, _, leaf = path.rpartition("/")
             ino[path] = (await ops.lookup(ino.get(parent, pyfuse3.ROOT_INODE), leaf.encode())).st_ino
-        held, go = _held(view, monkeypatch, method,
-                         (lambda *a: a[1] == name) if name is not None else (lambda node, *a: node.is_chunk))
+        held, go = _hold_once(monkeypatch, view, method,
+                              (lambda _, n, *a, **kw: n == name) if name is not None
+                              else (lambda node, *a, **kw: node.is_chunk))
         requests = {
             "mkdir": lambda: ops.mkdir(ino["g"], b"new", 0o755, None),
             "rmdir": lambda: ops.rmdir(ino["g"], b"sub", None),
@@ -1014,9 +997,7 @@ def test_a_request_under_way_below_a_directory_keeps_it_from_being_renamed(tmp_p
         async with trio.open_nursery() as nursery:
             nursery.start_soon(requests[request_])
             await held.wait()
-            with pytest.raises(pyfuse3.FUSEError) as info:
-                await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
-            assert info.value.errno == errno.EXDEV  # (before: renamed, the request went on at g/)
+            await _rename_g_to_h_is_exdev(ops)  # (before: renamed, the request went on at g/)
             go.set()
         await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
         if request_ == "truncate":  # (its inode names the new place: written through, stored there)
@@ -1078,7 +1059,7 @@ def test_a_rename_overtaken_by_a_directory_s_rename_names_the_new_place(tmp_path
     async def main():
         g = (await ops.lookup(pyfuse3.ROOT_INODE, b"g")).st_ino
         await ops.lookup(pyfuse3.ROOT_INODE, source)
-        held, go = _held(view, monkeypatch, "lookup", lambda parent, name, *a: name == "moved")
+        held, go = _hold_once(monkeypatch, view, "lookup", lambda parent, name, *a, **kw: name == "moved")
         async with trio.open_nursery() as nursery:
             # (the file with RENAME_NOREPLACE, held in its lookup of the new
             # name; the directory without, held in prepare_dir_rename's)
