@@ -1113,3 +1113,30 @@ def test_a_directory_node_from_before_its_rename_is_enoent(tmp_path, request_):
 
     trio.run(main)
     assert sorted(os.listdir(st.root)) == ["h"] and sorted(os.listdir(st.root / "h")) == ["arr"]
+
+
+def test_a_rename_onto_a_mount_point_inside_the_store_is_ebusy_and_no_error_line(tmp_path, mount):
+    """A directory renamed onto a file system mounted inside the store (an
+    empty tmpfs at store/fs), or that mount point renamed away: rename(2)
+    answers EBUSY, which the mount passes on as the answer it is.  It was
+    also logged as an ERROR line ('... failed: Device or resource busy'):
+    EBUSY was not among LocalBackend.move_dir's plain answers."""
+    st = _local(tmp_path)
+    fs = st.root / "fs"
+    fs.mkdir()
+    (st.root / "d").mkdir()
+    (st.root / "d/f").write_bytes(b"f")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(fs)], check=True)
+    try:
+        m = mount(st.root)
+        for old, new in (("d", "fs"), ("fs", "moved")):
+            with pytest.raises(OSError) as info:
+                os.rename(m / old, m / new)
+            assert info.value.errno == errno.EBUSY, (old, new, info.value)
+        assert (st.root / "d/f").read_bytes() == b"f" and os.path.ismount(fs)
+        m.umount()
+        text = m.log_text()
+        assert " ERROR " not in text and " WARNING " not in text, text
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False)
+

@@ -2285,7 +2285,8 @@ class View:
         try:
             self.store.move_dir_now(move.old_key, move.new_key, noreplace=move.noreplace)
         except StoreError as exc:
-            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EINVAL, errno.ENOTDIR, errno.EISDIR, errno.EXDEV):
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EINVAL, errno.ENOTDIR, errno.EISDIR, errno.EXDEV,
+                             errno.EBUSY):
                 raise ViewError(exc.errno, str(exc)) from None  # (an answer, not a failure: no error line)
             raise
         self._forget_below(move.new_path, move.new_key)

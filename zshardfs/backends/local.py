@@ -1399,8 +1399,10 @@ class LocalBackend:
                     raise OSError(errno.EXDEV, "not a directory of the store (a symbolic link to one)", key)
                 _renameat2(sfd, src, dfd, dst, _RENAME_NOREPLACE if noreplace else 0, key)
         except OSError as exc:
-            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EINVAL, errno.ENOTDIR, errno.EISDIR) or (
-                    exc.errno == errno.EXDEV and exc.filename == key):
+            # (EBUSY: either place is a mount point, as rename(2) says: the
+            # user's answer too, not a failure of the store)
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EINVAL, errno.ENOTDIR, errno.EISDIR,
+                             errno.EBUSY) or (exc.errno == errno.EXDEV and exc.filename == key):
                 err = StoreError(f"{key} -> {new_key}: {exc.strerror}", key)
                 err.errno = exc.errno
                 raise err from None
