@@ -1140,3 +1140,39 @@ def test_a_rename_onto_a_mount_point_inside_the_store_is_ebusy_and_no_error_line
     finally:
         subprocess.run(["umount", "-l", str(fs)], check=False)
 
+
+def test_a_directory_rename_onto_a_name_made_an_empty_directory_meanwhile_replaces_it(tmp_path, monkeypatch):
+    """A plain rename (no RENAME_NOREPLACE) of a directory onto a name that
+    was free when checked and is an empty directory (another process's
+    mkdir) when the rename is made replaces it, as rename(2) does: it was
+    EEXIST, the commit passing RENAME_NOREPLACE whenever the name had been
+    free.  Asked with RENAME_NOREPLACE it stays EEXIST, the other's
+    directory left as it is."""
+    import pyfuse3
+    import trio
+
+    st = _local(tmp_path)
+    for d in ("a", "b"):
+        (st.root / d).mkdir()
+        (st.root / d / "f").write_bytes(d.encode())
+    view, ops = _ops_on(st)
+    real_move = view.store.move_dir_now
+
+    def move_raced(key, new_key, **kwargs):
+        (st.root / new_key).mkdir()  # (another process takes the name just now)
+        return real_move(key, new_key, **kwargs)
+    monkeypatch.setattr(view.store, "move_dir_now", move_raced)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
+
+    async def main():
+        await ops.lookup(pyfuse3.ROOT_INODE, b"a")
+        await ops.lookup(pyfuse3.ROOT_INODE, b"b")
+        await ops.rename(pyfuse3.ROOT_INODE, b"a", pyfuse3.ROOT_INODE, b"new_a", 0, None)
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await ops.rename(pyfuse3.ROOT_INODE, b"b", pyfuse3.ROOT_INODE, b"new_b", _RENAME_NOREPLACE, None)
+        assert info.value.errno == errno.EEXIST
+
+    trio.run(main)
+    assert sorted(os.listdir(st.root)) == ["b", "new_a", "new_b"]
+    assert (st.root / "new_a/f").read_bytes() == b"a" and os.listdir(st.root / "new_b") == []
+    assert (st.root / "b/f").read_bytes() == b"b"

@@ -261,7 +261,7 @@ class DirMove:
     new_path: str
     old_key: str
     new_key: str
-    noreplace: bool  # the new name was free: it must still be (RENAME_NOREPLACE)
+    noreplace: bool  # the new name was free (a file made at it in memory meanwhile: refused)
     asked: bool = False  # the caller asked RENAME_NOREPLACE: a name taken meanwhile is EEXIST
 
 
@@ -2283,7 +2283,10 @@ class View:
             # RENAME_NOREPLACE cannot see it)
             raise ViewError(errno.EEXIST if move.asked else errno.ENOTDIR, f"{move.new_path}: a file now")
         try:
-            self.store.move_dir_now(move.old_key, move.new_key, noreplace=move.noreplace)
+            # RENAME_NOREPLACE only where the client asked it: else an empty
+            # directory another process made at the free name meanwhile is
+            # replaced (a file there: ENOTDIR), as rename(2) does
+            self.store.move_dir_now(move.old_key, move.new_key, noreplace=move.asked)
         except StoreError as exc:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EINVAL, errno.ENOTDIR, errno.EISDIR, errno.EXDEV,
                              errno.EBUSY):
