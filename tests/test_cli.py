@@ -1975,3 +1975,48 @@ def test_a_fifo_at_the_log_file_path_never_holds_the_daemon(store, mnt, tmp_path
     os.kill(pid, signal.SIGHUP)
     assert wait_for(lambda: log.exists() and "signal SIGHUP: log file reopened" in log.read_text(), timeout=10)
     assert zs("umount", mnt).returncode == 0
+
+
+@pytest.mark.parametrize("journal", [False, True])
+def test_an_exception_s_text_in_a_traceback_cannot_forge_log_lines(journal):
+    """A traceback is logged on purpose (a bug: ``log.exception``) and keeps
+    its own lines, but the text of the exceptions in it names store files:
+    a key with a newline in a StoreError (or in its cause, or a note) split
+    the record into a forged line of its own, as it could not in the
+    message (test_a_name_with_a_newline_cannot_forge_log_lines).  Every
+    exception's text is escaped as a message is now."""
+    import io
+
+    from zshardfs.cli import _Formatter
+
+    forged = "2026-01-01 00:00:00,000 zshardfs[1] CRITICAL zshardfs.forged: root password reset"
+    formatter = _Formatter("%(asctime)s zshardfs[%(process)d] %(levelname)s %(name)s: %(message)s")
+    formatter.journal = journal
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(formatter)
+    logger = logging.getLogger("zshardfs.test_forge")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        try:
+            try:
+                raise OSError(f"cause arr\n{forged}")
+            except OSError as cause:
+                exc = RuntimeError(f"storing arr\n{forged}\r\x1b[2J/c/0 failed")
+                exc.add_note(f"note arr\n{forged}")
+                raise exc from cause
+        except RuntimeError:
+            logger.exception("flush of %s failed", "arr/c/0")
+    finally:
+        logger.removeHandler(handler)
+    text = out.getvalue()
+    lines = text.splitlines()
+    strip = (lambda line: line[3:]) if journal else (lambda line: line)
+    assert not any(strip(line).startswith("2026-01-01") for line in lines), text
+    assert "\r" not in text and "\x1b" not in text, text
+    assert strip(lines[-1]) == f"note arr\\x0a{forged}", text
+    assert f"RuntimeError: storing arr\\x0a{forged}\\x0d\\x1b[2J/c/0 failed" in text, text
+    assert f"OSError: cause arr\\x0a{forged}" in text, text
+    assert sum(strip(line) == "Traceback (most recent call last):" for line in lines) == 2, text
+    assert strip(lines[0]).endswith("ERROR zshardfs.test_forge: flush of arr/c/0 failed"), text

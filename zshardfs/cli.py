@@ -98,8 +98,10 @@ class _Formatter(logging.Formatter):
     stderr instead of being lost to an encoding error.  Control characters
     of a message (a name with a newline, made by whoever may write into the
     source) are written as ``\\xNN`` too: one event stays one line, and no
-    name can forge a line of its own (a traceback, not a message, keeps its
-    lines)."""
+    name can forge a line of its own.  A traceback (logged on purpose, for
+    a bug) keeps its own lines, but the text of each exception in it (its
+    message and notes, which name store files) is escaped as a message is:
+    a name with a newline splits no line there either."""
 
     journal = False  # (stderr is the journal: each line gets its priority prefix)
 
@@ -113,8 +115,25 @@ class _Formatter(logging.Formatter):
         finally:
             record.message = message
 
+    @staticmethod
+    def _escape_exception_texts(text: str, exc: BaseException | None) -> str:
+        seen, texts = set(), []
+        while exc is not None and id(exc) not in seen:  # (the chain the traceback shows)
+            seen.add(id(exc))
+            try:
+                texts += [str(exc), *(str(note) for note in getattr(exc, "__notes__", None) or ())]
+            except Exception:  # noqa: BLE001 - (a __str__ that fails: the traceback says so)
+                pass
+            exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+        for part in sorted({t for t in texts if _CONTROL.search(t)}, key=len, reverse=True):
+            text = text.replace(part, _CONTROL.sub(_escape_control, part))
+        return text
+
     def format(self, record: logging.LogRecord) -> str:
-        text = _SURROGATE.sub(_escape_surrogate, super().format(record))
+        text = super().format(record)
+        if record.exc_info:  # (its exc_text may have been made by another handler's formatter: not here)
+            text = self._escape_exception_texts(text, record.exc_info[1])
+        text = _SURROGATE.sub(_escape_surrogate, text)
         if self.journal:
             prefix = f"<{_PRIORITY.get(record.levelno, 6 if record.levelno < logging.WARNING else 3)}>"
             text = "\n".join(prefix + line for line in text.split("\n"))
