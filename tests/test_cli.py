@@ -635,7 +635,7 @@ def test_fsck_of_a_view_names_its_store(store, mnt, tmp_path):
         for path in (mnt, mnt / first_chunk(store)[0], tmp_path / "link"):
             result = zs("fsck", path)
             assert result.returncode == 2, result
-            assert_one_line_error(result, "zshardfs mount", f"'zshardfs fsck {store.root}'")
+            assert_one_line_error(result, "zshardfs mount", f"run: zshardfs fsck {store.root}")
         assert zs("fsck", store.root).returncode == 0
     finally:
         assert zs("umount", mnt).returncode == 0
@@ -655,7 +655,7 @@ def test_fsck_of_a_dead_mount_names_its_store(store, mnt):
         assert dead.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
         result = zs("fsck", mnt)
         assert result.returncode == 2, result
-        assert_one_line_error(result, "zshardfs mount", f"'zshardfs fsck {store.root}'")
+        assert_one_line_error(result, "zshardfs mount", f"run: zshardfs fsck {store.root}")
     finally:
         zs("umount", mnt)
     assert mounts_at(mnt) == []
@@ -2020,3 +2020,30 @@ def test_an_exception_s_text_in_a_traceback_cannot_forge_log_lines(journal):
     assert f"OSError: cause arr\\x0a{forged}" in text, text
     assert sum(strip(line) == "Traceback (most recent call last):" for line in lines) == 2, text
     assert strip(lines[0]).endswith("ERROR zshardfs.test_forge: flush of arr/c/0 failed"), text
+
+
+@pytest.mark.parametrize("daemon", ["alive", "dead"])
+def test_fsck_of_a_view_names_its_store_as_one_shell_word(tmp_path, mnt, daemon):
+    """The store that fsck's refusal of a view names (from the live
+    daemon's stats, or from /proc/mounts, where a newline is ``\\012``,
+    for a dead one) is given as one shell word, still on one line: a store
+    path with a space, a quote, a newline, a ``$``, a backslash and bytes
+    that are not UTF-8 was printed as is
+    (the command cut in two or more words, the error split in two lines).
+    bash reads the word back as the store's path."""
+    store = SmallStore(tmp_path / os.fsdecode(b"my store's\nzshardfs: forged $HOME \\ \xff\xc3\xa9"))
+    run_mount(store.root, mnt, "ro")
+    pid = daemon_pid(mnt)
+    try:
+        if daemon == "dead":
+            os.kill(pid, signal.SIGKILL)
+            assert wait_for(lambda: not process_running(pid), timeout=60)
+        result = zs("fsck", mnt)
+        assert result.returncode == 2, result
+        line = assert_one_line_error(result, "zshardfs mount", "zshardfs fsck ")
+        word = line.rpartition("zshardfs fsck ")[2]
+        said = subprocess.run(["bash", "-c", f"printf %s {word}"], capture_output=True, timeout=30)
+        assert said.stdout == os.fsencode(store.root), (line, said)
+    finally:
+        zs("umount", mnt)
+    assert mounts_at(mnt) == []

@@ -91,6 +91,26 @@ def printable(text: str) -> str:
     return _SURROGATE.sub(_escape_surrogate, _CONTROL.sub(_escape_control, text))
 
 
+def shell_word(text: str) -> str:
+    """``text`` as one shell word on one line, to be pasted: shlex.quote;
+    holding control characters (a newline) or bytes that are not UTF-8,
+    bash's ``$'...'`` with them as ``\\xNN`` (the bytes of the name)."""
+    if not _CONTROL.search(text) and not _SURROGATE.search(text):
+        return shlex.quote(text)
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch in "\\'":
+            out.append("\\" + ch)
+        elif 0xDC80 <= code <= 0xDCFF:
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif _CONTROL.match(ch) or _SURROGATE.match(ch):
+            out.append("".join(f"\\x{b:02x}" for b in ch.encode("utf-8", "surrogatepass")))
+        else:
+            out.append(ch)
+    return "$'" + "".join(out) + "'"
+
+
 class _Formatter(logging.Formatter):
     """Log lines name paths, and a path read from disk need not be UTF-8
     (its bytes come as surrogate escapes, which no UTF-8 stream accepts):
@@ -661,6 +681,13 @@ def _unescape_mount_field(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
+def _unescape_fsname(text: str) -> str:
+    """A local source as :func:`daemon.fuse_option_value` wrote it into the
+    mount's fsname (characters that are not printable ASCII as ``\\xNN``,
+    ``\\uNNNN``), as it was."""
+    return re.sub(r"\\(x[0-9a-f]{2}|u[0-9a-f]{4}|U[0-9a-f]{8})", lambda m: chr(int(m.group(1)[1:], 16)), text)
+
+
 def _zshardfs_mounts() -> dict[str, list[str]]:
     """Mount points /proc/mounts lists as zshardfs mounts (it lists them
     also when the daemon is dead and every access fails with ENOTCONN), and
@@ -870,11 +897,14 @@ def cmd_fsck(args) -> int:
         if view_of is not None:  # what a mount shows is never damaged: its store may be
             try:
                 store = json.loads(_control(view_of, "user.zshardfs.stats"))["source"]
-                what = f"'zshardfs fsck {store}'"
+                what = f"run: zshardfs fsck {shell_word(store)}"
             except (ConfigError, ValueError, KeyError):
                 # (a dead mount answers nothing: the kernel's table names its source)
                 store = _mount_source(view_of)
-                what = f"'zshardfs fsck {store}'" if store else "give it the store that mount shows"
+                if store and "://" not in store:  # (as the daemon wrote it: fuse_option_value)
+                    store = next((p for p in (_unescape_fsname(store), store) if os.path.isdir(p)), None)
+                what = (f"run: zshardfs fsck {shell_word(store)}" if store
+                        else "give it the store that mount shows")
             return _fail(f"{cfg.source!r} is in the view of a zshardfs mount; fsck checks a store: {what}",
                          EXIT_USAGE)
         backend = open_backend(cfg)
