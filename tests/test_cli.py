@@ -2047,3 +2047,19 @@ def test_fsck_of_a_view_names_its_store_as_one_shell_word(tmp_path, mnt, daemon)
     finally:
         zs("umount", mnt)
     assert mounts_at(mnt) == []
+
+
+@pytest.mark.parametrize("foreground", [False, True], ids=["background", "foreground"])
+@pytest.mark.parametrize("name", ["/dev/stderr", "/dev/stdout", "/dev/fd/2", "/proc/self/fd/1"])
+def test_a_log_file_naming_the_standard_streams_is_refused_naming_the_alternative(store, mnt, name, foreground):
+    """``-o log_file=/dev/stderr`` (an admin's habit under systemd) was
+    refused as "a symbolic link; it is not followed (give the path of a
+    file)": true (O_NOFOLLOW) but no help.  It is refused on purpose, the
+    background daemon keeping none of the command's streams once mounted
+    (its stderr is a scratch file until then, /dev/null after), and the
+    line says what to do instead: drop the option, a --foreground daemon
+    logs to its stderr (the journal under systemd), a background one to
+    syslog.  A usage error: exit 2, nothing mounted."""
+    result = zs("mount", store.root, mnt, "-o", f"ro,log_file={name}", *(["--foreground"] if foreground else []))
+    assert_one_line_error(result, f"log file {name!r}", "standard", "--foreground", "stderr", "syslog")
+    assert result.returncode == 2 and not mounts_at(mnt)

@@ -397,12 +397,23 @@ def _build_config(args) -> MountConfig:
     return cfg
 
 
+#: names of the command's own standard streams (links to its descriptors)
+_STD_STREAM = re.compile(r"/dev/(stdin|stdout|stderr)|/dev/fd/\d+|/proc/(self|thread-self|\d+)/fd/\d+")
+
+
 def check_log_file(cfg: MountConfig) -> None:
     """A log the daemon cannot open must fail here, not in a detached child;
     one inside the mountpoint would be hidden by the mount (and, made
-    first, make the mountpoint not empty)."""
+    first, make the mountpoint not empty).  The command's own streams
+    (``/dev/stderr``...) are refused by name: a background daemon keeps
+    none of them once mounted, and without the option a foreground one
+    logs to its stderr already."""
     if not cfg.log_file:
         return
+    if _STD_STREAM.fullmatch(cfg.log_file):
+        raise OptionError(f"the log file {cfg.log_file!r} is one of the command's standard streams, which a "
+                          f"background daemon does not keep once mounted; drop -o log_file: with --foreground "
+                          f"the daemon logs to its stderr (under systemd, the journal), in the background to syslog")
     mnt = os.path.realpath(cfg.mountpoint)
     if os.path.realpath(cfg.log_file).startswith(mnt.rstrip("/") + "/"):
         raise ConfigError(f"the log file {cfg.log_file!r} is inside the mountpoint; put it elsewhere")
