@@ -849,11 +849,36 @@ def _nested(a: str, b: str) -> bool:
     return a == b or a.startswith(b + "/") or b.startswith(a + "/")
 
 
+def _first_nested(keys: list[tuple[str, str]]) -> dict[str, str | None]:
+    """For each part of ``keys`` ((where, key), in the document's order), the
+    first other part whose key is its key or a directory above or below it
+    (``_nested``), or None.  In one pass over the keys' directories, not
+    each key against every other (an info of 3000 scales took 6.7 s)."""
+    at: dict[str, list[int]] = {}  # key -> positions of the parts of that key
+    above: dict[str, list[int]] = {}  # directory -> positions of the parts whose keys lie below it
+    for pos, (_, key) in enumerate(keys):
+        at.setdefault(key, []).append(pos)
+        names = key.split("/")
+        for n in range(1, len(names)):
+            above.setdefault("/".join(names[:n]), []).append(pos)
+    out = {}
+    for pos, (where, key) in enumerate(keys):
+        names = key.split("/")
+        first = None
+        for found in (at.get(key, ()), above.get(key, ()),
+                      *(at.get("/".join(names[:n]), ()) for n in range(1, len(names)))):
+            other = next((p for p in found[:2] if p != pos), None)  # (in order; its own at most once)
+            if other is not None and (first is None or other < first):
+                first = other
+        out[where] = None if first is None else keys[first][0]
+    return out
+
+
 def parse_info(doc: dict, what: str) -> list[Part]:
     """The parts of ``doc`` shown unsharded; the others are logged once."""
     parts = []
     candidates = list(_candidates(doc))
-    keys = [(where, key) for _, key, where, _ in candidates if isinstance(key, str)]
+    nested = _first_nested([(where, key) for _, key, where, _ in candidates if isinstance(key, str)])
     for holder, key, where, naming in candidates:
         if "sharding" not in holder:
             continue
@@ -862,7 +887,7 @@ def parse_info(doc: dict, what: str) -> list[Part]:
                 problem = key_problem(key)
                 if problem is not None:
                     raise ValueError(problem)
-                other = next((w for w, k in keys if w != where and _nested(key, k)), None)
+                other = nested.get(where)
                 if other is not None:
                     raise ValueError(f"key {key!r} is also the directory of {other} (or one above or below it)")
             spec = ShardingSpec.from_json(holder["sharding"])
@@ -976,8 +1001,8 @@ async def _info_parts(ctx: LayoutContext, key: str) -> tuple[dict, str] | None:
     writable), and its etag (None: no info, or not JSON).  Parsed once per
     version (etag), whatever its size: every probe below a volume asks for
     its ``info``, and with ``metadata_ttl=0`` reads it each time, while
-    parsing one of many scales costs far more than that read (400 scales,
-    130 KiB: about 40 ms, checking every scale's key against the others)."""
+    parsing one of many scales costs more than that read (400 scales, 136 KB:
+    about 7 ms; 40-70 ms while every key was compared with every other)."""
     try:
         blob = await ctx.store.get_document(key)
     except NotFound:
