@@ -119,6 +119,16 @@ async def _request(store: AsyncStore, fn, *args):
     return trio.current_time() - started, out
 
 
+async def _f_stored_then_written(view, root):
+    """A handle on a new ``f.txt`` whose ``written`` is stored and whose
+    ``WRITTEN`` is not yet."""
+    h = await view.create(root, "f.txt")
+    await view.write(h, 0, b"written")
+    await view.fsync(h)
+    await view.write(h, 0, b"WRITTEN")
+    return h
+
+
 async def _behind_a_later_request(view, backend, timeout: float, request, later) -> None:
     """``request`` waits for a held PUT (``backend.hold``) that ``later``,
     a request begun ``timeout / 2`` after it (so its deadline is later),
@@ -288,10 +298,7 @@ def test_a_request_waiting_for_the_store_of_a_plain_file_ends_at_its_deadline(tm
 
     async def main():
         root = await view.resolve("")
-        h = await view.create(root, "f.txt")
-        await view.write(h, 0, b"written")
-        await view.fsync(h)
-        await view.write(h, 0, b"WRITTEN")
+        h = await _f_stored_then_written(view, root)
         reader = await view.open(await view.resolve("f.txt"), write=False, truncate=False)
         backend.hold("put", "f.txt")
         request = {"unlink": (view.unlink, root, "f.txt"),
@@ -337,10 +344,7 @@ def test_a_rename_whose_wait_for_a_store_of_its_target_ends_at_the_deadline_keep
 
     async def main():
         root = await view.resolve("")
-        h = await view.create(root, "f.txt")
-        await view.write(h, 0, b"written")
-        await view.fsync(h)
-        await view.write(h, 0, b"WRITTEN")
+        h = await _f_stored_then_written(view, root)
         synced, begin = {}, trio.Event()
         create = view.create
 
