@@ -2050,7 +2050,8 @@ def test_fsck_of_a_view_names_its_store_as_one_shell_word(tmp_path, mnt, daemon)
 
 
 @pytest.mark.parametrize("foreground", [False, True], ids=["background", "foreground"])
-@pytest.mark.parametrize("name", ["/dev/stderr", "/dev/stdout", "/dev/fd/2", "/proc/self/fd/1"])
+@pytest.mark.parametrize("name", ["/dev/stderr", "/dev/stdout", "/dev/fd/2", "/proc/self/fd/1",
+                                  "//dev/stderr", "/dev/./stderr", "/dev/../dev/stdout", "//proc//self/fd/1"])
 def test_a_log_file_naming_the_standard_streams_is_refused_naming_the_alternative(store, mnt, name, foreground):
     """``-o log_file=/dev/stderr`` (an admin's habit under systemd) was
     refused as "a symbolic link; it is not followed (give the path of a
@@ -2059,7 +2060,11 @@ def test_a_log_file_naming_the_standard_streams_is_refused_naming_the_alternativ
     (its stderr is a scratch file until then, /dev/null after), and the
     line says what to do instead: drop the option, a --foreground daemon
     logs to its stderr (the journal under systemd), a background one to
-    syslog.  A usage error: exit 2, nothing mounted."""
+    syslog.  A usage error: exit 2, nothing mounted.  The name is known
+    however it is written (``//dev/stderr``, the leading ``//`` that
+    os.path.normpath keeps, was refused as a symbolic link) and the line
+    names it in its plain form."""
     result = zs("mount", store.root, mnt, "-o", f"ro,log_file={name}", *(["--foreground"] if foreground else []))
-    assert_one_line_error(result, f"log file {name!r}", "standard", "--foreground", "stderr", "syslog")
+    plain = "/" + os.path.normpath(name).lstrip("/")
+    assert_one_line_error(result, f"log file {plain!r}", "standard", "--foreground", "stderr", "syslog")
     assert result.returncode == 2 and not mounts_at(mnt)

@@ -392,8 +392,10 @@ def _build_config(args) -> MountConfig:
     if not cfg.source.startswith("s3://") and "://" not in cfg.source:
         cfg.source = os.path.abspath(cfg.source)
     if cfg.log_file:
-        # the daemon runs in / (it must not keep the caller's directory busy)
-        cfg.log_file = os.path.abspath(cfg.log_file)
+        # the daemon runs in / (it must not keep the caller's directory busy);
+        # abspath keeps a leading "//" (POSIX leaves it to the system; Linux
+        # takes it as "/"): made "/" so the name checks know //dev/stderr
+        cfg.log_file = "/" + os.path.abspath(cfg.log_file).lstrip("/")
     return cfg
 
 
