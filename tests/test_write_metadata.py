@@ -262,6 +262,27 @@ def test_an_array_with_a_variable_chunk_grid_is_stored_as_written_and_said(store
         np.testing.assert_array_equal(stored[...], np.arange(3000, dtype="<i4").reshape(60, 50)[:30, :40])
 
 
+def test_a_scalar_array_is_stored_as_written_and_said(store, mount, tmp_path):
+    """``-o shard=K`` shards arrays with dimensions: a new 0-d array has
+    one chunk, which a shard would only wrap (zarr-python can store it so,
+    to no gain), so it is stored unsharded, as written, with one log line
+    per array, for any number of factors (before: no line, the array
+    silently unsharded); written again, it reads as written."""
+    m = mount(store.source, "shard=2x2", extra=store.extra)
+    for name in ("s", "t"):
+        a = zarr.create_array(str(m / name), shape=(), dtype="<f8", fill_value=0, compressors=None)
+        a[...] = 2.5
+        a.attrs["units"] = "m"
+        a[...] = 3.5
+    m.umount()
+    for name in ("s", "t"):
+        assert m.log_text().count(f"{name}/zarr.json: stored unsharded, as written: -o shard shards arrays with "
+                                  f"dimensions, and this one is 0-d") == 1, m.log_text()
+        stored = zarr.open_array(str(store.local_copy(tmp_path / f"copy_{name}") / name), mode="r")
+        assert [c["name"] for c in stored.metadata.to_dict()["codecs"]] == ["bytes"]
+        assert stored[...] == 3.5 and stored.attrs["units"] == "m"
+
+
 def test_shard_factors_are_kept_and_too_large_shards_are_logged(store, mount, tmp_path):
     """``-o shard=K`` shards hold K chunks per dimension as asked, also past
     the array's shape when it is made (an array made empty and appended to

@@ -450,7 +450,11 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
                 out = None
             ndim = len(doc.get("shape") or [])
             grid = (doc.get("chunk_grid") or {}).get("name") if isinstance(doc.get("chunk_grid"), dict) else None
-            if out is None and len(shard_option) not in (1, ndim) and ndim:
+            if out is None and not ndim:
+                # (one chunk, which a shard would only wrap)
+                log.warning("%s: stored unsharded, as written: -o shard shards arrays with dimensions, and this "
+                            "one is 0-d", key)
+            elif out is None and len(shard_option) not in (1, ndim):
                 log.warning("%s: stored unsharded, as written: -o shard has %d factors but the array has %d "
                             "dimensions", key, len(shard_option), ndim)
             elif out is None and ndim and grid != "regular":
