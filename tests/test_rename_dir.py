@@ -1176,3 +1176,68 @@ def test_a_directory_rename_onto_a_name_made_an_empty_directory_meanwhile_replac
     assert sorted(os.listdir(st.root)) == ["b", "new_a", "new_b"]
     assert (st.root / "new_a/f").read_bytes() == b"a" and os.listdir(st.root / "new_b") == []
     assert (st.root / "b/f").read_bytes() == b"b"
+
+
+def test_a_shard_index_loaded_across_a_rename_is_never_used_at_the_old_name(tmp_path, monkeypatch):
+    """A shard index load under way below a directory while it is renamed
+    (a LOOKUP of a chunk, which a rename does not wait for) landed in the
+    cache under the OLD key after the rename had dropped what it knew
+    there (View._forget_below emptied the cache without stopping loads
+    under way, as ShardCache.forget does): an array made again through the
+    mount at the old place, with the same metadata and no chunks, then
+    showed the old array's chunks (within index_ttl).  The load's index is
+    not kept: the new array's chunk is ENOENT."""
+    import pyfuse3
+    import trio
+
+    from zshardfs.layouts.zarr_common import ZarrShardFormat
+
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "g/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    fresh = tmp_path / "fresh"  # the view's form of the same array, unsharded (no shard=2: sharded as g/arr)
+    zarr.create_array(str(fresh), shape=(16, 16), chunks=(4, 4), dtype="<i4", compressors=None, fill_value=0)
+    doc = (fresh / "zarr.json").read_bytes()
+    from zshardfs.backends.local import LocalBackend
+    from zshardfs.config import MountConfig
+    from zshardfs.daemon import build_view
+    from zshardfs.fuse_ops import Operations
+
+    root = str(st.root)
+    view = build_view(MountConfig(source=root, mountpoint=root + "-mnt", read_only=False, shard=(2,)),
+                      LocalBackend(root))
+    ops = Operations(view, read_only=False)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
+
+    async def main():
+        ino = {}
+        for path in ("g", "g/arr", "g/arr/c", "g/arr/c/0"):
+            parent, _, leaf = path.rpartition("/")
+            ino[path] = (await ops.lookup(ino.get(parent, pyfuse3.ROOT_INODE), leaf.encode())).st_ino
+        loaded, go = _hold_once(monkeypatch, ZarrShardFormat, "load_index",
+                                lambda fmt, store, key, *a, **kw: key == "g/arr/c/0/0")
+
+        async def look():
+            try:
+                await ops.lookup(ino["g/arr/c/0"], b"0")
+            except pyfuse3.FUSEError:
+                pass  # (its answer does not matter here)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(look)
+            await loaded.wait()  # (the old shard read, its index not yet cached)
+            await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
+            go.set()
+        g = (await ops.mkdir(pyfuse3.ROOT_INODE, b"g", 0o755, None)).st_ino
+        arr = (await ops.mkdir(g, b"arr", 0o755, None)).st_ino
+        fi, _ = await ops.create(arr, b"zarr.json", 0o644, os.O_WRONLY, None)
+        assert await ops.write(fi.fh, 0, doc) == len(doc)
+        await ops.flush(fi.fh)
+        await ops.release(fi.fh)
+        c0 = (await ops.mkdir((await ops.mkdir(arr, b"c", 0o755, None)).st_ino, b"0", 0o755, None)).st_ino
+        with pytest.raises(pyfuse3.FUSEError) as info:  # (before: the old array's chunk, found)
+            await ops.lookup(c0, b"1")
+        assert info.value.errno == errno.ENOENT
+
+    trio.run(main)
+    assert _sharded(st.root / "g/arr") and sorted(os.listdir(st.root / "g/arr")) == ["zarr.json"]
+    np.testing.assert_array_equal(zarr.open_array(str(st.root / "h/arr"), mode="r")[...], DATA)

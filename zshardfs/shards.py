@@ -450,6 +450,12 @@ class ShardCache:
         if key in self._loads:
             self._forgotten.add(key)
 
+    def forget_where(self, match) -> None:
+        """:meth:`forget` every shard whose key ``match`` accepts, loads under
+        way included (a walk of them all: a directory's rename)."""
+        self.indexes.pop_where(match)
+        self._forgotten.update(k for k in self._loads.keys() if match(k))
+
     def _expired(self, key: str) -> bool:
         cached: _Cached | None = self.indexes.peek(key)
         return cached is not None and time.monotonic() - cached.checked >= self.index_ttl

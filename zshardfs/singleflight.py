@@ -28,6 +28,10 @@ class SingleFlight:
         """Loads running (for stats)."""
         return len(self._running)
 
+    def keys(self) -> list:
+        """The keys whose loads run now."""
+        return list(self._running)
+
     async def wait(self, key, deadline: float = math.inf) -> bool | None:
         """Wait for the load of ``key`` that runs, if one does (then True);
         None: it still runs at ``deadline`` (``trio.current_time()``)."""

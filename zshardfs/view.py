@@ -2333,7 +2333,9 @@ class View:
             self.documents.pop(k)
         for k in [k for k in self.ctx.probed if at_key(k[1])]:
             del self.ctx.probed[k]
-        self.shards.indexes.pop_where(lambda k: at_key(k if isinstance(k, str) else k[0]))
+        # (loads under way too: one landing after the rename would be kept
+        # under the old key, and used by whatever is made there next)
+        self.shards.forget_where(lambda k: at_key(k if isinstance(k, str) else k[0]))
         self.shards.chunks.pop_where(lambda k: at_key(k if isinstance(k, str) else k[0]))
         for table in (self.shards._unread, self.shards._positions, self.shards._ahead):
             for k in [k for k in table if at_key(k)]:
