@@ -1241,3 +1241,53 @@ def test_a_shard_index_loaded_across_a_rename_is_never_used_at_the_old_name(tmp_
     trio.run(main)
     assert _sharded(st.root / "g/arr") and sorted(os.listdir(st.root / "g/arr")) == ["zarr.json"]
     np.testing.assert_array_equal(zarr.open_array(str(st.root / "h/arr"), mode="r")[...], DATA)
+
+
+
+def test_a_metadata_document_read_across_a_rename_is_never_used_at_the_old_name(tmp_path, monkeypatch):
+    """A metadata document's GET under way below a directory while it is
+    renamed (the probe of g/arr by a LOOKUP in it, which a rename does not
+    wait for), its answer in only after the rename dropped what the store
+    kept of g: were it kept (metadata_ttl) under the old key, a directory
+    made again at g/arr through the mount, with no document, would be
+    probed from it and show the old array (its chunk directory c).  Neither
+    the document nor the dataset probed from it is kept (the rename is a
+    write of the mount's own: AsyncStore._list_generation, and
+    View.document_writes, which _forget_below bumps; this test fails with
+    either check taken out): the new g/arr is an empty directory."""
+    import pyfuse3
+    import trio
+
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "g/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    view, ops = _ops_on(st)
+    assert view.store.list_ttl > 0  # (a document read would be kept)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
+
+    async def main():
+        g = (await ops.lookup(pyfuse3.ROOT_INODE, b"g")).st_ino
+        arr = (await ops.lookup(g, b"arr")).st_ino
+        read, go = _hold_once(monkeypatch, view.store, "_run",
+                              lambda fn, *a, **kw: getattr(fn, "__name__", "") == "get"
+                              and a[:1] == ("g/arr/zarr.json",))
+
+        async def look():
+            try:
+                await ops.lookup(arr, b"c")
+            except pyfuse3.FUSEError:
+                pass  # (its answer does not matter here)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(look)
+            await read.wait()  # (the old document read, not yet kept)
+            await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
+            go.set()
+        new_arr = (await ops.mkdir((await ops.mkdir(pyfuse3.ROOT_INODE, b"g", 0o755, None)).st_ino,
+                                   b"arr", 0o755, None)).st_ino
+        with pytest.raises(pyfuse3.FUSEError) as info:  # (else: the old array's chunk directory)
+            await ops.lookup(new_arr, b"c")
+        assert info.value.errno == errno.ENOENT
+
+    trio.run(main)
+    assert os.listdir(st.root / "g/arr") == []
+    np.testing.assert_array_equal(zarr.open_array(str(st.root / "h/arr"), mode="r")[...], DATA)
