@@ -1291,3 +1291,64 @@ def test_a_metadata_document_read_across_a_rename_is_never_used_at_the_old_name(
     trio.run(main)
     assert os.listdir(st.root / "g/arr") == []
     np.testing.assert_array_equal(zarr.open_array(str(st.root / "h/arr"), mode="r")[...], DATA)
+
+
+def test_a_minishard_index_loaded_across_a_rename_is_never_used_at_the_old_name(tmp_path, monkeypatch):
+    """A precomputed minishard index read under way below a directory while
+    it is renamed (a LOOKUP of a chunk, which a rename does not wait for)
+    lands in the index cache after the rename dropped what it knew there:
+    under the OLD shard key, but with the version read (etag: inode, mtime,
+    size), which no shard stored again at that key has while the old one
+    lives on under the new name.  A precomputed directory made again at the
+    old place through the mount, its shard written anew, shows only its own
+    chunks, never the old one's."""
+    import pyfuse3
+    import trio
+
+    from zshardfs.layouts.precomputed_format import ShardingSpec, encode_shard
+
+    sharding = {"@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity",
+                "minishard_bits": 1, "shard_bits": 0, "minishard_index_encoding": "raw", "data_encoding": "raw"}
+    info = json.dumps({"@type": "neuroglancer_skeletons", "sharding": sharding}).encode()
+    st = _local(tmp_path)
+    (st.root / "g/kv").mkdir(parents=True)
+    (st.root / "g/kv/info").write_bytes(info)
+    (st.root / "g/kv/0.shard").write_bytes(encode_shard({1: b"one", 3: b"three"}, ShardingSpec.from_json(sharding)))
+    view, ops = _ops_on(st)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
+
+    async def main():
+        kv = (await ops.lookup((await ops.lookup(pyfuse3.ROOT_INODE, b"g")).st_ino, b"kv")).st_ino
+        read, go = _hold_once(monkeypatch, view.store, "get",
+                              lambda key, *a, if_match=None, **kw: key == "g/kv/0.shard" and if_match is not None)
+
+        async def look():
+            try:
+                await ops.lookup(kv, b"3")
+            except pyfuse3.FUSEError:
+                pass  # (its answer does not matter here)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(look)
+            await read.wait()  # (the old minishard index read, not yet cached)
+            await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
+            go.set()
+        assert any(isinstance(k, tuple) and k[0] == "g/kv/0.shard" for k in view.shards.indexes._d)  # (landed)
+        new_kv = (await ops.mkdir((await ops.mkdir(pyfuse3.ROOT_INODE, b"g", 0o755, None)).st_ino,
+                                  b"kv", 0o755, None)).st_ino
+        for name, data in ((b"info", info), (b"1", b"ONE")):
+            fi, _ = await ops.create(new_kv, name, 0o644, os.O_WRONLY, None)
+            assert await ops.write(fi.fh, 0, data) == len(data)
+            await ops.flush(fi.fh)
+            await ops.release(fi.fh)
+        await view.writeback.flush("g/kv/0.shard")  # (stored: a new version at the old key)
+        assert (st.root / "g/kv/0.shard").exists()
+        with pytest.raises(pyfuse3.FUSEError) as info_:  # (the old shard's chunk 3: never shown here)
+            await ops.lookup(new_kv, b"3")
+        assert info_.value.errno == errno.ENOENT
+        fi = await ops.open((await ops.lookup(new_kv, b"1")).st_ino, os.O_RDONLY, None)
+        assert await ops.read(fi.fh, 0, 100) == b"ONE"
+        await ops.release(fi.fh)
+
+    trio.run(main)
+    assert sorted(os.listdir(st.root / "h/kv")) == ["0.shard", "info"]
