@@ -1352,3 +1352,45 @@ def test_a_minishard_index_loaded_across_a_rename_is_never_used_at_the_old_name(
 
     trio.run(main)
     assert sorted(os.listdir(st.root / "h/kv")) == ["0.shard", "info"]
+
+
+def test_a_storage_listing_made_across_a_rename_is_never_kept(tmp_path, monkeypatch):
+    """A LIST of the parent of a directory under way while that directory
+    is renamed (g -> h; a READDIR of the root, whose handle does not keep g
+    from being renamed), its answer in after the rename: were it kept
+    (metadata_ttl), the next listing of the root would show the old g (a
+    ghost, its lookup ENOENT) and not h.  It is not kept (the rename is a
+    write of the mount's own: AsyncStore._list_generation; this test fails
+    with that check taken out)."""
+    import pyfuse3
+    import trio
+
+    st = _local(tmp_path)
+    (st.root / "g").mkdir()
+    (st.root / "g/f.txt").write_bytes(b"old")
+    view, ops = _ops_on(st)
+    assert view.store.list_ttl > 0  # (a listing would be kept)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
+    replied = []
+    monkeypatch.setattr(pyfuse3, "readdir_reply", lambda token, name, attrs, i: replied.append(name) or True)
+
+    async def readdir_root() -> list:
+        replied.clear()
+        fh = await ops.opendir(pyfuse3.ROOT_INODE, None)
+        await ops.readdir(fh, 0, None)
+        await ops.releasedir(fh)
+        return sorted(replied)
+
+    async def main():
+        await ops.lookup(pyfuse3.ROOT_INODE, b"g")  # (a LOOKUP lists nothing on a local store)
+        listed, go = _hold_once(monkeypatch, view.store, "_run",
+                                lambda fn, *a, **kw: getattr(fn, "__name__", "") == "list" and a[:1] == ("",))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(readdir_root)
+            await listed.wait()  # (the root listed, the listing not yet kept)
+            await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
+            go.set()
+        assert await readdir_root() == [b".", b"..", b"h"]  # (else: g, the old listing)
+
+    trio.run(main)
+    assert os.listdir(st.root) == ["h"]
