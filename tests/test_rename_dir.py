@@ -554,6 +554,26 @@ async def _rename_g_to_h_is_exdev(ops) -> None:
         await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
     assert info.value.errno == errno.EXDEV
 
+async def _lookup_across_g_to_h(ops, parent: int, name: bytes, held, go) -> None:
+    """A LOOKUP of ``name`` in ``parent`` (its answer does not matter),
+    held (``held`` set, waiting for ``go``, see _hold_once) while g is
+    renamed to h, then let go."""
+    import pyfuse3
+    import trio
+
+    async def look():
+        try:
+            await ops.lookup(parent, name)
+        except pyfuse3.FUSEError:
+            pass
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(look)
+        await held.wait()
+        await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
+        go.set()
+
+
 
 def test_a_lookup_answered_across_a_rename_names_the_new_place(tmp_path, monkeypatch):
     """A LOOKUP under a directory that is renamed while the view looks
@@ -1216,17 +1236,7 @@ def test_a_shard_index_loaded_across_a_rename_is_never_used_at_the_old_name(tmp_
         loaded, go = _hold_once(monkeypatch, ZarrShardFormat, "load_index",
                                 lambda fmt, store, key, *a, **kw: key == "g/arr/c/0/0")
 
-        async def look():
-            try:
-                await ops.lookup(ino["g/arr/c/0"], b"0")
-            except pyfuse3.FUSEError:
-                pass  # (its answer does not matter here)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(look)
-            await loaded.wait()  # (the old shard read, its index not yet cached)
-            await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
-            go.set()
+        await _lookup_across_g_to_h(ops, ino["g/arr/c/0"], b"0", loaded, go)  # (the old shard read, its index not yet cached)
         g = (await ops.mkdir(pyfuse3.ROOT_INODE, b"g", 0o755, None)).st_ino
         arr = (await ops.mkdir(g, b"arr", 0o755, None)).st_ino
         fi, _ = await ops.create(arr, b"zarr.json", 0o644, os.O_WRONLY, None)
@@ -1271,17 +1281,7 @@ def test_a_metadata_document_read_across_a_rename_is_never_used_at_the_old_name(
                               lambda fn, *a, **kw: getattr(fn, "__name__", "") == "get"
                               and a[:1] == ("g/arr/zarr.json",))
 
-        async def look():
-            try:
-                await ops.lookup(arr, b"c")
-            except pyfuse3.FUSEError:
-                pass  # (its answer does not matter here)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(look)
-            await read.wait()  # (the old document read, not yet kept)
-            await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
-            go.set()
+        await _lookup_across_g_to_h(ops, arr, b"c", read, go)  # (the old document read, not yet kept)
         new_arr = (await ops.mkdir((await ops.mkdir(pyfuse3.ROOT_INODE, b"g", 0o755, None)).st_ino,
                                    b"arr", 0o755, None)).st_ino
         with pytest.raises(pyfuse3.FUSEError) as info:  # (else: the old array's chunk directory)
@@ -1322,17 +1322,7 @@ def test_a_minishard_index_loaded_across_a_rename_is_never_used_at_the_old_name(
         read, go = _hold_once(monkeypatch, view.store, "get",
                               lambda key, *a, if_match=None, **kw: key == "g/kv/0.shard" and if_match is not None)
 
-        async def look():
-            try:
-                await ops.lookup(kv, b"3")
-            except pyfuse3.FUSEError:
-                pass  # (its answer does not matter here)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(look)
-            await read.wait()  # (the old minishard index read, not yet cached)
-            await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
-            go.set()
+        await _lookup_across_g_to_h(ops, kv, b"3", read, go)  # (the old minishard index read, not yet cached)
         assert any(isinstance(k, tuple) and k[0] == "g/kv/0.shard" for k in view.shards.indexes._d)  # (landed)
         new_kv = (await ops.mkdir((await ops.mkdir(pyfuse3.ROOT_INODE, b"g", 0o755, None)).st_ino,
                                   b"kv", 0o755, None)).st_ino

@@ -2741,6 +2741,26 @@ else:
 """
 
 
+def _zarr2_resize_runner(tmp_path: Path):
+    """``zarr2(root, what)``: runs _ZARR2_RESIZE's step ``what`` with zarr
+    2.18 (v3-draft sharding enabled) on the store at ``root``; a ``read...``
+    step gives the array's values."""
+    import io
+
+    from tests.peers_zarr import ZARR2_PYTHON
+
+    script = tmp_path / "resize.py"
+    script.write_text(_ZARR2_RESIZE)
+    env = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
+
+    def zarr2(root, what) -> np.ndarray | None:
+        out = subprocess.run([str(ZARR2_PYTHON), str(script), str(Path(__file__).parent), str(root), what],
+                             env=env, capture_output=True, timeout=120)
+        assert out.returncode == 0, out.stderr.decode()[-600:]
+        return np.load(io.BytesIO(out.stdout)) if what.startswith("read") else None
+    return zarr2
+
+
 def test_chunk_removals_before_a_shrinking_document_are_stored_before_it(store, mount, tmp_path):
     """A resize as zarr-python writes it (delete the chunks past the new
     shape, then write zarr.json), with shard writes held in memory
@@ -2775,19 +2795,7 @@ def test_zarr2_shrinking_a_transformer_array_removes_the_chunks_outside(store, m
     again, the array reads as its directory-store twin does (fill outside
     the small shape, not the old values), and shards wholly outside are
     deleted."""
-    import io
-
-    from tests.peers_zarr import ZARR2_PYTHON
-
-    script = tmp_path / "resize.py"
-    script.write_text(_ZARR2_RESIZE)
-    env = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
-
-    def zarr2(root, what) -> np.ndarray | None:
-        out = subprocess.run([str(ZARR2_PYTHON), str(script), str(Path(__file__).parent), str(root), what],
-                             env=env, capture_output=True, timeout=120)
-        assert out.returncode == 0, out.stderr.decode()
-        return np.load(io.BytesIO(out.stdout)) if what == "read" else None
+    zarr2 = _zarr2_resize_runner(tmp_path)
 
     zarr2(tmp_path / "seed" / "t", "create-sharded")
     zarr2(tmp_path / "twin", "create-plain")
@@ -2829,19 +2837,7 @@ def test_zarr2_shrinking_an_array_whose_chunks_the_kernel_holds(store, mount, tm
     chunk the kernel still showed (``isfile``) but the mount had removed made
     its ``os.remove`` fail: the resize raised FileNotFoundError, and reads of
     the array grown again raised it too until ``attr_timeout`` passed."""
-    import io
-
-    from tests.peers_zarr import ZARR2_PYTHON
-
-    script = tmp_path / "resize.py"
-    script.write_text(_ZARR2_RESIZE)
-    env = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
-
-    def zarr2(root, what) -> np.ndarray | None:
-        out = subprocess.run([str(ZARR2_PYTHON), str(script), str(Path(__file__).parent), str(root), what],
-                             env=env, capture_output=True, timeout=120)
-        assert out.returncode == 0, out.stderr.decode()[-600:]
-        return np.load(io.BytesIO(out.stdout)) if what == "read" else None
+    zarr2 = _zarr2_resize_runner(tmp_path)
 
     size = "-40" if store.kind == "local" else ""  # (400 chunks: 394 the kernel must forget; S3: 64)
     zarr2(tmp_path / "seed" / "t", "create-sharded" + size)
@@ -2864,19 +2860,7 @@ def test_zarr2_arrays_made_in_a_shard_mount_are_stored_as_written_and_said(store
     v3-draft array zarr 2.18 makes through the mount is stored unsharded,
     as written, with one log line (before: no line, though shard=K was
     asked); it reads back as written, from the mount and from the store."""
-    import io
-
-    from tests.peers_zarr import ZARR2_PYTHON
-
-    script = tmp_path / "resize.py"
-    script.write_text(_ZARR2_RESIZE)
-    env = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
-
-    def zarr2(root, what) -> np.ndarray | None:
-        out = subprocess.run([str(ZARR2_PYTHON), str(script), str(Path(__file__).parent), str(root), what],
-                             env=env, capture_output=True, timeout=120)
-        assert out.returncode == 0, out.stderr.decode()[-600:]
-        return np.load(io.BytesIO(out.stdout)) if what.startswith("read") else None
+    zarr2 = _zarr2_resize_runner(tmp_path)
 
     m = mount(store.source, "shard=2", extra=store.extra)
     zarr2(m / "t", "create-plain")
@@ -2903,19 +2887,7 @@ def test_zarr2_consolidated_metadata_of_transformer_arrays_is_shown_and_stored_m
     its shards for chunks (the same error).  Each member is now shown
     without the transformer, as its own document is, and stored with it
     put back (attributes carried over), as its own document is."""
-    import io
-
-    from tests.peers_zarr import ZARR2_PYTHON
-
-    script = tmp_path / "resize.py"
-    script.write_text(_ZARR2_RESIZE)
-    env = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
-
-    def zarr2(root, what) -> np.ndarray | None:
-        out = subprocess.run([str(ZARR2_PYTHON), str(script), str(Path(__file__).parent), str(root), what],
-                             env=env, capture_output=True, timeout=120)
-        assert out.returncode == 0, out.stderr.decode()[-600:]
-        return np.load(io.BytesIO(out.stdout)) if what.startswith("read") else None
+    zarr2 = _zarr2_resize_runner(tmp_path)
 
     for root, how in ((tmp_path / "seed" / "t", "create-sharded"), (tmp_path / "twin", "create-plain")):
         zarr2(root, how)
@@ -2947,19 +2919,7 @@ def test_zarr2_overwriting_a_transformer_array_through_the_mount(store, mount, t
     it got ENOENT (KeyError / FileNotFoundError out of zarr; nothing in the
     log).  The kernel now forgets the entries of a dataset whose last chunk
     went with its document, once a new document takes its place."""
-    import io
-
-    from tests.peers_zarr import ZARR2_PYTHON
-
-    script = tmp_path / "resize.py"
-    script.write_text(_ZARR2_RESIZE)
-    env = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
-
-    def zarr2(root, what) -> np.ndarray | None:
-        out = subprocess.run([str(ZARR2_PYTHON), str(script), str(Path(__file__).parent), str(root), what],
-                             env=env, capture_output=True, timeout=120)
-        assert out.returncode == 0, out.stderr.decode()[-600:]
-        return np.load(io.BytesIO(out.stdout)) if what == "read" else None
+    zarr2 = _zarr2_resize_runner(tmp_path)
 
     zarr2(tmp_path / "seed" / "t", "create-sharded")
     zarr2(tmp_path / "twin", "create-plain")
