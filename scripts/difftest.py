@@ -3,7 +3,8 @@
 
 Why: the suite's own tests check one behaviour each; this applies long random
 sequences of file operations (writes, truncates, renames, links, held-open handles,
-temporary-then-rename, fsync, sync, remounts, kill -9 of the daemon, on S3 with --faults stretches of network faults; metadata edits,
+temporary-then-rename, fsync, sync, remounts, kill -9 of the daemon, on S3 with --faults stretches of network faults,
+with --dirmv renames of directories (local: held files or writers below meanwhile); metadata edits,
 consolidation and resizes in variable shard grids and hierarchies) to a zshardfs mount
 of a sharded store (Zarr: regular and variable shard grids, consolidated hierarchies;
 Neuroglancer precomputed: the pc_* layouts, pc_mesh_* with multi-resolution meshes) and to a directory holding its unsharded
@@ -56,6 +57,10 @@ def main() -> int:
                          "every op is drawn under them, remounts, document edits, resizes, mesh ops and races too")
     ap.add_argument("--race", type=float, default=0, metavar="W",
                     help="weight of the race op (a file watched while another process changes it; off: 0)")
+    ap.add_argument("--dirmv", type=float, default=0, metavar="W",
+                    help="(local) weight of the op that renames a directory: a group, an array, a plain or a chunk "
+                         "directory, onto a free name, an empty or a full directory, a file, into itself, with "
+                         "RENAME_NOREPLACE, a file held open below or writers by path meanwhile (off: 0)")
     ap.add_argument("--replay", metavar="FILE", help="replay the ops saved in FILE (layout, backend, opts too)")
     ap.add_argument("--minimize", action="store_true", help="on a divergence, find a minimal op sequence")
     ap.add_argument("--verbose", action="store_true", help="print every op and its result")
@@ -81,6 +86,8 @@ def main() -> int:
         weights["faults"] = args.faults
     if args.race:
         weights["race"] = args.race
+    if args.dirmv:
+        weights["dirmv"] = args.dirmv
     server = None
     if backend == "s3":
         from tests.s3server import MotoServer, set_dummy_credentials

@@ -28,8 +28,9 @@ The documented differences (docs/SEMANTICS.md, Limits) are emulated on the twin:
     file: S3 has no empty directories, nor would an unsharded store there;
   - files with non-chunk names inside chunk directories live in memory only: dropped
     at unmount and by a daemon kill;
-  - directories are not renamed (EXDEV; the ops never draw a directory as a rename's source,
-    so the local store's directory renames, SEMANTICS 4.18, are not exercised here);
+  - the ``rename`` op never draws a directory as its source; the ``dirmv`` op renames
+    directories (local stores, SEMANTICS 4.18; off unless weighted: ``scripts/difftest.py
+    --dirmv W``, test_differential's DIRMV_CASES), see below;
   - (empty) directories below the array's chunk directories are not compared;
   - an editor's save or ``rm`` and put back of the ``zarr.json`` of a sharded array none of
     whose chunks is left makes a new array, stored as written (unsharded; SEMANTICS 4.15):
@@ -82,6 +83,23 @@ The ``race`` op (off unless weighted: ``scripts/difftest.py --race W``, test_dif
 RACE_CASES) has one process change a file while another watches it; the watcher's
 observations must be explained by the file's states in order (:meth:`Applier.op_race`).
 
+The ``dirmv`` op renames a directory (a group, an array, a volume, a plain or a chunk
+directory; onto a free name, an empty directory it makes first, a full one, a file, into
+itself; with RENAME_NOREPLACE through renameat2), sometimes with a file or a listing held open
+below (``hold``) or two processes writing by path below the old and the new name meanwhile
+(``conc``; with a reader by path of files neither writes, and sometimes the directory moved to
+and fro several times), or the daemon killed (``kill -9``) during it (``kill``: a fresh mount
+shows it at one name, never both or neither); while one is renamed away, the rename back (made before the final check, if the
+run has not). The twin renames only where the mount did, and an EXDEV must be one SEMANTICS
+4.18 allows: the kernel's answers first (EEXIST, EINVAL, ENOTDIR), then EXDEV is required on
+S3, inside a sharded dataset or a v3-draft store, for chunk directories and precomputed
+scales, and with something held open below; it is allowed (the twin follows the mount) only
+where something below may live in memory only, or with writers busy below (each of whose
+writes must land, below the old name until the rename and below the new one from it, or be
+ENOENT; each read the file's bytes, or ENOENT as the renames allow). An accepted rename must move the stored metadata documents unchanged (the arrays'
+``zarr.json`` still sharded). While a directory is renamed away the names below its new place
+are what they were below the old (:meth:`Names.logical`), and the other ops draw neither place.
+
 An op is a JSON-able dict (data as ``["pool", i]``, a valid encoded chunk, or
 ``["rnd", seed, n]``), so a failing sequence can be printed, saved, replayed
 (``scripts/difftest.py --replay FILE``) and minimised (``--minimize``).
@@ -102,6 +120,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import zlib
@@ -183,7 +202,24 @@ class Names:
     def _in_grid_dir(self, d: str) -> bool:
         return any(k.startswith(d + "/") for k in self.chunks)
 
+    #: (local store, the ``dirmv`` op) a directory renamed through the mount and not back
+    #: yet: (its name, where it is now); the names below the new place are what they were
+    #: below the old one (:meth:`logical`), and the generator draws none of either place
+    moved: tuple[str, str] | None = None
+
+    def logical(self, rel: str) -> str:
+        """The name ``rel`` had before the directory it is in was renamed (:attr:`moved`)."""
+        if self.moved is not None:
+            old, new = self.moved
+            if rel == new or rel.startswith(new + "/"):
+                return old + rel[len(new):]
+        return rel
+
+    def is_meta(self, rel: str) -> bool:
+        return self.logical(rel) in self.meta
+
     def kind(self, rel: str) -> str:
+        rel = self.logical(rel)
         if rel in self.chunks:
             return "chunk"
         if rel in self.outside:
@@ -205,11 +241,13 @@ class Names:
         return None
 
     def in_chunk_tree(self, rel: str) -> bool:
+        rel = self.logical(rel)
         return any(rel == d or rel.startswith(d + "/") for d in self.chunkdirs)
 
     def unlisted(self, rel: str) -> bool:
         """A directory whose listing is not compared: chunk trees, and (S3, where an
         emptied directory is gone at a remount) the chunk directories of unsharded arrays."""
+        rel = self.logical(rel)
         return self.in_chunk_tree(rel) or any(rel == d or rel.startswith(d + "/") for d in self.plain_trees)
 
     def on_s3(self) -> None:
@@ -975,6 +1013,14 @@ _RACE_WATCHER = (
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
+def _ok_then(results: list, first: str, then: str) -> bool:
+    """Is ``results`` some ``first`` answers followed by ``then`` answers only?"""
+    k = 0
+    while k < len(results) and results[k] == first:
+        k += 1
+    return all(r == then for r in results[k:])
+
+
 def _race_verdict(obs: list, final: list, path_states: list, held_states: list, written: list,
                   faulty: bool = False, ends_from: int | None = None) -> str:
     """``watch ok``, or the first observation no state in order explains (see Applier.op_race).
@@ -1057,6 +1103,7 @@ class Applier:
         self.env, self.root, self.twin, self.names = env, root, twin, env.names
         self.on_the_way: dict[str, list[bytes]] = {}  # (twin) file -> states an op passed through
         self.under_faults = False  # (mount) network faults are on while it applies the op (Runner.step)
+        self.stored_now: dict | None = None  # (twin, dirmv) below a directory one rename moved: all stored
 
     def p(self, rel):
         return self.root / rel
@@ -1500,6 +1547,311 @@ class Applier:
                     pr.kill()
         return "ok" if not errs else "fail:" + ";".join(errs)
 
+    # -- directory renames (local store: one rename(2) of the stored directory, SEMANTICS 4.18)
+
+    def _dirmv_structural(self, s: str, d: str) -> bool:
+        """Does SEMANTICS 4.18 keep the rename of directory ``s`` to ``d`` (logical names)
+        EXDEV whatever is open: on S3; a chunk directory or any directory inside a sharded
+        dataset (a Zarr array, a precomputed scale, skeleton or mesh directory), or renamed
+        into one; a directory of a v3-draft store (``data``, ``meta`` and below); a
+        precomputed scale directory, which its volume's ``info`` names (and those on the
+        way to one: a scale key of several names)."""
+        n = self.names
+        if self.env.backend != "local":
+            return True
+        for x in (s, d):
+            if n.in_chunk_tree(x) or any(x.startswith(r + "/") for r in n.roots):
+                return True
+            if isinstance(n, ZarrNames) and n.draft and x.split("/")[0] in ("data", "meta"):
+                return True
+            if any(k == x or k.startswith(x + "/") for k in n.keep_dirs) and "/" in x:
+                return True  # (a scale, or a directory on the way to one, inside its volume)
+        return False
+
+    def _dirmv_in_memory(self, rel: str) -> bool:
+        """Is a file below ``rel`` (twin) one the mount may hold in memory only: a temporary
+        in a chunk directory, a plain file in a dataset's root (stored at fsync, sync or
+        unmount), a temporary a shrink put outside the grid?"""
+        base = self.p(rel)
+        if base.is_dir():
+            for q in base.rglob("*"):
+                if q.is_file() and self.names.kind(str(q.relative_to(self.root))) in ("chunktmp", "arrplain"):
+                    return True
+        hidden = getattr(getattr(self, "runner", None), "hidden_tmp", {})
+        return any(t == rel or t.startswith(rel + "/") for t in hidden)
+
+    def _dir_rename(self, src: str, dst: str, noreplace: bool) -> None:
+        if not noreplace:
+            os.rename(self.p(src), self.p(dst))
+            return
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        at = -100  # AT_FDCWD
+        if libc.renameat2(at, os.fsencode(str(self.p(src))), at, os.fsencode(str(self.p(dst))), ctypes.c_uint(1)):
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e))
+
+    def _dirmv_docs(self, rel: str, logical: str) -> dict[str, bytes | None]:
+        """(mount, local store) The stored metadata documents below ``rel`` (which holds what
+        ``logical`` names), by logical name."""
+        out = {}
+        for m in self.names.meta:
+            if m.startswith(logical + "/"):
+                p = self.env.src / (rel + m[len(logical):])
+                out[m] = p.read_bytes() if p.is_file() else None
+        return out
+
+    def _hold_open(self, hold: dict) -> int:
+        p = self.p(hold["path"])
+        if hold["kind"] == "d":
+            return os.open(p, os.O_RDONLY | os.O_DIRECTORY)
+        if hold["kind"] == "r":
+            return os.open(p, os.O_RDONLY)
+        if self.twin and (r := self._twin_prepare(hold["path"], True)):
+            raise OSError(errno.ENOENT, r)
+        fd = _open(p, os.O_RDWR | os.O_CREAT)
+        try:
+            _write(fd, self.env.data.get(hold["data"]), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    _DIRMV_WRITER = (
+        "import os,sys,json,time,errno\n"
+        "out=[]\n"
+        "for p,d,g in json.loads(sys.argv[1]):\n"
+        "    time.sleep(g)\n"
+        "    r='ok'\n"
+        "    try:\n"
+        "        fd=os.open(p,os.O_WRONLY|os.O_CREAT|os.O_TRUNC,0o644)\n"
+        "        try:\n"
+        "            b=bytes.fromhex(d)\n"
+        "            n=os.write(fd,b)\n"
+        "            if n!=len(b): r=f'short write: {n} of {len(b)} bytes'\n"
+        "        finally:\n"
+        "            os.close(fd)\n"
+        "    except OSError as e:\n"
+        "        r=errno.errorcode.get(e.errno,str(e.errno))\n"
+        "    out.append(r)\n"
+        "print(json.dumps(out))\n")
+
+    _DIRMV_READER = (
+        "import os,sys,json,time,errno,hashlib\n"
+        "out=[]\n"
+        "for p,t,g in json.loads(sys.argv[1]):\n"
+        "    time.sleep(g)\n"
+        "    try:\n"
+        "        with open(p,'rb') as f:\n"
+        "            b=f.read()\n"
+        "        out.append(f'{len(b)}:{hashlib.md5(b).hexdigest()[:10]}')\n"
+        "    except OSError as e:\n"
+        "        out.append(errno.errorcode.get(e.errno,str(e.errno)))\n"
+        "print(json.dumps(out))\n")
+
+    def op_dirmv(self, op):
+        """``mv`` of a directory (``src``, by its name now) to ``dst``: a free name, an empty
+        directory made first (``how`` empty), a full one, a file, inside itself; with
+        ``noreplace`` through renameat2(RENAME_NOREPLACE). ``mid``: ``hold`` a file or
+        directory below ``src`` open (read, write, a listing) across the rename, which must
+        then be EXDEV; ``conc`` two processes writing files by path meanwhile, ``w1``
+        below ``src``, ``w2`` the same below ``dst``: each write either lands or is ENOENT,
+        those below ``src`` ok until the rename, those below ``dst`` from it (a write to
+        the old name after the rename, or one lost, diverges); ``rd``: a third reads files
+        no writer writes, below either name (their bytes, or ENOENT as the renames allow);
+        ``flips``: the directory moved to and fro that many times (``gap`` between), the
+        writers' files then disjoint, each write ok or ENOENT; ``kill``: the daemon killed
+        during the rename (:meth:`Runner.dirmv_kill`). The twin follows
+        (:meth:`_twin_dirmv`); the mount checks that the stored metadata documents moved
+        as they were (its arrays still sharded)."""
+        src, dst = op["src"], op["dst"]
+        out: dict = {}
+        if op["how"] == "empty":
+            try:
+                os.mkdir(self.p(dst))
+                out["mkdir"] = "ok"
+            except OSError as e:
+                out["mkdir"] = errname(e)
+        logical = self.names.logical(src)
+        docs = self._dirmv_docs(src, logical) if not self.twin and self.env.backend == "local" else {}
+        fd, procs = None, []
+        if op.get("mid") == "hold":
+            try:
+                fd = self._hold_open(op["hold"])
+                out["hold"] = "ok"
+            except OSError as e:
+                out["hold"] = errname(e)
+        if self.twin:
+            try:
+                return self._twin_dirmv(op, out)
+            finally:
+                if fd is not None:
+                    os.close(fd)
+        try:
+            if op.get("mid") == "conc":
+                for key in ("w1", "w2"):
+                    items = [(str(self.p(path)), self.env.data.get(spec).hex(), gap) for path, spec, gap in op[key]]
+                    procs.append(subprocess.Popen([sys.executable, "-c", self._DIRMV_WRITER, json.dumps(items)],
+                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+                if op.get("rd"):  # (a reader by path of files no writer writes, below both names)
+                    items = [(str(self.p(path)), tag, gap) for path, tag, gap in op["rd"]]
+                    procs.append(subprocess.Popen([sys.executable, "-c", self._DIRMV_READER, json.dumps(items)],
+                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+                time.sleep(op.get("delay", 0))
+            try:
+                self._dir_rename(src, dst, op.get("noreplace", False))
+                out["rename"] = "ok"
+            except OSError as e:
+                out["rename"] = errname(e)
+            if op.get("flips", 1) > 1:  # (moved to and fro while the writers write)
+                at_dst, out["flips"] = out["rename"] == "ok", []
+                for _ in range(op["flips"] - 1):
+                    time.sleep(op.get("gap", 0))
+                    try:
+                        self._dir_rename(*((dst, src) if at_dst else (src, dst)), False)
+                        out["flips"].append("ok")
+                        at_dst = not at_dst
+                    except OSError as e:
+                        out["flips"].append(errname(e))
+            if fd is not None and op["hold"]["kind"] != "d":
+                out["read"] = h(os.pread(fd, 1 << 22, 0))
+            for key, pr in zip(("w1", "w2", "rd"), procs):
+                so, se = pr.communicate(timeout=120)
+                try:
+                    out[key] = json.loads(so)
+                except ValueError:
+                    out[key] = "crashed: " + se.decode()[-300:]
+        finally:
+            if fd is not None:
+                os.close(fd)
+            for pr in procs:
+                if pr.poll() is None:
+                    pr.kill()
+        if docs and (out["rename"] == "ok") != (out.get("flips", []).count("ok") % 2 == 1):
+            now = self._dirmv_docs(dst, logical)
+            bad = sorted(m for m in docs if docs[m] != now.get(m))
+            bad += sorted(f"{m}: not sharded" for m in now if now[m] is not None and m.rsplit("/", 1)[0] in self.names.roots
+                          and m.endswith("zarr.json") and b"sharding_indexed" not in now[m])
+            if bad:
+                out["stored"] = bad
+        return out
+
+    def _twin_dirmv(self, op, out: dict):
+        """The twin's side of :meth:`op_dirmv`, with the mount's answer (``mount_result``):
+        the rename is done where SEMANTICS 4.18 says the mount does it. After the kernel's
+        own answers (EEXIST with RENAME_NOREPLACE onto a name that exists, EINVAL into
+        itself, ENOTDIR onto a file), EXDEV is the answer (the mount's must be too) on S3,
+        for a chunk directory, inside a sharded dataset or a v3-draft store, for a
+        precomputed scale, and with a file or directory held open below. EXDEV
+        is allowed (taken from the mount) only where something below may live in memory
+        (:meth:`_dirmv_in_memory`) or writers are busy below (``conc``); else the twin's own
+        rename answers (ENOTEMPTY onto a full directory)."""
+        src, dst = op["src"], op["dst"]
+        s, d = self.names.logical(src), self.names.logical(dst)
+        self.stored_now = None  # (one rename made: what is below it, all stored then)
+        rm = getattr(self, "mount_result", None)
+        rm = rm if isinstance(rm, dict) else {}
+        mount_said = rm.get("rename")
+        conc = op.get("mid") == "conc"
+        w1 = rm.get("w1") if conc else None
+        w2 = rm.get("w2") if conc else None
+        if conc and not (isinstance(w1, list) and isinstance(w2, list)
+                         and len(w1) == len(op["w1"]) and len(w2) == len(op["w2"])):
+            out["rename"] = "(writers failed)"
+            out["w1"], out["w2"] = w1, w2
+            return out
+        flips = op.get("flips", 1) if conc else 1
+        rd = rm.get("rd") if conc and op.get("rd") else None
+        if rd is not None:  # (what each file the reader reads holds: no writer writes it)
+            want = [h(self.p(src + path[len(dst):] if tag == 2 else path).read_bytes()) for path, tag, _ in op["rd"]]
+        if conc:  # the writes below src that landed: before the rename, in order
+            for (path, spec, _), r in zip(op["w1"], w1):
+                if r == "ok":
+                    self._conc_write(path, spec)
+            if flips > 1:  # (and, with the directory moved to and fro, those below dst: disjoint)
+                for (path, spec, _), r in zip(op["w2"], w2):
+                    if r == "ok":
+                        self._conc_write(src + path[len(dst):], spec)
+        sp, dp = self.p(src), self.p(dst)
+        if not sp.is_dir() or not dp.parent.is_dir():
+            res = "ENOENT" if not sp.exists() or not dp.parent.exists() else "ENOTDIR"
+        elif op.get("noreplace") and (dp.exists() or dp.is_symlink()):
+            res = "EEXIST"  # (the kernel's answers first: it has looked both names up)
+        elif dst.startswith(src + "/"):
+            res = "EINVAL"
+        elif dp.is_file():
+            res = "ENOTDIR"
+        elif self._dirmv_structural(s, d):
+            res = "EXDEV"
+        elif out.get("hold") == "ok":
+            res = "EXDEV"  # (an open handle below it: SEMANTICS 4.18)
+        elif mount_said == "EXDEV" and flips == 1 and \
+                (conc or self._dirmv_in_memory(src) or self._dirmv_in_memory(dst)):
+            res = "EXDEV"
+        else:
+            res = "ok" if flips == 1 else "(flips)"
+            if flips == 1:
+                try:
+                    self._dir_rename(src, dst, op.get("noreplace", False))
+                    self.stored_now = self._files_below(dst)
+                except OSError as e:
+                    res = errname(e)
+        if res == "(flips)":
+            # moved to and fro: each move is ok or EXDEV (writers busy below), the twin ends
+            # where the mount's moves leave it
+            said = [mount_said] + (rm.get("flips") if isinstance(rm.get("flips"), list) else [None])
+            if all(x in ("ok", "EXDEV") for x in said) and len(said) == flips:
+                res, out["flips"] = mount_said, said[1:]
+                if said.count("ok") % 2:
+                    self._dir_rename(src, dst, False)
+            else:
+                res, out["flips"] = "ok or EXDEV", "each ok or EXDEV"
+        elif flips > 1:  # (refused for a reason of its own: every move again)
+            out["flips"] = [res] * (flips - 1)
+        out["rename"] = res
+        if op.get("mid") == "hold" and op["hold"]["kind"] != "d" and out.get("hold") == "ok":
+            out["read"] = h(self.p(op["hold"]["path"]).read_bytes()) if self.p(op["hold"]["path"]).is_file() else None
+        if rd is not None:
+            moved = res in ("ok", "EXDEV") and "ok" in [res] + list(out.get("flips") or [])
+            good = isinstance(rd, list) and len(rd) == len(want)
+            for tag in (1, 2) if good else ():
+                seen = [("ok" if r == w else r) for r, w, (_, t, _) in zip(rd, want, op["rd"]) if t == tag]
+                if not moved:
+                    good = good and all(r == ("ok" if tag == 1 else "ENOENT") for r in seen)
+                elif flips > 1:
+                    good = good and all(r in ("ok", "ENOENT") for r in seen)
+                else:
+                    good = good and _ok_then(seen, *(("ok", "ENOENT") if tag == 1 else ("ENOENT", "ok")))
+            out["rd"] = rd if good else f"not the file's bytes or ENOENT as the renames allow: {rd} (bytes {want})"
+        if conc and flips > 1:
+            moved = res in ("ok", "EXDEV") and "ok" in [res] + list(out.get("flips") or [])
+            good1 = all(r in ("ok", "ENOENT") for r in w1) and (moved or all(r == "ok" for r in w1))
+            good2 = all(r in ("ok", "ENOENT") for r in w2) and (moved or all(r == "ENOENT" for r in w2))
+            out["w1"] = w1 if good1 else f"not ok or ENOENT (ok while never moved): {w1}"
+            out["w2"] = w2 if good2 else f"not ok or ENOENT (ENOENT while never moved): {w2}"
+        elif conc:
+            # below src: ok until the rename, ENOENT after; below dst: ENOENT until it, ok after
+            if res == "ok":
+                good1 = _ok_then(w1, "ok", "ENOENT")
+                good2 = _ok_then(w2, "ENOENT", "ok")
+            else:
+                good1, good2 = all(r == "ok" for r in w1), all(r == "ENOENT" for r in w2)
+            out["w1"] = w1 if good1 else f"not ok until the rename, ENOENT after: {w1}"
+            out["w2"] = w2 if good2 else f"not ENOENT until the rename, ok after: {w2}"
+            if good2 and res == "ok":
+                for (path, spec, _), r in zip(op["w2"], w2):
+                    if r == "ok":
+                        self._conc_write(path, spec)
+        return out
+
+    def _files_below(self, rel: str) -> dict[str, bytes]:
+        return {str(q.relative_to(self.root)): q.read_bytes() for q in self.p(rel).rglob("*") if q.is_file()}
+
+    def _conc_write(self, path: str, spec) -> None:
+        self.p(path).parent.mkdir(parents=True, exist_ok=True)  # (it was written in the mount)
+        with open(self.p(path), "wb") as f:
+            f.write(self.env.data.get(spec))
+
     def _race_states(self, op, done: int | None = None) -> tuple[list, list, list]:
         """The states ``op['path']`` passes through under the mover's steps (index 0: before,
         None: absent), and per state the versions a descriptor held open on it from before
@@ -1670,7 +2022,7 @@ def compare(env: Env, where: str) -> list[str]:
     out = [f"mount: {p}" for p in pm]
     for rel in sorted(set(fm) | set(ft)):
         a, b = fm.get(rel), ft.get(rel)
-        if rel in env.names.meta:
+        if env.names.is_meta(rel):
             if a is not None and b is not None:
                 try:
                     if json.loads(a) != json.loads(b):
@@ -1696,7 +2048,8 @@ WEIGHTS = {"write": 18, "pwrite": 10, "append": 5, "otrunc": 3, "truncate": 6, "
            "meta": 0, "consolidate": 0, "resize": 0,  # (these and the mesh ops: LAYOUT_WEIGHTS)
            "race": 0,  # (scripts/difftest.py --race W; fixed seeds: test_differential RACE_CASES)
            "mesh": 0, "meshrm": 0, "meshmv": 0, "meshbad": 0,
-           "faults": 0}  # (S3 only, when asked: scripts/difftest.py --faults, CASES)
+           "faults": 0,  # (S3 only, when asked: scripts/difftest.py --faults, CASES)
+           "dirmv": 0}  # (scripts/difftest.py --dirmv W; fixed seeds: test_differential DIRMV_CASES)
 #: not drawn while network faults are on (a stretch of them is not started within one)
 NOT_UNDER_FAULTS = {"faults"}
 #: what an op may answer for a storage call that failed under network faults (SEMANTICS 5.5)
@@ -1757,11 +2110,32 @@ class Gen:
         return r.choice(PLAIN_FILES)
 
     def op(self) -> dict:
-        r = self.rng
         if self.faulty:
             self.faulty -= 1
             if not self.faulty:
                 return {"op": "faultsoff"}
+        for _ in range(100):  # (while a directory is renamed away, ops naming either place are drawn again)
+            o = self._draw()
+            if not self._blocked(o):
+                return o
+        return {"op": "sync"}
+
+    def _blocked(self, op: dict) -> bool:
+        """Does ``op`` name a directory renamed away (:attr:`Names.moved`) or its new place,
+        or anything below them (or, a consolidation, the whole hierarchy)?"""
+        if self.n.moved is None or op["op"] == "dirmv":
+            return False
+        if op["op"] == "consolidate":
+            return True
+        if op["op"] == "rmdir" and self.n.moved[0].startswith(op["path"] + "/"):
+            return True  # (the rename back needs the old parent)
+        names = op_names(op, self.n) | {op[k] for k in ("other", "member") if isinstance(op.get(k), str)}
+        if op["op"] == "resize":
+            names.add(op["path"])
+        return any(x == p or x.startswith(p + "/") for x in names for p in self.n.moved)
+
+    def _draw(self) -> dict:
+        r = self.rng
         kinds = [k for k, w in self.weights.items() if w > 0 and not (self.faulty and k in NOT_UNDER_FAULTS)]
         kind = r.choices(kinds, [self.weights[k] for k in kinds])[0]
         if kind == "faults":
@@ -1842,15 +2216,111 @@ class Gen:
             return o
         if kind == "resize":
             case = r.choice([c for c in self.n.cases if c.sharded])
+            if self.n.moved and (case.path + "/").startswith(self.n.moved[0] + "/"):
+                return {"op": "resize", "path": case.path, "shape": []}  # (drawn again: _blocked)
             shape = json.loads((self.env.twin / case.path / "zarr.json").read_bytes())["shape"]
             return {"op": "resize", "path": case.path,
                     "shape": [max(1, s + r.choice([-7, -4, -1, 0, 0, 1, 3, 5, 9])) for s in shape]}
         if kind in ("mesh", "meshrm", "meshmv", "meshbad"):
             return self.mesh_op(kind)
+        if kind == "dirmv":
+            return self.dirmv_op()
         if kind == "kill9" and r.random() < 0.6:
             return {"op": "kill9", "delay": r.choice([0, 0.001, 0.005, 0.01, 0.02, 0.05])}
         return {"op": kind}
 
+
+    def _dirs(self) -> list[str]:
+        """The directories a ``dirmv`` draws from (the twin's, logical names): all outside chunk
+        trees, and a few in-grid chunk directories (EXDEV)."""
+        out = []
+        for p in sorted(self.env.twin.rglob("*")):
+            rel = str(p.relative_to(self.env.twin))
+            if p.is_dir() and not self.n.in_chunk_tree(rel):
+                out.append(rel)
+        return out + [d for d in self.n.inner_dirs[:3] if (self.env.twin / d).is_dir()]
+
+    def dirmv_op(self) -> dict:
+        """A directory's rename (see :meth:`Applier.op_dirmv`); while one is renamed away,
+        the rename back (also with writers or a held file)."""
+        r, n, twin = self.rng, self.n, self.env.twin
+        if n.moved is not None:
+            o = {"op": "dirmv", "src": n.moved[1], "dst": n.moved[0], "how": "back", "noreplace": r.random() < 0.3}
+            return self._dirmv_mid(o, n.moved[0], free=True)
+        dirs = self._dirs()
+        if not dirs:
+            return {"op": "sync"}
+        src = r.choice(dirs)
+        out = [d for d in dirs if d != src and not d.startswith(src + "/") and not src.startswith(d + "/")]
+        parents = [""] + [d for d in out if not n.in_chunk_tree(d)]
+        how = r.choices(["free", "empty", "full", "file", "into"], [8, 2, 2, 1, 1])[0]
+        full = [d for d in out if any((twin / d).iterdir())]
+        files = [f for f in self.existing() if not f.startswith(src + "/")]
+        if how == "full" and full:
+            dst = r.choice(full)
+        elif how == "file" and files:
+            dst = r.choice(files)
+        elif how == "into":
+            dst = f"{src}/mv{r.randrange(2)}"
+        else:
+            how = "empty" if how == "empty" else "free"
+            parent = r.choice(parents)
+            leaf = f"mv{r.randrange(3)}" if how == "free" else f"mt{r.randrange(2)}"
+            dst = f"{parent}/{leaf}" if parent else leaf
+        o = {"op": "dirmv", "src": src, "dst": dst, "how": how, "noreplace": r.random() < 0.25}
+        return self._dirmv_mid(o, src, free=how == "free" and not (twin / dst).exists())
+
+    def _dirmv_mid(self, o: dict, logical: str, free: bool) -> dict:
+        """What happens below the directory meanwhile: nothing, a file or directory held open
+        (``hold``), or (onto a free name) writers by path below both places (``conc``)."""
+        r, n, twin = self.rng, self.n, self.env.twin
+        src = o["src"]
+
+        def phys(rel):  # (a logical name below ``logical`` as it is below ``src`` now)
+            return src + rel[len(logical):]
+        def shown(rel):  # (not a name a shrink put outside the grid: the mount has none there)
+            return n.kind(rel) not in ("outside", "outdir") and not any(
+                n.logical(rel).startswith(d + "/") for d in n.out_dirs)
+        files = sorted(str(p.relative_to(twin)) for p in (twin / src).rglob("*") if p.is_file()
+                       and not p.name.endswith(".keep") and shown(str(p.relative_to(twin))))
+        chunks = [phys(c) for c in n.free_chunks if c.startswith(logical + "/")
+                  and (n.lenient_parents or (twin / phys(c)).parent.is_dir())]
+        plain = [f for f in files if n.kind(f) == "plain" and not n.is_meta(f)]
+        m = r.random()
+        if m < 0.45 and free and (chunks or plain):
+            flips = r.choice([1, 1, 2, 3, 4, 6])
+            pick = r.sample(chunks + plain, min(len(chunks + plain), r.randrange(2, 9)))
+            rest = [p for p in chunks + plain if p not in pick] if flips > 1 else chunks + plain
+            pick2 = r.sample(rest, min(len(rest), r.randrange(2, 9)))  # (moved to and fro: disjoint)
+            o["mid"] = "conc"
+            if flips > 1:
+                o["flips"], o["gap"] = flips, r.choice([0, 0.002, 0.01, 0.03])
+            tails = {p[len(src):] for p in pick} | {p[len(src):] for p in pick2}
+            stable = [f for f in files if f[len(src):] not in tails and not n.is_meta(f)
+                      and n.kind(f) in ("chunk", "plain")]
+            if stable and r.random() < 0.6:
+                o["rd"] = []
+                for f in r.sample(stable, min(len(stable), r.randrange(2, 7))):
+                    tag = r.choice([1, 2])
+                    o["rd"].append([f if tag == 1 else o["dst"] + f[len(src):], tag,
+                                    r.choice([0, 0, 0.002, 0.01, 0.03])])
+            o["w1"] = [[p, self.data(), r.choice([0, 0, 0.002, 0.01, 0.03])] for p in pick]
+            o["w2"] = [[o["dst"] + p[len(src):], self.data(), r.choice([0, 0, 0.002, 0.01, 0.03])] for p in pick2]
+            o["delay"] = r.choice([0, 0.02, 0.05, 0.08, 0.12, 0.2])
+        elif m < 0.52 and free and self.env.backend == "local":
+            o["mid"], o["delay"] = "kill", r.choice([0, 0.001, 0.003, 0.01, 0.03, 0.06, 0.1])
+        elif m < 0.65:
+            dirs = [str(p.relative_to(twin)) for p in (twin / src).rglob("*") if p.is_dir()
+                    and shown(str(p.relative_to(twin)))]
+            kind = r.choice(["w", "w", "r", "d"])
+            if kind == "w" and (chunks or plain):
+                path = r.choice(chunks + plain)
+            elif kind == "r" and files:
+                path = r.choice(files)
+            else:
+                kind, path = "d", r.choice([src] + dirs)
+            o["mid"], o["hold"] = "hold", {"kind": kind, "path": path, "data": self.data()}
+        return o
 
     def race_op(self) -> dict:
         """A file changed by one process while another watches it (see Applier.op_race)."""
@@ -1895,6 +2365,8 @@ def fault_failed(result) -> bool:
     """Did an op (a list: its steps' results) fail with an errno network faults may give?"""
     if isinstance(result, list):
         return any(fault_failed(x) for x in result)
+    if isinstance(result, dict):  # (dirmv: its steps' results by name)
+        return any(fault_failed(x) for x in result.values())
     if not isinstance(result, str):
         return False
     if result.startswith(("fail:", "rename:")):
@@ -1925,6 +2397,9 @@ def op_names(op: dict, names: Names, mnt: Path | None = None) -> set[str]:
             out.add(f"{names.mesh_root}/.mesh-tmp.{op['seed']}")
         return out
     out = {op[k] for k in ("path", "src", "dst", "tmp") if isinstance(op.get(k), str)}
+    if kind == "dirmv":  # (the file it held, those its writers wrote)
+        out |= {op["hold"]["path"]} if op.get("hold") else set()
+        out |= {path for key in ("w1", "w2") for path, _, _ in op.get(key, ())}
     for job in op.get("jobs", ()):
         out |= {path for path, _, _ in job}
     return out
@@ -1959,6 +2434,7 @@ class Runner:
         self.env, self.verbose = env, verbose
         self.mnt_ap = Applier(env, env.mnt, twin=False)
         self.twin_ap = Applier(env, env.twin, twin=True)
+        self.twin_ap.runner = self  # (dirmv: the temporaries it holds aside, hidden_tmp)
         self.durable: dict[str, bytes] = {}   # file -> bytes at the last durable point
         self.versions: dict[str, list] = {}   # file -> versions since then
         self.stats = {"ops": 0, "remounts": 0, "kills": 0, "faults": 0, "failed": 0, "races": 0}
@@ -2012,6 +2488,8 @@ class Runner:
             return self.remount(i)
         if kind == "kill9":
             return self.kill9(i, op)
+        if kind == "dirmv" and op.get("mid") == "kill":
+            return self.dirmv_kill(i, op)
         if kind == "faults":
             self.faults = op
             self.stats["faults"] += 1
@@ -2024,7 +2502,10 @@ class Runner:
         with self.network_faults(i):
             rm = self.mnt_ap.apply(op)
         self.twin_ap.on_the_way = {}
+        self.twin_ap.mount_result = rm
         rt = self.twin_ap.apply(op)
+        if kind == "dirmv":
+            self.count_dirmv(op, rm, rt, self.twin_ap.stored_now)
         intended = {}
         failed = self.faults is not None and rm != rt and fault_failed(rm)
         if kind == "race" and failed:  # (its mover's steps failed, never what the watcher saw)
@@ -2276,7 +2757,7 @@ class Runner:
         out = [f"store: {p}" for p in ps]
         for rel in sorted(set(fs) | set(self.durable)):
             a, b = fs.get(rel), self.durable.get(rel)
-            if rel in env.names.meta and a is not None and b is not None:
+            if env.names.is_meta(rel) and a is not None and b is not None:
                 if json.loads(a) != json.loads(b):
                     out.append(f"{rel}: metadata differs in the store: {pz.json_diff(json.loads(a), json.loads(b))[:3]}")
             elif a != b:
@@ -2296,6 +2777,57 @@ class Runner:
                 syncer.wait(60)
         self.stats["kills"] += 1
         env.mount()
+        return self._after_kill(i)
+
+    def dirmv_kill(self, i: int, op: dict) -> list[str]:
+        """A directory's rename (local store) during which the daemon is killed (``kill -9``
+        ``delay`` seconds after it was asked): a fresh mount shows the directory at its old
+        name or at its new one, never both or neither (SEMANTICS 4.18: rename(2) in storage),
+        and at the new one only where 4.18 lets it move; the twin follows, and every file
+        holds a version it had since the last durable point (:meth:`kill9`)."""
+        env, twin = self.env, self.env.twin
+        src, dst = op["src"], op["dst"]
+        said: dict = {}
+
+        def mv():
+            try:
+                os.rename(env.mnt / src, env.mnt / dst)
+                said["rename"] = "ok"
+            except OSError as e:
+                said["rename"] = errname(e)
+        mover = threading.Thread(target=mv, daemon=True)
+        mover.start()
+        time.sleep(op.get("delay", 0))
+        env.kill9()
+        mover.join(60)
+        self.stats["kills"] += 1
+        env.mount()
+        at_src, at_dst = (env.mnt / src).is_dir(), (env.mnt / dst).is_dir()
+        moved = at_dst and not at_src
+        self.stats.setdefault("dirmv_mid", {})["kill"] = self.stats["dirmv_mid"].get("kill", 0) + 1
+        counts = self.stats.setdefault("dirmv_kill", {})
+        what = "moved" if moved else "stayed" if at_src and not at_dst else "both" if at_src else "neither"
+        counts[what] = counts.get(what, 0) + 1
+        out = []
+        if at_src == at_dst:
+            out.append(f"[step {i}] kill -9 during mv {src} {dst} ({said}): {what} names hold the directory")
+        elif moved:
+            names = env.names
+            if dst.startswith(src + "/") or (twin / dst).exists() or \
+                    self.twin_ap._dirmv_structural(names.logical(src), names.logical(dst)):
+                out.append(f"[step {i}] kill -9 during mv {src} {dst} ({said}): moved, where SEMANTICS 4.18 "
+                           "keeps it EXDEV")
+            else:
+                before = self.twin_files()
+                os.rename(twin / src, twin / dst)
+                self.note_versions(before, self.twin_files())
+                self.count_dirmv(op, {"rename": "ok"}, {"rename": "ok"}, self.twin_ap._files_below(dst))
+        return out + self._after_kill(i)
+
+    def _after_kill(self, i: int) -> list[str]:
+        """After a kill -9 and the mount again: each file holds a version it had since the
+        last durable point; the twin takes what survived."""
+        env = self.env
         self.hidden_tmp = {}  # (memory only: gone with the daemon)
         self.hidden |= env.names.past_shrunk_shapes()
         self.hidden = {rel for rel in self.hidden if env.names.kind(rel) == "outside"}
@@ -2307,9 +2839,9 @@ class Runner:
             allowed = [self.durable.get(rel)] + self.versions.get(rel, [])
             if env.names.kind(rel) == "chunktmp":
                 allowed = [None]
-            elif env.names.kind(rel) == "plain" and rel not in env.names.meta and rel not in self.unsure:
+            elif env.names.kind(rel) == "plain" and not env.names.is_meta(rel) and rel not in self.unsure:
                 allowed = [cur.get(rel)]  # stored at close (unless storing failed under network faults)
-            if rel in env.names.meta:
+            if env.names.is_meta(rel):
                 if rel in self.unsure and not any(_same_doc(got, a) for a in allowed):
                     # (an edit that failed under network faults may not have been stored)
                     out.append(f"[step {i} after kill -9] {rel}: mount {h(got)} not among the document's "
@@ -2320,7 +2852,7 @@ class Runner:
                            f"{[h(a) for a in allowed]} (twin now {h(cur.get(rel))})")
         # adopt the surviving state into the twin
         for rel in set(cur) | set(fm):
-            if rel in env.names.meta and rel not in self.unsure:
+            if env.names.is_meta(rel) and rel not in self.unsure:
                 continue
             p = env.twin / rel
             if rel in fm:
@@ -2342,6 +2874,45 @@ class Runner:
             for k in kinds:
                 counts[k] = counts.get(k, 0) + 1
             self.stats[key] = dict(sorted(counts.items()))
+
+    def count_dirmv(self, op: dict, rm, rt, stored: dict | None = None) -> None:
+        """A directory rename: the twin's names follow one it made (:attr:`Names.moved`); the
+        run's summary counts the mount's answers (dirmv), the variants (dirmv_mid) and the
+        concurrent ones whose writers saw the rename happen between their writes (dirmv_split)."""
+        names = self.env.names
+        moves = [rt.get("rename")] + list(rt.get("flips") or []) if isinstance(rt, dict) else []
+        if moves.count("ok") % 2:
+            old, new = op["src"], op["dst"]
+            below = sorted(rel for rel in set(self.durable) | set(self.versions) if rel.startswith(old + "/"))
+            if stored is not None:
+                # one rename: everything below was stored first (else it is EXDEV), and the
+                # rename is durable (both parents fsynced): the old names are gone for good
+                for rel in below:
+                    self.durable.pop(rel, None)
+                    self.versions.pop(rel, None)
+                for rel, b in stored.items():
+                    self.durable[rel] = b
+                    self.versions.pop(rel, None)
+            else:  # (moved to and fro: below the new place any version the old had since the durable point)
+                for rel in below:
+                    self.versions.setdefault(new + rel[len(old):], []).extend(
+                        [self.durable.get(rel)] + self.versions.get(rel, []))
+            if names.moved is None:
+                names.moved = (op["src"], op["dst"])
+            elif op["dst"] == names.moved[0]:
+                names.moved = None
+            else:
+                names.moved = (names.moved[0], op["dst"])
+        said = rm.get("rename") if isinstance(rm, dict) else str(rm)
+        for key, what in (("dirmv", said), ("dirmv_mid", op.get("mid") or "none")):
+            if op.get("mid") == "kill":
+                continue  # (dirmv_kill counts it)
+            counts = self.stats.setdefault(key, {})
+            counts[what] = counts.get(what, 0) + 1
+            self.stats[key] = dict(sorted(counts.items()))
+        if op.get("mid") == "conc" and "ok" in moves and isinstance(rm, dict) and \
+                ("ENOENT" in (rm.get("w1") or []) or "ok" in (rm.get("w2") or [])):
+            self.stats["dirmv_split"] = self.stats.get("dirmv_split", 0) + 1
 
     def checked_step(self, i: int, op: dict) -> list[str]:
         try:
@@ -2531,6 +3102,14 @@ def run(layout: str, backend: str = "local", *, base: Path, seed: int = 0, steps
             if (d := runner.checked_step(i, op)):
                 failure = (i, d)
                 break
+        if failure is None and final and env.names.moved is not None:
+            # a directory renamed away: back first (the final check reads the arrays where they were)
+            op = {"op": "dirmv", "src": env.names.moved[1], "dst": env.names.moved[0], "how": "back"}
+            done.append(op)
+            if (d := runner.checked_step(len(done) - 1, op)):
+                failure = (len(done) - 1, d)
+            elif env.names.moved is not None:
+                failure = (len(done) - 1, [f"[final] the rename back of {env.names.moved} was not made"])
         if failure is None and final:
             try:
                 f = runner.final_check()

@@ -17,11 +17,13 @@ kill -9 (asserted, so a change of the generator cannot drop them unnoticed); the
 keep the whole file within about 4 minutes on two cores. RACE_CASES add race ops (a
 file watched by one process while another changes it), FAULT_CASES stretches of
 network faults on S3 (each also has an op fail under them, asserted) and RACE_FAULT_CASES
-both (a race op failing under them, asserted), which other runs leave out.
+both (a race op failing under them, asserted), DIRMV_CASES directory renames on local stores
+(held files and writers below meanwhile, asserted), which other runs leave out.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -174,6 +176,70 @@ def test_a_file_watched_while_it_changes_under_network_faults(layout, backend, s
     assert out.stats.get("under_faults", {}).get("race") and "race" in out.stats.get("failed_kinds", ()), (
         f"seed {seed} of {layout}/{backend} no longer has a race op fail under network faults within "
         f"{steps} steps ({out.summary()}): choose another seed")
+
+
+#: directory renames (difftest's Applier.op_dirmv, local stores) at DIRMV_WEIGHT among the other
+#: ops: (layout, backend, seed, steps). Their runs together rename directories (and back), have
+#: one answered EXDEV, two with writers by path below meanwhile, one with a file or directory
+#: held open below and one during which the daemon was killed (asserted over all: what a run
+#: draws depends on which of its writers' writes landed, so one run alone may draw less; the
+#: runs seen also had writers see a rename happen between their writes, dirmv_split)
+DIRMV_CASES = [
+    ("hier_rect", "local", 1000, 30),  # groups and arrays (a rectangular grid); consolidated metadata
+    ("pc_deep_keys", "local", 1003, 30),  # a volume (its scales EXDEV), a skeleton directory, plain ones
+]
+DIRMV_WEIGHT = 40
+
+
+def test_random_directory_renames_match_a_directory_store(tmp_path):
+    """As above, with directories renamed through the mount (SEMANTICS 4.18): groups, arrays,
+    volumes, plain and chunk directories, onto free names, empty and full directories, files,
+    into themselves, with RENAME_NOREPLACE; a file or listing held open below, writers (and a
+    reader) by path below the old and the new name meanwhile, the directory moved to and fro
+    under them, or the daemon killed during the rename. The twin renames where the mount did; an
+    EXDEV must be one 4.18 names (inside a dataset or a v3-draft store, a chunk directory, a
+    precomputed scale, something open or in memory only below; any, with writers busy below),
+    the stored documents move unchanged (still sharded), and ops between a rename and the
+    rename back (remounts and kill -9 too) agree with the twin."""
+    said, mid, kills = {}, {}, 0
+    for layout, backend, seed, steps in DIRMV_CASES:
+        out = dt.run(layout, backend, base=tmp_path, seed=seed, steps=steps, weights={"dirmv": DIRMV_WEIGHT})
+        if not out.ok:
+            repro = tmp_path / f"repro-{layout}-{backend}-{seed}.json"
+            repro.write_text(json.dumps(out.repro(), indent=1))
+            pytest.fail(out.report(repro), pytrace=False)
+        for total, counts in ((said, out.stats.get("dirmv", {})), (mid, out.stats.get("dirmv_mid", {}))):
+            for k, n in counts.items():
+                total[k] = total.get(k, 0) + n
+        kills += sum(out.stats.get("dirmv_kill", {}).values())
+    assert said.get("ok", 0) >= 2 and said.get("EXDEV") and mid.get("conc", 0) >= 2 and mid.get("hold") \
+        and kills, (f"the seeds of DIRMV_CASES no longer rename directories, have one EXDEV, two with writers "
+                    f"below, one held open below and one killed ({said}, {mid}, {kills} killed): choose others")
+
+
+@pytest.mark.parametrize("case", ["exdev_not_allowed", "accepted_while_held"])
+def test_the_directory_rename_checker_takes_no_exdev_blindly(case, tmp_path, monkeypatch):
+    """The dirmv op's twin follows only an answer SEMANTICS 4.18 allows: a mount that answered
+    EXDEV for a plain directory with nothing open below, or renamed one while a file below was
+    held open, diverges (the mount's renames are replaced by these wrong answers here)."""
+    real = dt.Applier._dir_rename
+
+    def wrong(self, src, dst, noreplace):
+        if self.twin:
+            return real(self, src, dst, noreplace)
+        if case == "exdev_not_allowed":
+            raise OSError(errno.EXDEV, "refused")
+        # (else: answered ok, nothing renamed)
+
+    monkeypatch.setattr(dt.Applier, "_dir_rename", wrong)
+    op = {"op": "dirmv", "src": "plain", "dst": "mv0", "how": "free", "noreplace": False}
+    if case == "accepted_while_held":
+        op.update(mid="hold", hold={"kind": "r", "path": "plain/a.bin", "data": ["pool", 0]})
+    out = dt.run("basic", "local", base=tmp_path, seed=0, ops=[op], final=False)
+    assert not out.ok, out.summary()
+    want = "mount {'rename': 'EXDEV'} twin {'rename': 'ok'}" if case == "exdev_not_allowed" else \
+        "twin {'hold': 'ok', 'rename': 'EXDEV'"
+    assert want in "\n".join(out.failure[1]), out.failure
 
 
 def _race_check(tmp_path, mover, obs, final_size=None, failed_at=None):
