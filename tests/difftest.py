@@ -1620,11 +1620,11 @@ class Applier:
     _DIRMV_WRITER = (
         "import os,sys,json,time,errno\n"
         "out=[]\n"
-        "for p,d,g in json.loads(sys.argv[1]):\n"
+        "for p,d,g,m in json.loads(sys.argv[1]):\n"
         "    time.sleep(g)\n"
         "    r='ok'\n"
         "    try:\n"
-        "        fd=os.open(p,os.O_WRONLY|os.O_CREAT|os.O_TRUNC,0o644)\n"
+        "        fd=os.open(p+'.tmp-w' if m=='tmp' else p,os.O_WRONLY|os.O_CREAT|os.O_TRUNC,0o644)\n"
         "        try:\n"
         "            b=bytes.fromhex(d)\n"
         "            n=os.write(fd,b)\n"
@@ -1633,6 +1633,11 @@ class Applier:
         "            os.close(fd)\n"
         "    except OSError as e:\n"
         "        r=errno.errorcode.get(e.errno,str(e.errno))\n"
+        "    if m=='tmp' and r=='ok':\n"
+        "        try:\n"
+        "            os.rename(p+'.tmp-w',p)\n"
+        "        except OSError as e:\n"
+        "            r='rename:'+errno.errorcode.get(e.errno,str(e.errno))\n"
         "    out.append(r)\n"
         "print(json.dumps(out))\n")
 
@@ -1658,7 +1663,8 @@ class Applier:
         below ``src``, ``w2`` the same below ``dst``: each write either lands or is ENOENT,
         those below ``src`` ok until the rename, those below ``dst`` from it (a write to
         the old name after the rename, or one lost, diverges); ``rd``: a third reads files
-        no writer writes, below either name (their bytes, or ENOENT as the renames allow);
+        no writer writes, below either name (their bytes, or ENOENT as the renames allow); a
+        writer's chunk is sometimes written through a temporary renamed over it (``tmp``);
         ``flips``: the directory moved to and fro that many times (``gap`` between), the
         writers' files then disjoint, each write ok or ENOENT; ``kill``: the daemon killed
         during the rename (:meth:`Runner.dirmv_kill`). The twin follows
@@ -1690,7 +1696,8 @@ class Applier:
         try:
             if op.get("mid") == "conc":
                 for key in ("w1", "w2"):
-                    items = [(str(self.p(path)), self.env.data.get(spec).hex(), gap) for path, spec, gap in op[key]]
+                    items = [(str(self.p(w[0])), self.env.data.get(w[1]).hex(), w[2], w[3] if len(w) > 3 else "put")
+                             for w in op[key]]
                     procs.append(subprocess.Popen([sys.executable, "-c", self._DIRMV_WRITER, json.dumps(items)],
                                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE))
                 if op.get("rd"):  # (a reader by path of files no writer writes, below both names)
@@ -1765,13 +1772,17 @@ class Applier:
         if rd is not None:  # (what each file the reader reads holds: no writer writes it)
             want = [h(self.p(src + path[len(dst):] if tag == 2 else path).read_bytes()) for path, tag, _ in op["rd"]]
         if conc:  # the writes below src that landed: before the rename, in order
-            for (path, spec, _), r in zip(op["w1"], w1):
+            for (path, spec, *_), r in zip(op["w1"], w1):
                 if r == "ok":
                     self._conc_write(path, spec)
             if flips > 1:  # (and, with the directory moved to and fro, those below dst: disjoint)
-                for (path, spec, _), r in zip(op["w2"], w2):
+                for (path, spec, *_), r in zip(op["w2"], w2):
                     if r == "ok":
                         self._conc_write(src + path[len(dst):], spec)
+                for key, base in (("w1", src), ("w2", dst)):  # (temporaries left: see below)
+                    for (path, spec, *_), r in zip(op[key], rm[key]):
+                        if r == "rename:ENOENT":
+                            self._conc_write(src + path[len(base):] + ".tmp-w", spec)
         sp, dp = self.p(src), self.p(dst)
         if not sp.is_dir() or not dp.parent.is_dir():
             res = "ENOENT" if not sp.exists() or not dp.parent.exists() else "ENOTDIR"
@@ -1823,25 +1834,34 @@ class Applier:
                 else:
                     good = good and _ok_then(seen, *(("ok", "ENOENT") if tag == 1 else ("ENOENT", "ok")))
             out["rd"] = rd if good else f"not the file's bytes or ENOENT as the renames allow: {rd} (bytes {want})"
+        # A writer's path walk may meet the directory before a rename and its create land after
+        # it, in the moved directory (as on any file system): a temporary made so is left there,
+        # its rename by the old path ENOENT ("rename:ENOENT"; in memory only: no later rename of
+        # the directory until it goes). Never before the directory has moved.
         if conc and flips > 1:
             moved = res in ("ok", "EXDEV") and "ok" in [res] + list(out.get("flips") or [])
-            good1 = all(r in ("ok", "ENOENT") for r in w1) and (moved or all(r == "ok" for r in w1))
-            good2 = all(r in ("ok", "ENOENT") for r in w2) and (moved or all(r == "ENOENT" for r in w2))
+            ends = ("ok", "ENOENT", "rename:ENOENT") if moved else ()
+            good1 = all(r in ends for r in w1) or all(r == "ok" for r in w1)
+            good2 = all(r in ends for r in w2) or all(r == "ENOENT" for r in w2)
             out["w1"] = w1 if good1 else f"not ok or ENOENT (ok while never moved): {w1}"
             out["w2"] = w2 if good2 else f"not ok or ENOENT (ENOENT while never moved): {w2}"
         elif conc:
             # below src: ok until the rename, ENOENT after; below dst: ENOENT until it, ok after
             if res == "ok":
-                good1 = _ok_then(w1, "ok", "ENOENT")
+                good1 = _ok_then([r.replace("rename:", "") for r in w1], "ok", "ENOENT")
                 good2 = _ok_then(w2, "ENOENT", "ok")
             else:
                 good1, good2 = all(r == "ok" for r in w1), all(r == "ENOENT" for r in w2)
             out["w1"] = w1 if good1 else f"not ok until the rename, ENOENT after: {w1}"
             out["w2"] = w2 if good2 else f"not ENOENT until the rename, ok after: {w2}"
             if good2 and res == "ok":
-                for (path, spec, _), r in zip(op["w2"], w2):
+                for (path, spec, *_), r in zip(op["w2"], w2):
                     if r == "ok":
                         self._conc_write(path, spec)
+            if good1 and res == "ok":
+                for (path, spec, *_), r in zip(op["w1"], w1):
+                    if r == "rename:ENOENT":
+                        self._conc_write(dst + path[len(src):] + ".tmp-w", spec)
         return out
 
     def _files_below(self, rel: str) -> dict[str, bytes]:
@@ -2304,8 +2324,13 @@ class Gen:
                     tag = r.choice([1, 2])
                     o["rd"].append([f if tag == 1 else o["dst"] + f[len(src):], tag,
                                     r.choice([0, 0, 0.002, 0.01, 0.03])])
-            o["w1"] = [[p, self.data(), r.choice([0, 0, 0.002, 0.01, 0.03])] for p in pick]
-            o["w2"] = [[o["dst"] + p[len(src):], self.data(), r.choice([0, 0, 0.002, 0.01, 0.03])] for p in pick2]
+            # (a chunk written zarr-python's way, a temporary renamed over it, now and then: the
+            # temporary, in memory in the mount, keeps the directory from moving until it is renamed)
+            def mode(p):
+                return ["tmp"] if n.kind(p) == "chunk" and r.random() < 0.3 else []
+            o["w1"] = [[p, self.data(), r.choice([0, 0, 0.002, 0.01, 0.03]), *mode(p)] for p in pick]
+            o["w2"] = [[o["dst"] + p[len(src):], self.data(), r.choice([0, 0, 0.002, 0.01, 0.03]), *mode(p)]
+                       for p in pick2]
             o["delay"] = r.choice([0, 0.02, 0.05, 0.08, 0.12, 0.2])
         elif m < 0.52 and free and self.env.backend == "local":
             o["mid"], o["delay"] = "kill", r.choice([0, 0.001, 0.003, 0.01, 0.03, 0.06, 0.1])
@@ -2399,7 +2424,7 @@ def op_names(op: dict, names: Names, mnt: Path | None = None) -> set[str]:
     out = {op[k] for k in ("path", "src", "dst", "tmp") if isinstance(op.get(k), str)}
     if kind == "dirmv":  # (the file it held, those its writers wrote)
         out |= {op["hold"]["path"]} if op.get("hold") else set()
-        out |= {path for key in ("w1", "w2") for path, _, _ in op.get(key, ())}
+        out |= {w[0] for key in ("w1", "w2") for w in op.get(key, ())}
     for job in op.get("jobs", ()):
         out |= {path for path, _, _ in job}
     return out
@@ -2804,7 +2829,8 @@ class Runner:
         env.mount()
         at_src, at_dst = (env.mnt / src).is_dir(), (env.mnt / dst).is_dir()
         moved = at_dst and not at_src
-        self.stats.setdefault("dirmv_mid", {})["kill"] = self.stats["dirmv_mid"].get("kill", 0) + 1
+        mids = self.stats.setdefault("dirmv_mid", {})
+        mids["kill"] = mids.get("kill", 0) + 1
         counts = self.stats.setdefault("dirmv_kill", {})
         what = "moved" if moved else "stayed" if at_src and not at_dst else "both" if at_src else "neither"
         counts[what] = counts.get(what, 0) + 1
@@ -3103,12 +3129,18 @@ def run(layout: str, backend: str = "local", *, base: Path, seed: int = 0, steps
                 failure = (i, d)
                 break
         if failure is None and final and env.names.moved is not None:
-            # a directory renamed away: back first (the final check reads the arrays where they were)
-            op = {"op": "dirmv", "src": env.names.moved[1], "dst": env.names.moved[0], "how": "back"}
-            done.append(op)
-            if (d := runner.checked_step(len(done) - 1, op)):
-                failure = (len(done) - 1, d)
-            elif env.names.moved is not None:
+            # a directory renamed away: back first (the final check reads the arrays where they
+            # were), once the temporaries a writer left there (in memory only) are removed
+            left = sorted(str(p.relative_to(env.twin)) for p in (env.twin / env.names.moved[1]).rglob("*")
+                          if p.is_file() and env.names.kind(str(p.relative_to(env.twin))) in ("chunktmp", "arrplain"))
+            tail = [{"op": "unlink", "path": rel} for rel in left]
+            tail.append({"op": "dirmv", "src": env.names.moved[1], "dst": env.names.moved[0], "how": "back"})
+            for op in tail:
+                done.append(op)
+                if (d := runner.checked_step(len(done) - 1, op)):
+                    failure = (len(done) - 1, d)
+                    break
+            if failure is None and env.names.moved is not None:
                 failure = (len(done) - 1, [f"[final] the rename back of {env.names.moved} was not made"])
         if failure is None and final:
             try:
