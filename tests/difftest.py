@@ -1572,11 +1572,17 @@ class Applier:
         """Is a file below ``rel`` (twin) one the mount may hold in memory only: a temporary
         in a chunk directory, a plain file in a dataset's root (stored at fsync, sync or
         unmount), a temporary a shrink put outside the grid?"""
-        base = self.p(rel)
+        base, n = self.p(rel), self.names
         if base.is_dir():
             for q in base.rglob("*"):
-                if q.is_file() and self.names.kind(str(q.relative_to(self.root))) in ("chunktmp", "arrplain"):
+                r = str(q.relative_to(self.root))
+                if q.is_file() and n.kind(r) in ("chunktmp", "arrplain") and not n.is_meta(r):
                     return True
+            # (a dataset whose document was removed through the mount: its chunks are still held)
+            logical = n.logical(rel)
+            if any(m.startswith(logical + "/") and not self.p(rel + m[len(logical):]).exists()
+                   and (self.p(rel + m[len(logical):]).parent).is_dir() for m in n.meta):
+                return True
         hidden = getattr(getattr(self, "runner", None), "hidden_tmp", {})
         return any(t == rel or t.startswith(rel + "/") for t in hidden)
 
@@ -2283,7 +2289,7 @@ class Gen:
         elif how == "into":
             dst = f"{src}/mv{r.randrange(2)}"
         else:
-            how = "empty" if how == "empty" else "free"
+            how = "empty" if how == "empty" and self.env.backend == "local" else "free"  # (S3: no empty dirs)
             parent = r.choice(parents)
             leaf = f"mv{r.randrange(3)}" if how == "free" else f"mt{r.randrange(2)}"
             dst = f"{parent}/{leaf}" if parent else leaf
@@ -3131,8 +3137,9 @@ def run(layout: str, backend: str = "local", *, base: Path, seed: int = 0, steps
         if failure is None and final and env.names.moved is not None:
             # a directory renamed away: back first (the final check reads the arrays where they
             # were), once the temporaries a writer left there (in memory only) are removed
-            left = sorted(str(p.relative_to(env.twin)) for p in (env.twin / env.names.moved[1]).rglob("*")
-                          if p.is_file() and env.names.kind(str(p.relative_to(env.twin))) in ("chunktmp", "arrplain"))
+            left = sorted(rel for p in (env.twin / env.names.moved[1]).rglob("*")
+                          if p.is_file() and env.names.kind(rel := str(p.relative_to(env.twin))) in ("chunktmp", "arrplain")
+                          and not env.names.is_meta(rel))
             tail = [{"op": "unlink", "path": rel} for rel in left]
             tail.append({"op": "dirmv", "src": env.names.moved[1], "dst": env.names.moved[0], "how": "back"})
             for op in tail:
