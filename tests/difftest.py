@@ -1777,6 +1777,10 @@ class Applier:
         rd = rm.get("rd") if conc and op.get("rd") else None
         if rd is not None:  # (what each file the reader reads holds: no writer writes it)
             want = [h(self.p(src + path[len(dst):] if tag == 2 else path).read_bytes()) for path, tag, _ in op["rd"]]
+        # (what the writers' files below src held before: a write that landed may have met the
+        # directory before the rename and landed after it, in the moved directory, not stored by it)
+        before = {path: (self.p(path).read_bytes() if self.p(path).is_file() else None)
+                  for path, *_ in (op["w1"] if conc else ())}
         if conc:  # the writes below src that landed: before the rename, in order
             for (path, spec, *_), r in zip(op["w1"], w1):
                 if r == "ok":
@@ -1811,6 +1815,9 @@ class Applier:
                 try:
                     self._dir_rename(src, dst, op.get("noreplace", False))
                     self.stored_now = self._files_below(dst)
+                    for (path, *_), r in zip(op["w1"] if conc else (), w1 or ()):
+                        if r == "ok":  # (stored by the rename, or landed after it: see ``before``)
+                            self.stored_now[dst + path[len(src):]] = before[path]
                 except OSError as e:
                     res = errname(e)
         if res == "(flips)":
@@ -2923,7 +2930,10 @@ class Runner:
                     self.durable.pop(rel, None)
                     self.versions.pop(rel, None)
                 for rel, b in stored.items():
-                    self.durable[rel] = b
+                    if b is None:
+                        self.durable.pop(rel, None)
+                    else:
+                        self.durable[rel] = b
                     self.versions.pop(rel, None)
             else:  # (moved to and fro: below the new place any version the old had since the durable point)
                 for rel in below:
