@@ -217,30 +217,39 @@ def test_random_directory_renames_match_a_directory_store(tmp_path):
                     f"below, one held open below and one killed ({said}, {mid}, {kills} killed): choose others")
 
 
-@pytest.mark.parametrize("case", ["exdev_not_allowed", "exdev_for_an_array", "accepted_while_held"])
+@pytest.mark.parametrize("case", ["exdev_not_allowed", "exdev_for_an_array", "accepted_while_held",
+                                  "stored_document_changed"])
 def test_the_directory_rename_checker_takes_no_exdev_blindly(case, tmp_path, monkeypatch):
     """The dirmv op's twin follows only an answer SEMANTICS 4.18 allows: a mount that answered
     EXDEV for a plain directory or a sharded array with nothing open or in memory below (its
     zarr.json is no file in memory), or renamed one while a file below was held open, diverges
-    (the mount's renames are replaced by these wrong answers here)."""
+    (the mount's renames are replaced by these wrong answers here); a rename that left the
+    stored zarr.json of an array other than it was (here: rewritten unsharded by hand) too."""
     real = dt.Applier._dir_rename
 
     def wrong(self, src, dst, noreplace):
         if self.twin:
             return real(self, src, dst, noreplace)
+        if case == "stored_document_changed":
+            real(self, src, dst, noreplace)
+            doc = self.env.src / dst / "zarr.json"
+            doc.write_bytes((self.env.twin / src / "zarr.json").read_bytes())  # (the unsharded twin's)
+            return None
         if case.startswith("exdev"):
             raise OSError(errno.EXDEV, "refused")
         # (else: answered ok, nothing renamed)
 
     monkeypatch.setattr(dt.Applier, "_dir_rename", wrong)
-    op = {"op": "dirmv", "src": "arr" if case == "exdev_for_an_array" else "plain", "dst": "mv0", "how": "free",
-          "noreplace": False}
+    op = {"op": "dirmv", "src": "plain" if case in ("exdev_not_allowed", "accepted_while_held") else "arr",
+          "dst": "mv0", "how": "free", "noreplace": False}
     if case == "accepted_while_held":
         op.update(mid="hold", hold={"kind": "r", "path": "plain/a.bin", "data": ["pool", 0]})
     out = dt.run("basic", "local", base=tmp_path, seed=0, ops=[op], final=False)
     assert not out.ok, out.summary()
-    want = "mount {'rename': 'EXDEV'} twin {'rename': 'ok'}" if case.startswith("exdev") else \
-        "twin {'hold': 'ok', 'rename': 'EXDEV'"
+    want = {"exdev_not_allowed": "mount {'rename': 'EXDEV'} twin {'rename': 'ok'}",
+            "exdev_for_an_array": "mount {'rename': 'EXDEV'} twin {'rename': 'ok'}",
+            "accepted_while_held": "twin {'hold': 'ok', 'rename': 'EXDEV'",
+            "stored_document_changed": "mount {'rename': 'ok', 'stored': ['arr/zarr.json', 'arr/zarr.json: not sharded']}"}[case]
     assert want in "\n".join(out.failure[1]), out.failure
 
 
