@@ -1798,6 +1798,8 @@ class Applier:
             res = "ENOENT" if not sp.exists() or not dp.parent.exists() else "ENOTDIR"
         elif op.get("noreplace") and (dp.exists() or dp.is_symlink()):
             res = "EEXIST"  # (the kernel's answers first: it has looked both names up)
+        elif dst == src:
+            res = "ok"  # (the kernel's: nothing to do, the mount is not asked; no move: count_dirmv)
         elif dst.startswith(src + "/"):
             res = "EINVAL"
         elif dp.is_file():
@@ -2300,6 +2302,8 @@ class Gen:
             parent = r.choice(parents)
             leaf = f"mv{r.randrange(3)}" if how == "free" else f"mt{r.randrange(2)}"
             dst = f"{parent}/{leaf}" if parent else leaf
+            if dst == src:  # (an empty directory made by an earlier one: not onto itself)
+                dst += "_b"
         o = {"op": "dirmv", "src": src, "dst": dst, "how": how, "noreplace": r.random() < 0.25}
         return self._dirmv_mid(o, src, free=how == "free" and not (twin / dst).exists())
 
@@ -2920,7 +2924,7 @@ class Runner:
         concurrent ones whose writers saw the rename happen between their writes (dirmv_split)."""
         names = self.env.names
         moves = [rt.get("rename")] + list(rt.get("flips") or []) if isinstance(rt, dict) else []
-        if moves.count("ok") % 2:
+        if moves.count("ok") % 2 and op["src"] != op["dst"]:
             old, new = op["src"], op["dst"]
             below = sorted(rel for rel in set(self.durable) | set(self.versions) if rel.startswith(old + "/"))
             if stored is not None:
