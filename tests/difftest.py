@@ -2164,6 +2164,14 @@ class Gen:
             return True
         if op["op"] == "rmdir" and self.n.moved[0].startswith(op["path"] + "/"):
             return True  # (the rename back needs the old parent)
+        if op["op"] == "meta" and op["path"].endswith("zarr.json") and \
+                (op["path"] == "zarr.json" or self.n.moved[0].startswith(op["path"][:-len("zarr.json")])):
+            # Known defect (not emulated): a group's document written while members it
+            # consolidates are renamed away stores their entries as the view shows them
+            # (unsharded), which no longer describe them once they are back (zarr-python's
+            # consolidated read of them then fails): scripts/difftest.py --seed 10004 --layout
+            # hier_rect --steps 30 --dirmv 40 (op 26), SEMANTICS 4.18
+            return True
         names = op_names(op, self.n) | {op[k] for k in ("other", "member") if isinstance(op.get(k), str)}
         if op["op"] == "resize":
             names.add(op["path"])
@@ -2441,7 +2449,7 @@ def op_names(op: dict, names: Names, mnt: Path | None = None) -> set[str]:
     out = {op[k] for k in ("path", "src", "dst", "tmp") if isinstance(op.get(k), str)}
     if kind == "dirmv":  # (the file it held, those its writers wrote)
         out |= {op["hold"]["path"]} if op.get("hold") else set()
-        out |= {w[0] for key in ("w1", "w2") for w in op.get(key, ())}
+        out |= {w[0] + x for key in ("w1", "w2") for w in op.get(key, ()) for x in ("", ".tmp-w")[:1 + (w[3:] == ["tmp"])]}
     for job in op.get("jobs", ()):
         out |= {path for path, _, _ in job}
     return out
