@@ -454,6 +454,37 @@ def test_local_directory_changes_are_fsynced(tmp_path, monkeypatch):
     b.close()
 
 
+def test_local_put_survives_the_pruning_of_the_directory_it_is_making_below(tmp_path, monkeypatch):
+    """A put making directories below an existing one that a concurrent
+    delete prunes meanwhile (the write-back flushes shards in parallel: the
+    delete of a dataset's last shard prunes ``arr/c`` once empty, while the
+    put of a new shard is about to make ``arr/c/1`` in it) makes the path
+    anew and stores the shard.  It failed with "arr/c/1/0/0: not found"
+    (mkdir in the removed directory: ENOENT), so ``zshardfs sync`` failed
+    (difftest --seed 13010 --layout rectangular_3d --dirmv 15 --race 6)."""
+    root = tmp_path / "store"
+    root.mkdir()
+    b = LocalBackend(str(root))
+    b.put("arr/c/0/0/0", b"last shard")
+    real_open = b._open
+    pruned = []
+
+    def open_then_pruned(key, flags, mode=0):
+        fd = real_open(key, flags, mode)
+        if key == "arr/c" and not pruned:  # the put holds arr/c: the delete prunes it now
+            pruned.append(key)
+            b.delete("arr/c/0/0/0", prune_below="arr")
+            assert not (root / "arr/c").exists()
+        return fd
+
+    monkeypatch.setattr(b, "_open", open_then_pruned)
+    b.put("arr/c/1/0/0", b"new shard", if_none_match=True)
+    assert pruned == ["arr/c"]
+    assert (root / "arr/c/1/0/0").read_bytes() == b"new shard"
+    assert b.get("arr/c/1/0/0").data == b"new shard"
+    b.close()
+
+
 def test_local_directories_made_by_a_put_still_in_progress_are_fsynced_again(tmp_path, monkeypatch):
     """Two puts into one new directory (a flush stores 8 shards at once): the
     second finds the directories made but must not report its shard stored

@@ -353,6 +353,15 @@ _unsynced_dirs: set[tuple[str, str]] = set()
 _unsynced_lock = threading.Lock()
 
 
+class _PrunedMeanwhile(Exception):
+    """A directory being made below one that a concurrent delete pruned
+    (``error``: the ENOENT it met); :meth:`LocalBackend._open_dir` walks again."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
 def _writer_gone(path: str, name: str) -> bool:
     """True if no live writer can be writing this temporary file: the pid in
     its name is no running process, or is this process, which is not."""
@@ -523,6 +532,23 @@ class LocalBackend:
                 if not key:
                     raise
         parts = key.split("/")
+        for _ in range(7):
+            try:
+                return self._make_dirs(parts, flags)
+            except _PrunedMeanwhile:
+                pass  # (a concurrent delete pruned an empty directory on the path: made again from the root)
+        try:
+            return self._make_dirs(parts, flags)
+        except _PrunedMeanwhile as exc:
+            raise exc.error from None
+
+    def _make_dirs(self, parts: list[str], flags: int) -> int:
+        """:meth:`_open_dir`'s making of the directories ``parts``, from the
+        deepest existing one down.  A directory it holds (found, or just made)
+        may be pruned meanwhile by a delete of the last shard below it
+        (``prune_below``: the write-back flushes several shards at once), and
+        nothing can be made in a removed directory (ENOENT):
+        :class:`_PrunedMeanwhile`, and the caller walks again."""
         fd = self._open("", flags)
         try:
             for i, name in enumerate(parts):
@@ -544,15 +570,19 @@ class LocalBackend:
                     os.mkdir(name, dir_fd=fd)
                 except FileExistsError:
                     pass  # (made by another writer just now: fsynced here too; a file: ENOTDIR below)
-                except BaseException:
+                except BaseException as exc:
                     with _unsynced_lock:
                         _unsynced_dirs.discard((self.root, here))
+                    if isinstance(exc, FileNotFoundError):  # (the directory it is in was pruned)
+                        raise _PrunedMeanwhile(exc) from None
                     raise
                 os.fsync(fd)  # (on failure it stays listed: the next put into it tries again)
                 with _unsynced_lock:
                     _unsynced_dirs.discard((self.root, here))
                 try:
                     child = self._open(here, flags)
+                except FileNotFoundError as exc:  # (made, and pruned at once: still empty)
+                    raise _PrunedMeanwhile(exc) from None
                 except NotADirectoryError:
                     if i == len(parts) - 1:  # (as os.makedirs: EEXIST for the path itself, ENOTDIR above)
                         raise FileExistsError(errno.EEXIST, "a file of that name exists", here) from None
