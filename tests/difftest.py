@@ -1782,13 +1782,13 @@ class Applier:
         before = {path: (self.p(path).read_bytes() if self.p(path).is_file() else None)
                   for path, *_ in (op["w1"] if conc else ())}
         if conc:  # the writes below src that landed: before the rename, in order
-            for (path, spec, *_), r in zip(op["w1"], w1):
+            for (path, spec, *rest), r in zip(op["w1"], w1):
                 if r == "ok":
-                    self._conc_write(path, spec)
+                    self._conc_write(path, spec, rest[1:] == ["tmp"])
             if flips > 1:  # (and, with the directory moved to and fro, those below dst: disjoint)
-                for (path, spec, *_), r in zip(op["w2"], w2):
+                for (path, spec, *rest), r in zip(op["w2"], w2):
                     if r == "ok":
-                        self._conc_write(src + path[len(dst):], spec)
+                        self._conc_write(src + path[len(dst):], spec, rest[1:] == ["tmp"])
                 for key, base in (("w1", src), ("w2", dst)):  # (temporaries left: see below)
                     for (path, spec, *_), r in zip(op[key], rm[key]):
                         if r == "rename:ENOENT":
@@ -1870,9 +1870,9 @@ class Applier:
             out["w1"] = w1 if good1 else f"not ok until the rename, ENOENT after: {w1}"
             out["w2"] = w2 if good2 else f"not ENOENT until the rename, ok after: {w2}"
             if good2 and res == "ok":
-                for (path, spec, *_), r in zip(op["w2"], w2):
+                for (path, spec, *rest), r in zip(op["w2"], w2):
                     if r == "ok":
-                        self._conc_write(path, spec)
+                        self._conc_write(path, spec, rest[1:] == ["tmp"])
             if good1 and res == "ok":
                 for (path, spec, *_), r in zip(op["w1"], w1):
                     if r == "rename:ENOENT":
@@ -1882,8 +1882,15 @@ class Applier:
     def _files_below(self, rel: str) -> dict[str, bytes]:
         return {str(q.relative_to(self.root)): q.read_bytes() for q in self.p(rel).rglob("*") if q.is_file()}
 
-    def _conc_write(self, path: str, spec) -> None:
+    def _conc_write(self, path: str, spec, tmp: bool = False) -> None:
+        """A writer's write of ``path`` that landed; ``tmp``: through ``<path>.tmp-w`` (O_TRUNC)
+        renamed over it, which takes a temporary of that name already there (an earlier
+        writer's, left when the directory moved) with it: gone in the mount, so here too
+        (seed 12013 hier_rect --dirmv 40, step 21: test_differential.py::
+        test_a_writers_temporary_renamed_over_its_file_takes_an_older_temporary_with_it)."""
         self.p(path).parent.mkdir(parents=True, exist_ok=True)  # (it was written in the mount)
+        if tmp:
+            self.p(path + ".tmp-w").unlink(missing_ok=True)
         with open(self.p(path), "wb") as f:
             f.write(self.env.data.get(spec))
 

@@ -475,3 +475,19 @@ def test_difftest_ended_by_sigterm_leaves_no_daemon_or_mount(tmp_path):
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, proc.stdout.read()[-3000:]
     assert not _left_behind(tmp_path)
+
+
+def test_a_writers_temporary_renamed_over_its_file_takes_an_older_temporary_with_it(tmp_path):
+    """A dirmv writer writing its file through a temporary (``tmp``) opens ``<file>.tmp-w``
+    with O_TRUNC and renames it over the file: a temporary of that name already there (one an
+    earlier op's writer left, its rename ENOENT after the directory moved) is rewritten and
+    renamed away with it. The twin wrote only the file and kept the old temporary, which then
+    moved with the directory; the mount has none ("x/b/2/2.tmp-w: mount None twin 24:...":
+    scripts/difftest.py --seed 12013 --layout hier_rect --steps 30 --dirmv 40, step 21,
+    the temporary left by step 8). Here the old temporary is a plain file written first; the
+    writer is done long before the rename (delay 1 s)."""
+    ops = [{"op": "write", "path": "plain/b.bin.tmp-w", "data": ["pool", 1], "pieces": 1},
+           {"op": "dirmv", "src": "plain", "dst": "mv0", "how": "free", "noreplace": False, "mid": "conc",
+            "w1": [["plain/b.bin", ["rnd", 7, 5], 0, "tmp"]], "w2": [], "delay": 1.0}]
+    out = dt.run("basic", "local", base=tmp_path, seed=0, ops=ops, final=False)
+    assert out.ok, out.failure
