@@ -413,3 +413,31 @@ def test_peers_edit_each_others_arrays_through_the_view(store, mount, tmp_path):
         np.testing.assert_array_equal(got[:16].read().result(), data, err_msg=name)
     members = _open_consolidated(root / "g").metadata.consolidated_metadata.metadata
     assert members["ts"].shards == (8, 8)
+
+
+def test_consolidated_members_renamed_away_keep_their_stored_entries(tmp_path, mount):
+    """A group's zarr.json written through the mount (its attributes edited, the
+    consolidated entries as the view showed them) while a member group is renamed away
+    (local store, SEMANTICS 4.18): the absent members' entries have no stored document to
+    map back to, and were stored as the view shows them, unsharded; once the member was
+    back, zarr-python's consolidated read of it failed ("scripts/difftest.py --seed 10004
+    --layout hier_rect --steps 30 --dirmv 40", op 26). An entry written as the view shows
+    the group's stored entry keeps that stored entry, as a directory store would."""
+    root = tmp_path / "store"
+    root.mkdir()
+    local = tw.Store("local", root=root)
+    _hierarchy(tmp_path / "seed", sharded=True)
+    local.put_tree(tmp_path / "seed", "h")
+    m = mount(local.source, extra=local.extra)
+    _consolidate(m / "h")
+    os.rename(m / "h/sub", m / "away")
+    edit = _doc(m / "h/zarr.json")
+    edit["attributes"] = {"k": 1}
+    (m / "h/zarr.json").write_text(json.dumps(edit))
+    assert _doc(m / "h/zarr.json") == edit
+    os.rename(m / "away", m / "h/sub")
+    assert _doc(m / "h/zarr.json") == edit
+    m.umount()
+    stored = json.loads(local.get("h/zarr.json"))["consolidated_metadata"]["metadata"]
+    assert stored["sub/b"] == json.loads(local.get("h/sub/b/zarr.json"))
+    _check_consolidated_store(local, tmp_path, {})

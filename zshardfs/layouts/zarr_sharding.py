@@ -376,6 +376,13 @@ def _accept_group(key: str, doc: dict, old: dict | None, members: dict | None) -
             with _shown_lock:
                 shown = _shown.get(join_key(base, path, "zarr.json"))
             source = load_json(shown, path) if shown is not None else old_members.get(path)
+        if source is None and isinstance(old_members.get(path), dict) \
+                and _rewrite_array(old_members[path], f"{key} [{path}]") == member:
+            # no stored document (the member renamed away, SEMANTICS 4.18): an entry
+            # written as the view shows the group's stored entry keeps that entry
+            out[path] = old_members[path]
+            changed = True
+            continue
         meta = _meta_or_none(source) if isinstance(source, dict) else None
         if meta is None or not _is_view_form(member, source, meta):
             continue  # stored unsharded (or unknown), or the stored form: as written
