@@ -2105,3 +2105,56 @@ def test_a_local_rewrite_keeps_the_stored_files_mode_and_owner(tmp_path):
         assert (st_p.st_uid, st_p.st_gid) == (65534, 65534)
         assert (st_s.st_uid, st_s.st_gid) == (1234, 4321)
         assert (st_f.st_uid, st_f.st_gid) == (0, 0)
+
+
+def test_a_directory_renamed_or_removed_is_swept_anew_at_its_name(tmp_path):
+    """The directories already swept of dead writers' temporaries (once
+    each, before the first put) were remembered by key after the directory
+    was renamed away, replaced by a rename onto its name, or removed
+    (pruned by a delete, or rmdir): a directory later at that name (made
+    again, or moved there with a dead writer's temporary in it) was never
+    swept, the temporary holding its space for good (chunk directories are
+    listed from shard indexes: no listing meets it either).  Kept
+    descriptors below a renamed or removed directory are let go too."""
+    import zshardfs.backends.local as local_module
+
+    old = time.time() - 2 * local_module.STALE_AGE
+
+    def dead_writer_in(d):
+        d.mkdir(parents=True, exist_ok=True)
+        dead = d / f"{local_module.TMP_PREFIX}999999999-0-zz"
+        dead.write_bytes(b"left by a writer killed")
+        os.utime(dead, (old, old))
+        return dead
+
+    backend = LocalBackend(str(tmp_path))
+    # renamed away, another directory made at its name
+    backend.put("a/c/0", b"1")
+    assert backend.get_nowait("a/c/0", 0, 1, None) is not None and backend.table_sizes()["kept_fds"] == 1
+    backend.move_dir("a", "z", noreplace=True)
+    assert backend.table_sizes()["kept_fds"] == 0
+    dead = dead_writer_in(tmp_path / "a" / "c")
+    backend.put("a/c/1", b"2")
+    assert not dead.exists()
+    # replaced by a rename onto its (empty) name
+    backend.put("d/e/0", b"1")
+    os.unlink(tmp_path / "d/e/0")
+    os.rmdir(tmp_path / "d/e")
+    dead = dead_writer_in(tmp_path / "q" / "e")
+    backend.move_dir("q", "d", noreplace=False)
+    backend.put("d/e/1", b"2")
+    assert not (tmp_path / "d/e" / dead.name).exists()
+    # pruned by a delete, then made again
+    backend.put("p/e/0", b"1")
+    backend.delete("p/e/0", prune_below="")
+    assert not (tmp_path / "p").exists()
+    dead = dead_writer_in(tmp_path / "p" / "e")
+    backend.put("p/e/1", b"2")
+    assert not dead.exists()
+    # removed (rmdir), then made again
+    backend.put("r/e/0", b"1")
+    backend.delete("r/e/0")
+    backend.remove_dir("r/e")
+    dead = dead_writer_in(tmp_path / "r" / "e")
+    backend.put("r/e/1", b"2")
+    assert not dead.exists()

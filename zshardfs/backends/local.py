@@ -792,6 +792,23 @@ class LocalBackend:
         for fd in gone:
             os.close(fd)
 
+    def _forget_dirs(self, *dir_keys: str) -> None:
+        """The directories ``dir_keys`` were renamed or removed: what is kept
+        of them and below by key (swept of dead writers' temporaries, kept
+        descriptors) is dropped, as a directory at that name later is
+        another one (made again, or moved there with a dead writer's
+        temporary inside)."""
+        def below(key: str) -> bool:
+            return any(key == d or key.startswith(d + "/") for d in dir_keys)
+
+        with self._swept_lock:
+            for key in [k for k in self._swept if below(k)]:
+                del self._swept[key]
+        with self._fd_lock:
+            gone = [self._fds.pop(k)[0] for k in [k for k in self._fds if below(k[0])]]
+        for fd in gone:
+            os.close(fd)
+
     def get_nowait(self, key: str, start: int, length: int | None, if_match: str | None,
                    suffix: int | None = None) -> Blob | None:
         """A ranged read served from the page cache without blocking, or
@@ -1286,6 +1303,7 @@ class LocalBackend:
                     break
                 finally:
                     os.close(pfd)
+                self._forget_dirs(changed)
                 changed = parent
         # one fsync: the deepest directory still there that changed (those
         # removed below it are gone with their entry in it)
@@ -1334,6 +1352,7 @@ class LocalBackend:
             raise self._fail(key, exc) from None
         try:
             os.rmdir(name, dir_fd=pfd)
+            self._forget_dirs(key)
             os.fsync(pfd)
         except FileNotFoundError:
             return
@@ -1438,11 +1457,9 @@ class LocalBackend:
                 raise err from None
             raise self._fail(key, exc) from None
         bump(self.counters, "put")
-        below = key + "/"
-        with self._fd_lock:  # (kept descriptors answer for a path without a look: not for the old ones)
-            gone = [self._fds.pop(k)[0] for k in [k for k in self._fds if k[0].startswith(below)]]
-        for fd in gone:
-            os.close(fd)
+        # (kept descriptors answer for a path without a look: not for the old
+        # ones; a directory replaced at the new name was swept, not this one)
+        self._forget_dirs(key, new_key)
 
     def sync_dirs(self, *keys: str) -> None:
         """fsync the directories ``keys`` (a rename's two parents): the
