@@ -18,8 +18,6 @@ import copy
 import functools
 import json
 import logging
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..backends.base import CorruptData, NotFound, TooLarge, join_key
@@ -113,35 +111,6 @@ def _rewrite_array(doc: dict, what: str) -> dict | None:
     return view_array_doc(doc, meta) if meta else None
 
 
-# Sharded array documents as stored, by key, that this process showed
-# rewritten or stored through the view (the last SHOWN_MAX): a tool that
-# consolidates metadata through the view embeds what it read there, and each
-# member maps back to the stored document it was shown from.  Only a fallback
-# for a view that cannot call accept_document_async (which reads them).
-# Bounded by bytes too: documents with megabytes of attributes, read one
-# after another, kept 4096 of them (gigabytes, for the life of the daemon).
-SHOWN_MAX = 4096
-SHOWN_BYTES = 16 << 20
-_shown: OrderedDict[str, bytes] = OrderedDict()
-_shown_bytes = 0  # the sum of the lengths of _shown's values
-_shown_lock = threading.Lock()  # large documents are rewritten in worker threads (off_loop)
-
-
-def _remember(key: str, stored: bytes | None) -> None:
-    """``stored`` is what ``key`` holds now (None: not a sharded array)."""
-    global _shown_bytes
-    with _shown_lock:
-        old = _shown.pop(key, None)
-        if old is not None:
-            _shown_bytes -= len(old)
-        if stored is None or len(stored) > SHOWN_BYTES:
-            return
-        _shown[key] = stored
-        _shown_bytes += len(stored)
-        while len(_shown) > SHOWN_MAX or _shown_bytes > SHOWN_BYTES:
-            _shown_bytes -= len(_shown.popitem(last=False)[1])
-
-
 def is_document(key: str) -> bool:
     return key.rsplit("/", 1)[-1] == "zarr.json"
 
@@ -160,7 +129,6 @@ def rewrite_document(key: str, data: bytes) -> bytes | None:
         return None
     if doc.get("node_type") == "array":
         new = _rewrite_array(doc, key)
-        _remember(key, data if new is not None else None)
         return dump_json(new, data) if new is not None else None
     cm = doc.get("consolidated_metadata")
     if doc.get("node_type") == "group" and isinstance(cm, dict) and isinstance(cm.get("metadata"), dict):
@@ -362,7 +330,6 @@ def _accept_group(key: str, doc: dict, old: dict | None, members: dict | None) -
     cm = _consolidated(doc)
     if cm is None:
         return None
-    base = key.rpartition("/")[0]
     old_members = (_consolidated(old) or {}).get("metadata") or {}
     out = {}
     changed = False
@@ -370,12 +337,9 @@ def _accept_group(key: str, doc: dict, old: dict | None, members: dict | None) -
         out[path] = member
         if not _is_v3_array(member):
             continue
-        if members is not None:  # read from storage now
-            source = members.get(path)
-        else:  # what this process showed of the member, else the stored snapshot
-            with _shown_lock:
-                shown = _shown.get(join_key(base, path, "zarr.json"))
-            source = load_json(shown, path) if shown is not None else old_members.get(path)
+        # the member's stored document, read now; else (accept_document called
+        # alone, not by accept_document_async) the group's stored snapshot
+        source = members.get(path) if members is not None else old_members.get(path)
         if source is None and isinstance(old_members.get(path), dict) \
                 and _rewrite_array(old_members[path], f"{key} [{path}]") == member:
             # no stored document (the member renamed away, SEMANTICS 4.18): an entry
@@ -468,8 +432,6 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
                 # (its chunks differ in size: no regular inner chunk grid could hold them)
                 log.warning("%s: stored unsharded, as written: -o shard shards arrays with a regular chunk "
                             "grid, and this one's is %s", key, json.dumps(grid))
-    result = out if out is not None else doc
-    _remember(key, dump_json(result, new) if _meta_or_none(result) else None)
     return dump_json(out, new) if out is not None else None
 
 
