@@ -1939,6 +1939,34 @@ def test_a_log_file_that_cannot_be_made_anew_is_said_once(store, mnt, tmp_path):
     assert zs("umount", mnt).returncode == 0
 
 
+def test_a_log_file_that_is_a_device_is_refused_but_dev_null(store, mnt, tmp_path):
+    """``-o log_file`` naming a device other than /dev/null was taken: a
+    terminal by its name (``/dev/pts/N``) mounted, the background daemon
+    writing its log (and its stdout and stderr) to a terminal the user's
+    session closes (then every line fails, EIO: lost); ``/dev/tty`` failed
+    in the daemon (no terminal once detached) and was said to be "a FIFO
+    (or a socket)"; ``/dev/zero`` mounted with every line lost.  Each is refused at mount, one line
+    naming a device, non-zero exit, nothing mounted; /dev/null (the log
+    thrown away on purpose) still mounts."""
+    master, slave = os.openpty()
+    try:
+        for name in (os.ttyname(slave), "/dev/tty", "/dev/zero"):
+            result = zs("mount", store.root, mnt, "-o", f"ro,log_file={name}")
+            assert_one_line_error(result, f"log file {name!r}", "device", "regular file")
+            assert not mounts_at(mnt), name
+    finally:
+        os.close(master)
+        os.close(slave)
+    run_mount(store.root, mnt, "ro", "log_file=/dev/null")
+    try:
+        assert mounts_at(mnt)
+        name, data = first_chunk(store)
+        assert (mnt / name).read_bytes() == data
+    finally:
+        assert zs("umount", mnt).returncode == 0
+    assert not mounts_at(mnt)
+
+
 def test_a_fifo_at_the_log_file_path_never_holds_the_daemon(store, mnt, tmp_path):
     """``-o log_file`` naming a FIFO (no reader: an open for writing waits
     for ever; a reader that stops reading: every line would): the mount is

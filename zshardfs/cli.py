@@ -176,12 +176,17 @@ def open_log_file(path: str) -> int:
     there would make the daemon append to, or create, the file it names.
     Never a FIFO (ENXIO): its open for writing waits for a reader, and its
     writes for one that reads, for ever -- the mount command, or the daemon's
-    event loop at a reopen (a FIFO put there after a rotation), with it."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
-                 LOG_FILE_MODE)  # (O_NONBLOCK: a FIFO without a reader is ENXIO at once)
+    event loop at a reopen (a FIFO put there after a rotation), with it.
+    Never a device but /dev/null (ENODEV): a terminal (the command's, gone
+    once it ends), a disk, /dev/zero would take the lines and keep none."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+                 | os.O_NOCTTY, LOG_FILE_MODE)  # (O_NONBLOCK: a FIFO without a reader is ENXIO at once)
     try:
-        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if stat.S_ISFIFO(st.st_mode):
             raise OSError(errno.ENXIO, "a FIFO", path)
+        if not stat.S_ISREG(st.st_mode) and not _is_dev_null(st):
+            raise OSError(errno.ENODEV, "a device", path)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -189,7 +194,19 @@ def open_log_file(path: str) -> int:
     return fd
 
 
+def _is_dev_null(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)
+
+
 def _log_open_error(path: str, exc: OSError) -> str:
+    try:  # (a device may fail to open at all: /dev/tty without a terminal is ENXIO)
+        mode = os.stat(path, follow_symlinks=False).st_mode
+        device = stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+    except OSError:
+        device = False
+    if exc.errno == errno.ENODEV or device:
+        return (f"the log file {path!r} is a device; only a regular file (or /dev/null) is written to "
+                f"(give the path of a file)")
     if exc.errno == errno.ELOOP:
         return f"the log file {path!r} is a symbolic link; it is not followed (give the path of a file)"
     if exc.errno == errno.ENXIO:
