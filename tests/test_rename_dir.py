@@ -1135,6 +1135,50 @@ def test_a_directory_node_from_before_its_rename_is_enoent(tmp_path, request_):
     assert sorted(os.listdir(st.root)) == ["h"] and sorted(os.listdir(st.root / "h")) == ["arr"]
 
 
+@pytest.mark.parametrize("name", ["g/notes.txt", "g/arr/zarr.json"])
+def test_a_file_node_from_before_its_directory_s_rename_is_enoent_for_writing(tmp_path, name):
+    """A file's node taken before a rename of its directory and used after
+    (as a directory's is in the test above: a listing's entries handed to
+    the kernel after the rename): View._fresh answered ENOENT only for a
+    directory whose path is gone, and went on with a file's old node, so an
+    open for writing through it made a buffer at the old path, and its
+    flush made the old directory again in storage (g/notes.txt written
+    beside h, g back in the listing).  A file whose directory is gone is
+    now ENOENT as well; reads through such a node already failed (the old
+    key is not found), and nothing is made."""
+    import trio
+
+    from zshardfs.view import ViewError
+
+    st = _local(tmp_path)
+    seed_array(st, tmp_path, "g/arr", (16, 16), (4, 4), (8, 8), "<i4", data=DATA)
+    (st.root / "g/notes.txt").write_bytes(b"hello")
+    view, ops = _ops_on(st)
+
+    async def main():
+        import pyfuse3
+
+        ino = pyfuse3.ROOT_INODE
+        for leaf in name.split("/"):
+            ino = (await ops.lookup(ino, leaf.encode())).st_ino
+        stale = ops.inodes[ino].node
+        await ops.rename(pyfuse3.ROOT_INODE, b"g", pyfuse3.ROOT_INODE, b"h", 0, None)
+        for truncate in (False, True):
+            with pytest.raises(ViewError) as info:
+                handle = await view.open(stale, write=True, truncate=truncate)
+                await view.write(handle, 0, b"{}")
+                await view.flush(handle)
+                await view.release(handle)
+            assert info.value.errno == errno.ENOENT
+        with view.store.request_deadline():
+            await view.writeback.sync_all()
+
+    trio.run(main)
+    assert sorted(os.listdir(st.root)) == ["h"]
+    assert (st.root / "h/notes.txt").read_bytes() == b"hello"
+    np.testing.assert_array_equal(zarr.open_array(str(st.root / "h/arr"), mode="r")[...], DATA)
+
+
 def test_a_rename_onto_a_mount_point_inside_the_store_is_ebusy_and_no_error_line(tmp_path, mount):
     """A directory renamed onto a file system mounted inside the store (an
     empty tmpfs at store/fs), or that mount point renamed away: rename(2)

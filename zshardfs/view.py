@@ -487,6 +487,11 @@ class View:
                 # (On S3 a directory is there while a key is below it: one
                 # emptied is made again by a file stored in it, as before)
                 raise ViewError(errno.ENOENT, f"{node.path}: no longer exists")
+            if fresh is None and "/" in node.path and self.store.keeps_empty_dirs \
+                    and await self.resolve(_parent(node.path)) is None:
+                # a file whose directory was renamed or removed since: opened
+                # for writing, its flush would make the old directory again
+                raise ViewError(errno.ENOENT, f"{node.path}: its directory no longer exists")
             if fresh is None:
                 return node
             if self.document_writes == writes:  # (else resolved partly before another change)
