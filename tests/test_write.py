@@ -1082,6 +1082,40 @@ def test_chunk_directories_behave_like_a_directory_store(store, mount, tmp_path)
     assert len(got) == 12 and not any(i == 0 for i, _ in got)
 
 
+def test_an_in_grid_chunk_directory_removed_is_still_there_limit(store, mount, tmp_path):
+    """Limits (intermediate chunk directories are looked up leniently): an
+    empty in-grid chunk directory of a stored array is removed by rmdir
+    (as on a directory store), yet it is still found afterwards -- stat
+    answers, mkdir is EEXIST and a file made in it is stored as its chunk
+    -- where a directory store answers ENOENT: whether it is there is
+    derived from the shard grid, not from a listing (that would cost every
+    shard index of a row per lookup), and nothing remembers the rmdir.  In
+    an array created through this mount the rmdir holds (ENOENT until made
+    again), as the mount knows all that is below it."""
+    data = np.zeros((8, 8), "<i4")
+    data[:4, :4] = 1  # (one shard of four stored: c/2 and c/3 hold no chunk)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", "shard=2", extra=store.extra)
+    c = m / "arr" / "c"
+    os.rmdir(c / "3")  # empty: removable
+    assert (c / "3").is_dir()  # (a directory store: gone)
+    with pytest.raises(FileExistsError):
+        os.mkdir(c / "3")
+    new = np.full((2, 2), 7, "<i4").tobytes()
+    (c / "3" / "1").write_bytes(new)  # (a directory store: ENOENT)
+    zarr.create_array(store=str(m / "made"), shape=(8, 8), chunks=(2, 2), dtype="<i4")  # (-o shard: (4, 4))
+    os.makedirs(m / "made/c/3")
+    os.rmdir(m / "made/c/3")
+    assert not (m / "made/c/3").exists()
+    with pytest.raises(FileNotFoundError):
+        (m / "made/c/3/1").write_bytes(new)
+    os.makedirs(m / "made/c/3")  # (zarr-python and tensorstore make a chunk's directories first)
+    (m / "made/c/3/1").write_bytes(new)
+    m.umount()
+    assert stored_chunks(store, "arr", (2, 2))[(3, 1)] == new
+    assert stored_chunks(store, "made", (2, 2)) == {(3, 1): new}
+
+
 def test_never_renamed_files_inside_an_array(store, mount, tmp_path):
     """A file that is not a chunk, written inside a sharded array and never
     renamed: in the array's own directory it is a plain file, stored at
