@@ -2889,6 +2889,63 @@ def test_zarr2_shrinking_an_array_whose_chunks_the_kernel_holds(store, mount, tm
                                   zarr2(tmp_path / "twin", "read"))
 
 
+def test_an_entry_notification_waiting_for_the_kernel_never_holds_up_a_rename_s(tmp_path, monkeypatch):
+    """The kernel entries of chunks the mount removed itself (a shrink, above)
+    are invalidated from a worker thread before the request is answered;
+    ``pyfuse3.invalidate_entry`` waits for the lock of the entry's directory,
+    which the kernel holds while a request there waits for its answer, and
+    after 2 s the thread is left to finish on its own.  It shared the one
+    notification limiter with the inode invalidation of a RENAME replacing
+    a file that is open: a rename holding that directory's lock then waited
+    for the limiter, held by the thread, which waited for the rename's
+    answer -- for ever (that rename, its directory, every later such
+    rename).  The entries' thread now has a limiter of its own: the rename
+    is answered, and the thread then finishes."""
+    import threading
+
+    import pyfuse3
+    import trio
+
+    from tests.test_rename_dir import _ops_on
+
+    st = Store("local", root=tmp_path / "store")
+    st.root.mkdir()
+    seed_array(st, tmp_path, "arr", (16, 16), (4, 4), (8, 8), "<i4", data=np.ones((16, 16), "<i4"))
+    (st.root / "a.txt").write_bytes(b"new")
+    (st.root / "b.txt").write_bytes(b"old")
+    view, ops = _ops_on(st)
+    entered, answered = threading.Event(), threading.Event()
+
+    def invalidate_entry(parent_inode, name):  # (the kernel: the directory's lock, held until the rename is answered)
+        entered.set()
+        answered.wait(30)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry", invalidate_entry)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)
+    monkeypatch.setattr(pyfuse3, "invalidate_inode", lambda *args, **kw: None)
+
+    async def main():
+        ino = {}
+        for path in ("arr", "arr/c", "arr/c/0", "arr/c/0/1", "a.txt", "b.txt"):
+            parent, _, leaf = path.rpartition("/")
+            ino[path] = (await ops.lookup(ino.get(parent, pyfuse3.ROOT_INODE), leaf.encode())).st_ino
+        held_open = (await ops.open(ino["b.txt"], os.O_RDONLY, None)).fh  # (its rename tells the kernel)
+        chunk = ops.inodes[ino["arr/c/0/1"]].node.target
+        view.removed_here.add((chunk.shard_key, chunk.chunk_id))  # (as a shrink does)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ops.getattr, pyfuse3.ROOT_INODE, None)  # (any request: it forgets them at its end)
+            await trio.to_thread.run_sync(entered.wait, 10)
+            with trio.fail_after(10):  # (before: for ever)
+                await ops.rename(pyfuse3.ROOT_INODE, b"a.txt", pyfuse3.ROOT_INODE, b"b.txt", 0, None)
+            answered.set()
+        await ops.release(held_open)
+
+    try:
+        trio.run(main)
+    finally:
+        answered.set()
+    assert (st.root / "b.txt").read_bytes() == b"new" and not (st.root / "a.txt").exists()
+
+
 def test_zarr2_arrays_made_in_a_shard_mount_are_stored_as_written_and_said(store, mount, tmp_path):
     """``-o shard=K`` shards new Zarr v3 arrays (their ``zarr.json``); a new
     v3-draft array zarr 2.18 makes through the mount is stored unsharded,

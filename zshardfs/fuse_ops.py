@@ -209,6 +209,11 @@ class Operations(pyfuse3.Operations):
         # (a kernel notification waits for the inode's pages, which a READ in
         # flight holds until the event loop answers it: sent from a thread)
         self._notify_limiter = trio.CapacityLimiter(1)
+        # (_forget_removed_here's: its thread waits for the locks of the
+        # entries' directories, and is left running after 2 s; sharing the
+        # one above, a request holding such a lock and then waiting for that
+        # limiter -- a rename replacing an open file -- waited for ever)
+        self._entries_limiter = trio.CapacityLimiter(1)
         self.open_fill = open_fill
         #: READ requests served, and opens that filled the page cache instead
         self.reads = self.open_fills = 0
@@ -1027,7 +1032,7 @@ class Operations(pyfuse3.Operations):
                 done.append(name)
 
         with trio.move_on_after(2.0):
-            await trio.to_thread.run_sync(invalidate, limiter=self._notify_limiter, abandon_on_cancel=True)
+            await trio.to_thread.run_sync(invalidate, limiter=self._entries_limiter, abandon_on_cancel=True)
         self._in_doubt(*later, *now[len(done):])
 
     def _in_doubt(self, *entries: tuple[int, bytes]) -> None:
