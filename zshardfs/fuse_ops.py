@@ -187,6 +187,39 @@ class _Inode:
     changed: float = 0.0
 
 
+class _MovedAway:
+    """The places directories were renamed away from since ``since`` (of
+    Operations._moved_from), gathered once for the entries of a listing's
+    batch made then: each entry is then checked in constant time, not
+    against every rename since (up to 1024, for each entry of a batch of
+    thousands: seconds of the event loop)."""
+
+    def __init__(self, moved_from, since: float):
+        self.since, self.last = since, moved_from[-1]
+        self.old: set[str] = set()
+        for when, old in reversed(moved_from):
+            if when < since:
+                break
+            self.old.add(old)
+        self._parents: dict[str, bool] = {}  # directory -> at or below an old place
+
+    def holds(self, since: float, last) -> bool:
+        """Made for these entries, and no directory renamed since it was?"""
+        return since == self.since and last is self.last
+
+    def moved(self, path: str) -> bool:
+        """Was ``path`` at or below a place renamed away?"""
+        if path in self.old:
+            return True
+        parent = path.rpartition("/")[0]
+        if not parent:
+            return False
+        known = self._parents.get(parent)
+        if known is None:
+            known = self._parents[parent] = self.moved(parent)
+        return known
+
+
 @dataclass
 class _DirHandle:
     inode: int
@@ -505,6 +538,7 @@ class Operations(pyfuse3.Operations):
         entries = handle.entries
         inodes, by_path = self.inodes, self.by_path
         i = start_id - _DOTS
+        away: _MovedAway | None = None
         while True:
             while i >= len(entries) and not handle.done:
                 if handle.failed is not None:  # (a fresh error: re-raising one object grows its traceback)
@@ -520,7 +554,9 @@ class Operations(pyfuse3.Operations):
             if i >= len(entries):
                 return
             listed, asked = entries[i]
-            if self._moved_from and self._moved_from[-1][0] >= asked and self._moved_away(listed.path, asked):
+            if self._moved_from and self._moved_from[-1][0] >= asked and (
+                    away if away is not None and away.holds(asked, self._moved_from[-1])
+                    else (away := _MovedAway(self._moved_from, asked))).moved(listed.path):
                 # listed before a directory's rename moved it away: given, its
                 # inode would name the old place, where the kernel would hold a
                 # directory that is gone (a mkdir in it would make it again)
@@ -552,15 +588,6 @@ class Operations(pyfuse3.Operations):
                 return
             entry.lookups += 1
             i += 1
-
-    def _moved_away(self, path: str, since: float) -> bool:
-        """Was ``path`` at or below a directory renamed away since ``since``?"""
-        for when, old in reversed(self._moved_from):
-            if when < since:
-                return False
-            if path == old or path.startswith(old + "/"):
-                return True
-        return False
 
     async def releasedir(self, fh):
         handle = self._handles.pop(fh, None)
