@@ -65,6 +65,9 @@ def main() -> int:
                     help="(local) weight of the op that renames a directory: a group, an array, a plain or a chunk "
                          "directory, onto a free name, an empty or a full directory, a file, into itself, with "
                          "RENAME_NOREPLACE, a file held open below or writers by path meanwhile (off: 0)")
+    ap.add_argument("--meta", type=float, default=None, metavar="W",
+                    help="weight of the metadata document edit (hierarchies: 6 unless told; with --dirmv, "
+                         "e.g. 60 draws the group's document saved every way while a member is renamed away)")
     ap.add_argument("--replay", metavar="FILE", help="replay the ops saved in FILE (layout, backend, opts too)")
     ap.add_argument("--minimize", action="store_true", help="on a divergence, find a minimal op sequence")
     ap.add_argument("--verbose", action="store_true", help="print every op and its result")
@@ -92,6 +95,8 @@ def main() -> int:
         weights["race"] = args.race
     if args.dirmv:
         weights["dirmv"] = args.dirmv
+    if args.meta is not None:
+        weights["meta"] = args.meta
     server = None
     if backend == "s3":
         from tests.s3server import MotoServer, set_dummy_credentials

@@ -2171,16 +2171,10 @@ class Gen:
             return True
         if op["op"] == "rmdir" and self.n.moved[0].startswith(op["path"] + "/"):
             return True  # (the rename back needs the old parent)
-        if op["op"] == "meta" and op["path"].endswith("zarr.json") and op["how"] in ("emptied", "rmput", "editor") \
-                and (op["path"] == "zarr.json" or self.n.moved[0].startswith(op["path"][:-len("zarr.json")])):
-            # Known defect (not emulated): a group's document removed or emptied first, then
-            # written, while members it consolidates are renamed away stores their entries as
-            # the view shows them (unsharded), which no longer describe them once they are back
-            # (zarr-python's consolidated read of them then fails), SEMANTICS 4.18. Written in
-            # place or through a temporary, their entries keep the stored ones (a member edited
-            # itself, ``member``, is blocked below: no stored document to map it back to).
-            return True
-        names = op_names(op, self.n) | {op[k] for k in ("other", "member") if isinstance(op.get(k), str)}
+        # (a consolidated entry of a member renamed away, ``member``, is drawn: the group's
+        # document written however, that entry edited or not, maps it back onto the stored
+        # entry, SEMANTICS 4.18)
+        names = op_names(op, self.n) | {op[k] for k in ("other",) if isinstance(op.get(k), str)}
         if op["op"] == "resize":
             names.add(op["path"])
         return any(x == p or x.startswith(p + "/") for x in names for p in self.n.moved)

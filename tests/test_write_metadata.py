@@ -441,3 +441,124 @@ def test_consolidated_members_renamed_away_keep_their_stored_entries(tmp_path, m
     stored = json.loads(local.get("h/zarr.json"))["consolidated_metadata"]["metadata"]
     assert stored["sub/b"] == json.loads(local.get("h/sub/b/zarr.json"))
     _check_consolidated_store(local, tmp_path, {})
+
+
+@pytest.mark.parametrize("edit_member", [False, True], ids=["group", "member"])
+@pytest.mark.parametrize("how", ["write", "tmprename", "rmput", "editor", "emptied"])
+def test_consolidated_members_renamed_away_keep_their_stored_entries_however_saved(tmp_path, mount, how,
+                                                                                  edit_member):
+    """The group's zarr.json written back however a tool saves it (in place, a temporary
+    renamed over it, ``rm`` then a saved copy put back, an editor's save: renamed to
+    ``~``, written anew, the ``~`` removed; ``truncate`` to 0 then written), its own
+    attributes edited, or the entry of a member renamed away (attributes, fill value),
+    while a member group is renamed away (local store, SEMANTICS 4.18).  The absent
+    member's entry was stored as the view shows it (unsharded) after a removal or an
+    emptying, or after any edit of that entry: once the member was back, zarr-python's
+    consolidated read of the stored hierarchy failed.  Its entry now maps back onto the
+    group's last stored entry of that member (remembered across the removal)."""
+    root = tmp_path / "store"
+    root.mkdir()
+    local = tw.Store("local", root=root)
+    _hierarchy(tmp_path / "seed", sharded=True)
+    local.put_tree(tmp_path / "seed", "h")
+    m = mount(local.source, extra=local.extra)
+    _consolidate(m / "h")
+    stored_b = json.loads(local.get("h/zarr.json"))["consolidated_metadata"]["metadata"]["sub/b"]
+    os.rename(m / "h/sub", m / "away")
+    doc = m / "h/zarr.json"
+    edit = _doc(doc)
+    edit["attributes"] = {"k": 1}
+    want_b = stored_b
+    if edit_member:
+        edit["consolidated_metadata"]["metadata"]["sub/b"]["attributes"] = {"units": "km"}
+        edit["consolidated_metadata"]["metadata"]["sub/b"]["fill_value"] = 7.0
+        want_b = {**stored_b, "attributes": {"units": "km"}, "fill_value": 7.0}
+    text = json.dumps(edit)
+    if how == "write":
+        doc.write_text(text)
+    elif how == "tmprename":
+        (m / "h/zarr.json.tmp").write_text(text)
+        os.rename(m / "h/zarr.json.tmp", doc)
+    elif how == "rmput":
+        os.unlink(doc)
+        doc.write_text(text)
+    elif how == "editor":
+        os.rename(doc, m / "h/zarr.json~")
+        with open(doc, "x") as f:
+            f.write(text)
+        os.unlink(m / "h/zarr.json~")
+    else:
+        os.truncate(doc, 0)
+        with open(doc, "r+") as f:
+            f.write(text)
+    assert _doc(doc) == edit
+    os.rename(m / "away", m / "h/sub")
+    assert _doc(doc) == edit
+    g = _open_consolidated(m / "h")  # through the mount, the members back
+    np.testing.assert_array_equal(g["sub/b"][...], SERIES)
+    assert dict(g["sub/b"].attrs) == want_b["attributes"]
+    m.umount()
+    stored = json.loads(local.get("h/zarr.json"))
+    assert stored["attributes"] == {"k": 1}
+    assert stored["consolidated_metadata"]["metadata"]["sub/b"] == want_b
+    _check_consolidated_store(local, tmp_path, {})
+    g = _open_consolidated(local.local_copy(tmp_path / "again") / "h")
+    assert dict(g["sub/b"].attrs) == want_b["attributes"] and g["sub/b"].fill_value == want_b["fill_value"]
+
+
+def test_an_entry_of_a_member_renamed_away_that_cannot_be_mapped_back_is_stored_as_written(tmp_path, mount):
+    """The entry of a member renamed away (SEMANTICS 4.18) edited where it lays the
+    chunks out (the view's inner chunk shape): there is no stored array to refuse it
+    for (a present one's would be refused, EPERM), and it cannot be mapped onto the
+    group's stored entry: stored as written, as a directory store would store it,
+    with one warning line."""
+    root = tmp_path / "store"
+    root.mkdir()
+    local = tw.Store("local", root=root)
+    _hierarchy(tmp_path / "seed", sharded=True)
+    local.put_tree(tmp_path / "seed", "h")
+    m = mount(local.source, extra=local.extra)
+    _consolidate(m / "h")
+    os.rename(m / "h/sub", m / "away")
+    edit = _doc(m / "h/zarr.json")
+    edit["consolidated_metadata"]["metadata"]["sub/b"]["chunk_grid"]["configuration"]["chunk_shape"] = [2]
+    os.unlink(m / "h/zarr.json")
+    (m / "h/zarr.json").write_text(json.dumps(edit))
+    assert _doc(m / "h/zarr.json") == edit
+    os.rename(m / "away", m / "h/sub")
+    m.umount()
+    stored = json.loads(local.get("h/zarr.json"))["consolidated_metadata"]["metadata"]
+    assert stored["sub/b"] == edit["consolidated_metadata"]["metadata"]["sub/b"]
+    assert stored["arr"] == json.loads(local.get("h/arr/zarr.json"))  # (present: mapped back)
+    lines = [line for line in m.log_text().splitlines() if "stored as written" in line]
+    assert len(lines) == 1 and "'sub/b'" in lines[0] and "chunk_grid" in lines[0], lines
+
+
+def test_a_group_removed_and_made_again_takes_no_entry_of_the_removed_one(tmp_path, mount):
+    """The view remembers a group's document it removed (SEMANTICS 4.18), but not past
+    the removal of its directory: a hierarchy copied out of the view, removed (``rm -r``)
+    and copied back group document first (its members are new unsharded arrays, written
+    after it) keeps its entries as written (unsharded), which describe those arrays;
+    mapped onto the removed group's sharded entries, zarr-python's consolidated read of
+    the store would fail."""
+    root = tmp_path / "store"
+    root.mkdir()
+    local = tw.Store("local", root=root)
+    _hierarchy(tmp_path / "seed", sharded=True)
+    local.put_tree(tmp_path / "seed", "h")
+    m = mount(local.source, extra=local.extra)
+    _consolidate(m / "h")
+    shutil.copytree(m / "h", tmp_path / "backup")
+    shutil.rmtree(m / "h")
+    (m / "h").mkdir()
+    shutil.copy(tmp_path / "backup/zarr.json", m / "h/zarr.json")
+    for name in sorted(os.listdir(tmp_path / "backup")):
+        if name != "zarr.json":
+            shutil.copytree(tmp_path / "backup" / name, m / "h" / name)
+    m.umount()
+    stored = json.loads(local.get("h/zarr.json"))["consolidated_metadata"]["metadata"]
+    assert stored["sub/b"] == json.loads(local.get("h/sub/b/zarr.json"))
+    assert stored["sub/b"]["chunk_grid"]["configuration"]["chunk_shape"] == [3]
+    g = _open_consolidated(local.local_copy(tmp_path / "copy") / "h")
+    np.testing.assert_array_equal(g["arr"][...], DATA)
+    np.testing.assert_array_equal(g["sub/b"][...], SERIES)

@@ -203,6 +203,9 @@ MAX_FILE = 1 << 30
 DOCUMENTS_BYTES = 64 << 20
 #: bytes of removed metadata documents kept to map a new one back (View.orphans)
 REMOVED_DOCUMENTS_BYTES = 64 << 20
+#: documents, and bytes of them, kept as the last stored at their keys (View.previous_documents)
+PREVIOUS_DOCUMENTS = 1024
+PREVIOUS_DOCUMENTS_BYTES = 16 << 20
 
 #: what parsing a malformed metadata document can raise, beyond the layouts'
 #: own checks (a list where an object belongs, a document nested 100000
@@ -395,6 +398,16 @@ class View:
         # datasets, REMOVED_DOCUMENTS_BYTES of documents.
         self.orphans: OrderedDict[str, tuple[Dataset, str]] = OrderedDict()
         self.removed_documents: OrderedDict[str, bytes] = OrderedDict()
+        # The last document (a JSON object) stored at a key that this mount
+        # removed (rm, an editor's save renaming it away) or emptied (a
+        # truncate before the text), by key: a document written there while
+        # none is stored is judged against it too (a group's consolidated
+        # entries of members renamed away map back onto their stored form,
+        # SEMANTICS 4.18).  Forgotten once a document is stored there again.
+        # Bounded: PREVIOUS_DOCUMENTS documents, PREVIOUS_DOCUMENTS_BYTES.
+        self.previous_documents: OrderedDict[str, bytes] = OrderedDict()
+        self._previous_bytes = 0
+        self._previous_in: dict[str, set[str]] = {}  # dir key -> its keys in previous_documents
         # chunks this mount removed by itself, not by a request naming them
         # (_prune_outside): (shard key, chunk id).  The kernel may hold their
         # entries (a reader looked them up): Operations makes it forget them
@@ -420,7 +433,8 @@ class View:
                 "chunk_changes": len(self._chunk_changes),
                 "fresh_nodes": len(self._fresh_nodes), "listed_nodes": self._listed_count,
                 "orphans": len(self.orphans),
-                "removed_documents": len(self.removed_documents), "probed": len(self.ctx.probed),
+                "removed_documents": len(self.removed_documents),
+                "previous_documents": len(self.previous_documents), "probed": len(self.ctx.probed),
                 "info_dirs": len(self._info_dirs_kept)}
 
     # -- datasets -----------------------------------------------------------
@@ -1592,6 +1606,7 @@ class View:
         # they were, even if none of its chunks is left; see born_here below)
         removed = self.removed_documents.get(buf.key)
         resaved = removed is not None
+        replaced = None  # the document stored there (a JSON object), if any
         for layout in LAYOUTS:
             if layout.is_document(buf.key) and hasattr(layout, "accept_document"):
                 blob = await self.store.get_or_none(buf.key)
@@ -1599,9 +1614,10 @@ class View:
                 # does not: ``> zarr.json`` stores an empty one first); then the
                 # one this mount removed there, if its chunks remain; else none:
                 # a new document, as layouts judge one
-                stored = blob.data if blob is not None and await off_loop(
-                    functools.partial(_json_object, blob.data), len(blob.data)) else \
-                    await self._removed_document(buf.key)
+                a_stored_document = blob is not None and await off_loop(
+                    functools.partial(_json_object, blob.data), len(blob.data))
+                stored = blob.data if a_stored_document else await self._removed_document(buf.key)
+                replaced = blob.data if a_stored_document else None
                 if stored is None and removed is not None and data == removed:
                     # the very document this mount removed there, put back (``mv``
                     # away and back) after the last chunk went: not a new array
@@ -1614,7 +1630,9 @@ class View:
                 try:
                     if accept is not None:
                         accepted = await accept(self.ctx, buf.key, data, stored,
-                                                self.shard_option, self._pending_children)
+                                                self.shard_option, self._pending_children,
+                                                previous=None if a_stored_document
+                                                else self.previous_documents.get(buf.key))
                     else:
                         accepted = await off_loop(functools.partial(layout.accept_document, buf.key, data, stored,
                                                                     self.shard_option), len(data))
@@ -1645,6 +1663,10 @@ class View:
         made_of = []
         a_document = self._is_dataset_document(buf.key) and await off_loop(
             functools.partial(_json_object, data), len(data))
+        if replaced is not None and not a_document:
+            # emptied (``truncate``, ``> zarr.json``) or broken: the text to come
+            # is judged against the document it replaces too
+            self._keep_previous(buf.key, replaced)
         shrinking = [(d, ds) for d, ds in await self._datasets_made_of(buf.key, stored)
                      if ds.prunes_on_shrink] if stored and a_document else []
         if stored and self._is_dataset_document(buf.key) and not a_document:
@@ -1665,6 +1687,7 @@ class View:
                 await self._prune_outside(dir_key, before)
             if a_document:  # (not an empty or broken file: the text may be still to come)
                 self._forget_removed(buf.key)
+                self._forget_previous(buf.key)
         self.own_versions[buf.key] = (info.etag, time.monotonic(), len(data))
         self.own_versions.move_to_end(buf.key)
         if len(self.own_versions) > 4096:
@@ -1703,6 +1726,28 @@ class View:
         orphan = self.orphans.pop(dir_key, None)
         if orphan is not None and not any(k == orphan[1] for _, k in self.orphans.values()):
             self.removed_documents.pop(orphan[1], None)
+
+    def _keep_previous(self, key: str, data: bytes) -> None:
+        """``data`` (a JSON object) was the document stored at ``key``, which
+        this mount is removing or emptying (see ``previous_documents``)."""
+        self._forget_previous(key)
+        if len(data) > PREVIOUS_DOCUMENTS_BYTES:
+            return
+        self.previous_documents[key] = data
+        self._previous_bytes += len(data)
+        self._previous_in.setdefault(_parent(key), set()).add(key)
+        while len(self.previous_documents) > PREVIOUS_DOCUMENTS or self._previous_bytes > PREVIOUS_DOCUMENTS_BYTES:
+            self._forget_previous(next(iter(self.previous_documents)))
+
+    def _forget_previous(self, key: str) -> None:
+        data = self.previous_documents.pop(key, None)
+        if data is not None:
+            self._previous_bytes -= len(data)
+            keys = self._previous_in.get(_parent(key))
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._previous_in[_parent(key)]
 
     def _forget_removed(self, key: str) -> None:
         """A document is at ``key`` again: its removed predecessor is past."""
@@ -1941,10 +1986,13 @@ class View:
             dir_key = _parent(node.key)
             made_of: list[tuple[str, Dataset]] = []  # the datasets this document describes
             stored = b""
+            was_document = False  # (a JSON object: kept as the last document there)
             try:
                 if self._is_dataset_document(node.key):
                     stored = await self._stored_document(node.key)
                     made_of = await self._datasets_made_of(node.key, stored) if stored else []
+                    was_document = bool(stored) and await off_loop(functools.partial(_json_object, stored),
+                                                                   len(stored))
                 try:
                     await self.store.delete(node.key)
                 except NotFound:
@@ -1959,6 +2007,8 @@ class View:
                 self._document_changed(node.key)
                 if made_of:
                     self._orphan(node.key, stored, made_of)
+                if was_document:
+                    self._keep_previous(node.key, stored)
             self.datasets.pop(dir_key)
             self._keep_emptied(parent)
 
@@ -2116,6 +2166,9 @@ class View:
             await self._flush_below_first(f"{node.path}: not removed: what was removed below", node.key)
             await self.store.remove_dir(node.key)
             self._forget_orphan(node.key)
+            # (a document written in a directory made there again is a new one's)
+            for k in list(self._previous_in.get(node.key, ())):
+                self._forget_previous(k)
         self._forget_made_dirs(parent.path, (name,))
         self._forget_made_dirs(node.path, list(self.new_dirs.get(node.path, ())))
         self._new_dirs_stored.pop(node.path, None)
@@ -2358,6 +2411,8 @@ class View:
         for table in (self.born_here, self.own_versions, self.orphans, self.removed_documents, self._info_dirs_kept):
             for k in [k for k in table if at_key(k)]:
                 del table[k]
+        for k in [k for k in self.previous_documents if at_key(k)]:
+            self._forget_previous(k)
         for k in [k for k in self._chunk_changes if at_key(k[0])]:
             del self._chunk_changes[k]
         self._chunk_epoch += 1

@@ -9,8 +9,10 @@
 and optionally ``accept_document(key, new, stored, shard_option)`` (what to
 store when a document is written through the view) and its variant with
 storage reads, ``async accept_document_async(ctx, key, new, stored,
-shard_option, pending)``, where ``pending(dir_key)`` names what the view
-holds only in memory in a directory.
+shard_option, pending, previous)``, where ``pending(dir_key)`` names what
+the view holds only in memory in a directory, and ``previous`` is the last
+document stored at ``key`` that this mount removed or emptied (None: none
+remembered; given when no document is stored there now).
 
 ``LAYOUTS`` is the order in which the view asks them.
 """

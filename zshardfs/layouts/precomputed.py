@@ -969,7 +969,7 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option) ->
 
 
 async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored: bytes | None,
-                                shard_option, pending=lambda dir_key: ()) -> bytes | None:
+                                shard_option, pending=lambda dir_key: (), previous=None) -> bytes | None:
     """``accept_document``, after one check that needs a listing: an ``info``
     that makes a directory sharded is refused (ValueError: EPERM) while that
     directory holds chunk files stored plain, which would vanish from the

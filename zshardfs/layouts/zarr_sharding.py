@@ -324,35 +324,46 @@ def _consolidated(doc: dict | None) -> dict | None:
     return cm if isinstance(cm, dict) and isinstance(cm.get("metadata"), dict) else None
 
 
-def _accept_group(key: str, doc: dict, old: dict | None, members: dict | None) -> dict | None:
+def _accept_group(key: str, doc: dict, old: dict | None, members: dict | None,
+                  previous: dict | None = None) -> dict | None:
     """``doc`` with each consolidated member that the view shows from a
-    sharded array mapped back to that array's stored form; None if none is."""
+    sharded array mapped back to that array's stored form; None if none is.
+    A member with no stored document (renamed away, SEMANTICS 4.18) maps
+    back onto the group's stored entry of it: ``old``'s, else, when no
+    consolidated document is stored there (removed, emptied), ``previous``'s
+    (the last one stored there, which the view remembers); an entry that
+    cannot be mapped onto it is stored as written."""
     cm = _consolidated(doc)
     if cm is None:
         return None
-    old_members = (_consolidated(old) or {}).get("metadata") or {}
+    old_members = (_consolidated(old) or _consolidated(previous) or {}).get("metadata") or {}
     out = {}
     changed = False
     for path, member in cm["metadata"].items():
         out[path] = member
         if not _is_v3_array(member):
             continue
-        # the member's stored document, read now; else (accept_document called
-        # alone, not by accept_document_async) the group's stored snapshot
-        source = members.get(path) if members is not None else old_members.get(path)
-        if source is None and isinstance(old_members.get(path), dict) \
-                and _rewrite_array(old_members[path], f"{key} [{path}]") == member:
-            # no stored document (the member renamed away, SEMANTICS 4.18): an entry
-            # written as the view shows the group's stored entry keeps that entry
-            out[path] = old_members[path]
-            changed = True
-            continue
+        absent = False
+        if members is not None:  # read from storage now
+            source = members.get(path)
+            if source is None:
+                # no stored document (the member renamed away, SEMANTICS 4.18): the
+                # group's stored entry of it, which the view showed
+                absent, source = True, old_members.get(path)
+        else:  # accept_document called alone: the group's stored snapshot
+            source = old_members.get(path)
         meta = _meta_or_none(source) if isinstance(source, dict) else None
         if meta is None or not _is_view_form(member, source, meta):
             continue  # stored unsharded (or unknown), or the stored form: as written
         try:
             out[path] = _map_back(member, source, meta)
         except ValueError as exc:
+            if absent:
+                # (an edit of what lays its chunks out: with no stored array to refuse
+                # it for, stored as written, as a directory store would store it)
+                log.warning("%s: consolidated member %r, whose array is not stored, stored as written: %s",
+                            key, path, exc)
+                continue
             raise ValueError(f"consolidated member {path!r}: {exc}") from None
         changed = True
     if not changed:
@@ -362,7 +373,7 @@ def _accept_group(key: str, doc: dict, old: dict | None, members: dict | None) -
 
 def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
                     members: dict | None = None, below=None, restoring: bool = False,
-                    parsed: dict | None = None) -> bytes | None:
+                    parsed: dict | None = None, previous: bytes | None = None) -> bytes | None:
     """What to store when a tool writes ``zarr.json`` through the view.
 
     - over a sharded array: the view's document mapped back onto the stored
@@ -371,7 +382,7 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
       encoding) raises ValueError;
     - a group with consolidated metadata: each member array the view shows
       from a sharded one mapped back the same way (``members``: the members'
-      stored documents by path, read now; None: those this process showed);
+      stored documents by path, read now; None: the group's stored snapshot);
     - a NEW unsharded array with ``-o shard=K``: stored sharded, unless
       ``below`` (names in its directory: stored, or made through the mount
       and not stored yet) holds chunk names.  Chunk objects stored plain
@@ -381,7 +392,9 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
     - anything else, an existing unsharded array included: None (as written).
 
     ``parsed``: ``new`` already parsed (a large consolidated document is
-    parsed once).
+    parsed once).  ``previous``: the last document stored at ``key``,
+    which this mount removed or emptied (a group's, when ``stored`` holds
+    none: its consolidated entries of members with no stored document).
     """
     if not is_document(key):
         return None
@@ -389,7 +402,9 @@ def accept_document(key: str, new: bytes, stored: bytes | None, shard_option, *,
     if doc is None:
         return None
     if doc.get("node_type") == "group":
-        out = _accept_group(key, doc, load_json(stored, key) if stored is not None else None, members)
+        old = load_json(stored, key) if stored is not None else None
+        prev = load_json(previous, key) if previous is not None and _consolidated(old) is None else None
+        out = _accept_group(key, doc, old, members, prev)
         return dump_json(out, new) if out is not None else None
     if doc.get("node_type") != "array":
         return None
@@ -444,7 +459,8 @@ async def _stored_document(ctx: LayoutContext, key: str) -> dict | None:
 
 
 async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored: bytes | None,
-                                shard_option, pending=lambda dir_key: ()) -> bytes | None:
+                                shard_option, pending=lambda dir_key: (),
+                                previous: bytes | None = None) -> bytes | None:
     """``accept_document`` with the facts it needs read from storage: the
     stored documents of a group's consolidated members (all at once), and,
     for a new array under ``-o shard``, the listing of its directory plus
@@ -473,7 +489,7 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
             restoring = await _its_shards_are_stored(ctx, key.rpartition("/")[0], doc, listing)
     return await off_loop(functools.partial(accept_document, key, new, stored, shard_option,
                                             members=members, below=below, restoring=restoring,
-                                            parsed=doc), len(new))
+                                            parsed=doc, previous=previous), len(new))
 
 
 async def _its_shards_are_stored(ctx: LayoutContext, dir_key: str, doc: dict, listing) -> bool:

@@ -165,7 +165,7 @@ def _map_back(doc: dict, old: dict) -> dict:
 
 
 async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored: bytes | None,
-                                shard_option, pending=None) -> bytes | None:
+                                shard_option, pending=None, previous=None) -> bytes | None:
     """``accept_document``; and for consolidated metadata written through
     the view (zarr 2.18's ``consolidate_metadata``, which copies the view's
     documents), each member that is the view's form of a transformer-sharded
