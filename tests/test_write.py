@@ -2997,6 +2997,79 @@ def test_zarr2_consolidated_metadata_of_transformer_arrays_is_shown_and_stored_m
     np.testing.assert_array_equal(zarr2(store.local_copy(tmp_path / "copy") / "t", "read-consolidated"), expected)
 
 
+@pytest.mark.parametrize("how", ["write", "tmprename", "rmput", "emptied"])
+def test_zarr2_consolidated_members_renamed_away_keep_their_transformer(store, mount, tmp_path, how):
+    """zarr 2.18's ``meta/root/consolidated/.zmetadata`` written back through the mount
+    (in place, a temporary renamed over it, ``rm`` then a saved copy put back, ``truncate`` to 0 then written; its
+    member's entry edited: an attribute added) while the member's document is renamed
+    away (``meta/root/arr.array.json`` moved to a name that is no document, as 4.18's
+    members are): with no stored document to map the entry back to, it was stored as the
+    view shows it, without the sharding transformer, and once the document was back zarr
+    2.18 reading the store consolidated took the shards for chunks.  The entry now maps
+    back onto the stored ``.zmetadata``'s entry of it (the one this mount removed or
+    emptied there, while none is stored)."""
+    zarr2 = _zarr2_resize_runner(tmp_path)
+    for root, kind in ((tmp_path / "seed" / "t", "create-sharded"), (tmp_path / "twin", "create-plain")):
+        zarr2(root, kind)
+        zarr2(root, "consolidate")
+    expected = zarr2(tmp_path / "twin", "read-consolidated")
+    store.put_tree(tmp_path / "seed" / "t", "t")
+    m = mount(store.source, extra=store.extra)
+    doc = m / "t/meta/root/consolidated/.zmetadata"
+    member = "meta/root/arr.array.json"
+    edit = json.loads(doc.read_bytes())
+    edit["metadata"][member]["attributes"]["k"] = 1
+    os.rename(m / "t" / member, m / "t/meta/root/arr.array.json.away")
+    text = json.dumps(edit).encode()
+    if how == "write":
+        doc.write_bytes(text)
+    elif how == "tmprename":
+        (m / "t/meta/root/consolidated/.zmetadata.tmp").write_bytes(text)
+        os.rename(m / "t/meta/root/consolidated/.zmetadata.tmp", doc)
+    elif how == "rmput":
+        os.unlink(doc)
+        doc.write_bytes(text)
+    else:
+        os.truncate(doc, 0)
+        with open(doc, "r+b") as f:
+            f.write(text)
+    assert json.loads(doc.read_bytes()) == edit
+    os.rename(m / "t/meta/root/arr.array.json.away", m / "t" / member)
+    np.testing.assert_array_equal(zarr2(m / "t", "read-consolidated"), expected)
+    m.umount()
+    stored = json.loads(store.get("t/meta/root/consolidated/.zmetadata"))["metadata"][member]
+    assert stored == {**json.loads(store.get(f"t/{member}")), "attributes": edit["metadata"][member]["attributes"]}
+    assert stored["storage_transformers"][0]["configuration"] == {"chunks_per_shard": [2, 2]}, stored
+    np.testing.assert_array_equal(zarr2(store.local_copy(tmp_path / "copy") / "t", "read-consolidated"), expected)
+
+
+def test_zarr2_consolidated_entry_of_a_member_renamed_away_that_cannot_be_mapped_is_stored_as_written(
+        mount, tmp_path):
+    """As above, the member's entry edited where it lays the shards out (its chunk
+    grid): no stored document to refuse it for (a present one's is refused, EPERM),
+    and it cannot be mapped onto the stored entry: stored as written, one warning line."""
+    zarr2 = _zarr2_resize_runner(tmp_path)
+    zarr2(tmp_path / "seed" / "t", "create-sharded")
+    zarr2(tmp_path / "seed" / "t", "consolidate")
+    root = tmp_path / "store"
+    root.mkdir()
+    local = Store("local", root=root)
+    local.put_tree(tmp_path / "seed" / "t", "t")
+    m = mount(local.source, extra=local.extra)
+    doc = m / "t/meta/root/consolidated/.zmetadata"
+    member = "meta/root/arr.array.json"
+    edit = json.loads(doc.read_bytes())
+    edit["metadata"][member]["chunk_grid"]["chunk_shape"] = [4, 4]
+    os.rename(m / "t" / member, m / "t/meta/root/arr.array.json.away")
+    doc.write_bytes(json.dumps(edit).encode())
+    os.rename(m / "t/meta/root/arr.array.json.away", m / "t" / member)
+    m.umount()
+    assert json.loads(local.get("t/meta/root/consolidated/.zmetadata"))["metadata"][member] == \
+        edit["metadata"][member]
+    lines = [line for line in m.log_text().splitlines() if "stored as written" in line]
+    assert len(lines) == 1 and repr(member) in lines[0] and "chunk_grid" in lines[0], lines
+
+
 @pytest.mark.parametrize("how", ["overwrite", "overwrite-same"])
 def test_zarr2_overwriting_a_transformer_array_through_the_mount(store, mount, tmp_path, how):
     """``zarr.create(..., overwrite=True)`` of zarr 2.18 over a v3-draft

@@ -171,8 +171,13 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
     documents), each member that is the view's form of a transformer-sharded
     array mapped back onto that array's stored document, as the document
     itself is (else zarr 2.18 opening the store consolidated would take its
-    shards for chunks).  A member whose array is not stored (yet), or is
-    not sharded, is stored as written."""
+    shards for chunks).  A member whose document is not stored (renamed
+    away, SEMANTICS 4.18) maps back onto the stored consolidated entry of
+    it: ``stored``'s, else, when none is stored there (removed, emptied),
+    ``previous``'s (the last one stored there, which the view remembers);
+    one that cannot be mapped onto it (an edit of what lays its shards
+    out), or that has no such entry, or is not sharded, is stored as
+    written."""
     if not _is_consolidated(key):
         return await off_loop(functools.partial(accept_document, key, new, stored, shard_option), len(new))
     doc = await load_json_async(new, key)
@@ -180,6 +185,16 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
     if members is None:
         return None
     out = dict(members)
+    old_members = None  # the stored (or previous) consolidated entries, read once needed
+
+    async def stored_entry(name: str):
+        nonlocal old_members
+        if old_members is None:
+            old_members = (_members(await load_json_async(stored, key)) if stored is not None else None) or \
+                (_members(await load_json_async(previous, key)) if previous is not None else None) or {}
+        entry = old_members.get(name)
+        return entry if isinstance(entry, dict) and _transformer(entry) is not None \
+            and _dataset_params(entry, f"{key} [{name}]") is not None else None
     for name, member in members.items():
         if not (name.startswith(META_ROOT) and name.endswith(SUFFIX) and isinstance(member, dict)) \
                 or _transformer(member) is not None:
@@ -191,6 +206,13 @@ async def accept_document_async(ctx: LayoutContext, key: str, new: bytes, stored
             except NotFound:
                 continue
         else:
+            # no stored document (renamed away): the stored consolidated entry of it
+            if (old := await stored_entry(name)) is not None:
+                try:
+                    out[name] = _map_back(member, old)
+                except ValueError as exc:
+                    log.warning("%s: consolidated member %r, whose array is not stored, stored as written: %s",
+                                key, name, exc)
             continue
         old = await load_json_async(blob.data, blob.info.key)
         if old is None or _transformer(old) is None or _dataset_params(old, blob.info.key) is None:
