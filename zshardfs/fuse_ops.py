@@ -220,6 +220,79 @@ class _MovedAway:
         return known
 
 
+class _PathTable(dict):
+    """Operations.by_path (path -> inode) that also keeps, for each
+    directory, its children it holds (or that lead to one it holds): the
+    entries at or below a directory are found in time proportional to
+    their number (:meth:`below`), not by scanning every inode the kernel
+    holds.  Reads are the plain dict's; only adding and removing a path
+    keep the children (``__setitem__``, ``__delitem__``, ``pop``: the only
+    changes Operations makes)."""
+
+    def __init__(self, items=()):
+        super().__init__()
+        self._kids: dict[str, set[str]] = {}
+        for path, ino in dict(items).items():
+            self[path] = ino
+
+    def __setitem__(self, path: str, ino: int) -> None:
+        new = path not in self
+        super().__setitem__(path, ino)
+        if new:
+            self._link(path)
+
+    def __delitem__(self, path: str) -> None:
+        super().__delitem__(path)
+        self._unlink(path)
+
+    def pop(self, path: str, *default):
+        if path not in self:
+            return super().pop(path, *default)
+        ino = super().pop(path)
+        self._unlink(path)
+        return ino
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("_PathTable: use [] =, del or pop")
+
+    popitem = clear = setdefault = update = __ior__ = _unsupported
+
+    def _link(self, path: str) -> None:
+        kids = self._kids
+        while path:
+            parent = path.rpartition("/")[0]
+            siblings = kids.get(parent)
+            if siblings is not None:
+                siblings.add(path)
+                return
+            kids[parent] = {path}
+            if parent in self:  # (else the parent is linked in turn, as on the way to a path held)
+                return
+            path = parent
+
+    def _unlink(self, path: str) -> None:
+        kids = self._kids
+        while path and path not in kids and path not in self:
+            parent = path.rpartition("/")[0]
+            siblings = kids[parent]
+            siblings.discard(path)
+            if siblings:
+                return
+            del kids[parent]
+            path = parent
+
+    def below(self, path: str) -> list[tuple[str, int]]:
+        """(path, inode) of ``path`` and of every path held below it."""
+        out, todo = [], [path]
+        while todo:
+            p = todo.pop()
+            ino = self.get(p)
+            if ino is not None:
+                out.append((p, ino))
+            todo.extend(self._kids.get(p, ()))
+        return out
+
+
 @dataclass
 class _DirHandle:
     inode: int
@@ -259,7 +332,7 @@ class Operations(pyfuse3.Operations):
         self.uid = os.getuid() if uid is None else uid
         self.gid = os.getgid() if gid is None else gid
         self.inodes: dict[int, _Inode] = {pyfuse3.ROOT_INODE: _Inode(view.root(), lookups=1)}
-        self.by_path: dict[str, int] = {"": pyfuse3.ROOT_INODE}
+        self.by_path = _PathTable({"": pyfuse3.ROOT_INODE})
         self._next_inode = pyfuse3.ROOT_INODE + 1
         # path -> number of paths the kernel forgot, most recent last (bounded)
         self._forgotten: OrderedDict[str, int] = OrderedDict()
@@ -1031,13 +1104,21 @@ class Operations(pyfuse3.Operations):
         waits for it (it holds their locks): that one is queued instead;
         and the wait ends after 2 s whatever happened (a related request
         holding a lock for longer), the rest queued."""
-        gone, self.view.removed_here = self.view.removed_here, set()
+        removed, self.view.removed_here = self.view.removed_here, {}
         datasets, self.view.datasets_gone = self.view.datasets_gone, set()
         held = {a for a in args if isinstance(a, int) and a in self.inodes}
         held |= {h.inode for a in args if isinstance(a, int)
                  and isinstance(h := self._handles.get(a), _DirHandle)}
+        gone = set().union(*removed.values())
+        # (the entries the kernel holds below those datasets' roots -- their
+        # directories' paths are their storage keys --, not every inode)
+        found = {ino for root in {*removed, *(root for root, _ in datasets)}
+                 for _, ino in self.by_path.below(root)}
         now, later = [], []
-        for ino, entry in list(self.inodes.items()):
+        for ino in sorted(found):  # (as before: in the order the kernel was given them)
+            entry = self.inodes.get(ino)
+            if entry is None:
+                continue
             node, t = entry.node, entry.node.target
             if t is not None and (t.shard_key, t.chunk_id) in gone:
                 pass

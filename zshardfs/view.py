@@ -409,10 +409,11 @@ class View:
         self._previous_bytes = 0
         self._previous_in: dict[str, set[str]] = {}  # dir key -> its keys in previous_documents
         # chunks this mount removed by itself, not by a request naming them
-        # (_prune_outside): (shard key, chunk id).  The kernel may hold their
-        # entries (a reader looked them up): Operations makes it forget them
-        # after the request (see Operations._forget_removed_here)
-        self.removed_here: set[tuple[str, int]] = set()
+        # (_prune_outside): dataset root -> {(shard key, chunk id)}.  The
+        # kernel may hold their entries (a reader looked them up): Operations
+        # makes it forget them after the request, looking below the roots
+        # (see Operations._forget_removed_here)
+        self.removed_here: dict[str, set[tuple[str, int]]] = {}
         # (dataset root, version) of the datasets whose document this mount
         # removed and whose last chunk went before a new document took its
         # place (_removed_document): the entries the kernel holds of their
@@ -1771,8 +1772,8 @@ class View:
         for t in gone:
             self.writeback.delete(t.shard_key, before.shard_format, t.shard_ctx, t.chunk_id, before.shard_home)
             self._chunk_changed(t)
-        if len(self.removed_here) < 1 << 20:  # (else the kernel's entries time out, attr_timeout)
-            self.removed_here.update((t.shard_key, t.chunk_id) for t in gone)
+        if gone and sum(map(len, self.removed_here.values())) < 1 << 20:  # (else they time out, attr_timeout)
+            self.removed_here.setdefault(before.root, set()).update((t.shard_key, t.chunk_id) for t in gone)
         if gone:
             log.info("%s: shape shrank: %d chunks outside it removed", dir_key, len(gone))
 
