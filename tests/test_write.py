@@ -3038,6 +3038,53 @@ def test_the_path_table_finds_what_is_below_a_directory_as_a_scan_would():
     assert table._kids == {}
 
 
+def test_only_the_inodes_a_request_names_keep_its_forgotten_chunks_queued(tmp_path, monkeypatch):
+    """The entries of chunks removed by the mount itself are invalidated
+    before the request is answered, except those in a directory (or of an
+    inode) the request names: the kernel holds its lock, so they are
+    queued.  Any integer argument equal to an inode number was taken for
+    one (a READ's offset, a mode, flags, a file handle): those entries
+    were queued, the kernel showing them until it got round to it.  Only
+    the arguments that are inodes (or directory handles) of each request
+    kind count now."""
+    import pyfuse3
+    import trio
+
+    from tests.test_rename_dir import _draft_store, _ops_on
+
+    st = Store("local", root=tmp_path / "store")
+    st.root.mkdir()
+    _draft_store(st.root, "a")
+    (st.root / "notes.txt").write_bytes(b"0123456789")
+    view, ops = _ops_on(st)
+    now, queued = [], []
+    monkeypatch.setattr(pyfuse3, "invalidate_entry", lambda parent, name: now.append((parent, name)))
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda parent, name, **kw: queued.append((parent, name)))
+    monkeypatch.setattr(pyfuse3, "invalidate_inode", lambda *args, **kw: None)
+
+    async def main():
+        ino, parent = {}, pyfuse3.ROOT_INODE
+        for name in "a/data/root/arr/c1/0".split("/"):
+            parent = ino[name] = (await ops.lookup(parent, name.encode())).st_ino
+        chunk = ops.inodes[ino["0"]].node
+        notes = (await ops.lookup(pyfuse3.ROOT_INODE, b"notes.txt")).st_ino
+        fh = (await ops.open(notes, os.O_RDONLY, None)).fh
+
+        async def forgets(request, *args):
+            now.clear(), queued.clear()
+            view.removed_here[chunk.dataset.root] = {(chunk.target.shard_key, chunk.target.chunk_id)}
+            await request(*args)
+            return now[:], queued[:]
+
+        # a READ at an offset that is c1's number: c1 is no directory of the request's
+        assert await forgets(ops.read, fh, ino["c1"], 1) == ([(ino["c1"], b"0")], [])  # (before: queued)
+        # a LOOKUP in c1: its directory is held, queued
+        assert await forgets(ops.lookup, ino["c1"], b"1") == ([], [(ino["c1"], b"0")])
+        await ops.release(fh)
+
+    trio.run(main)
+
+
 def test_zarr2_arrays_made_in_a_shard_mount_are_stored_as_written_and_said(store, mount, tmp_path):
     """``-o shard=K`` shards new Zarr v3 arrays (their ``zarr.json``); a new
     v3-draft array zarr 2.18 makes through the mount is stored unsharded,

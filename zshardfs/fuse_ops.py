@@ -96,9 +96,22 @@ def _translate(fn):
         finally:
             end_request(token)
             if self.view.removed_here or self.view.datasets_gone:
-                await self._forget_removed_here(args)
+                await self._forget_removed_here(fn.__name__, args)
 
     return wrapper
+
+
+#: request kind -> (positions of its arguments that are inodes, of those
+#: that are directory handles): the directories whose locks the kernel
+#: holds while it waits for the answer (see _forget_removed_here)
+_HELD_ARGS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "lookup": ((0,), ()), "getattr": ((0,), ()), "opendir": ((0,), ()), "open": ((0,), ()),
+    "getxattr": ((0,), ()), "setxattr": ((0,), ()), "removexattr": ((0,), ()), "readlink": ((0,), ()),
+    "create": ((0,), ()), "setattr": ((0,), ()), "unlink": ((0,), ()), "mkdir": ((0,), ()),
+    "rmdir": ((0,), ()), "mknod": ((0,), ()), "symlink": ((0,), ()),
+    "rename": ((0, 2), ()), "link": ((0, 1), ()),
+    "readdir": ((), (0,)), "fsyncdir": ((), (0,)),
+}
 
 
 # -- ``-o debug``: one log line per request ------------------------------------
@@ -1085,7 +1098,7 @@ class Operations(pyfuse3.Operations):
             raise
         self._forget_path(f"{parent.path}/{os.fsdecode(name)}".lstrip("/"))
 
-    async def _forget_removed_here(self, args: tuple = ()) -> None:
+    async def _forget_removed_here(self, request: str = "", args: tuple = ()) -> None:
         """The kernel forgets its entries of the chunks the view removed by
         itself (View.removed_here: zarr 2.18's shrink of a transformer
         array), which it would show for ``attr_timeout``: a writer deleting
@@ -1101,14 +1114,17 @@ class Operations(pyfuse3.Operations):
         once, and a notification queued for pyfuse3's thread may not have
         reached the kernel by then.  An entry in a directory (or of an
         inode) this request names cannot be invalidated while the kernel
-        waits for it (it holds their locks): that one is queued instead;
-        and the wait ends after 2 s whatever happened (a related request
-        holding a lock for longer), the rest queued."""
+        waits for it (it holds their locks): that one is queued instead
+        (the request's arguments that are inodes or directory handles, by
+        its kind: _HELD_ARGS); and the wait ends after 2 s whatever
+        happened (a related request holding a lock for longer), the rest
+        queued."""
         removed, self.view.removed_here = self.view.removed_here, {}
         datasets, self.view.datasets_gone = self.view.datasets_gone, set()
-        held = {a for a in args if isinstance(a, int) and a in self.inodes}
-        held |= {h.inode for a in args if isinstance(a, int)
-                 and isinstance(h := self._handles.get(a), _DirHandle)}
+        inodes, handles = _HELD_ARGS.get(request, ((), ()))
+        held = {args[i] for i in inodes if i < len(args)}
+        held |= {h.inode for i in handles if i < len(args)
+                 and isinstance(h := self._handles.get(args[i]), _DirHandle)}
         gone = set().union(*removed.values())
         # (the entries the kernel holds below those datasets' roots -- their
         # directories' paths are their storage keys --, not every inode)
