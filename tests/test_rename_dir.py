@@ -869,6 +869,43 @@ def test_a_link_rename_onto_a_free_name_that_fails_in_storage_is_one_errno(tmp_p
     assert os.listdir(st.root) == [] and invalidated == [b"lnk", b"moved"]
 
 
+def test_a_link_renamed_onto_a_directory_made_since_its_lookup_is_eisdir(tmp_path, monkeypatch, caplog):
+    """A symbolic link's rename to a name free at the view's lookup, where
+    another process makes a directory before the move: rename(2) answers
+    EISDIR (the new name is a directory, the link is not), and so does the
+    view when the directory was there at the lookup; the store's EISDIR
+    was taken for a missing name (LocalBackend._fail), and the client got
+    ENOENT for a link it had just found.  Nothing moves; the directory
+    and the link stay, and the log has no error line (an answer, not a
+    failure)."""
+    import logging
+
+    import pyfuse3
+    import trio
+
+    st = _local(tmp_path)
+    os.symlink("x", st.root / "lnk")
+    view, ops = _ops_on(st)
+    real_move_link = view.store.move_link
+
+    async def move_link_raced(key, new_key, **kwargs):
+        os.mkdir(st.root / new_key)  # (another process makes a directory there just now)
+        return await real_move_link(key, new_key, **kwargs)
+    monkeypatch.setattr(view.store, "move_link", move_link_raced)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
+    caplog.set_level(logging.DEBUG, "zshardfs")
+
+    async def main():
+        await ops.lookup(pyfuse3.ROOT_INODE, b"lnk")
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await ops.rename(pyfuse3.ROOT_INODE, b"lnk", pyfuse3.ROOT_INODE, b"moved", 0, None)
+        assert info.value.errno == errno.EISDIR  # (before: ENOENT)
+
+    trio.run(main)
+    assert os.readlink(st.root / "lnk") == "x" and (st.root / "moved").is_dir()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 def test_a_listing_answered_across_a_rename_of_an_entry_shows_no_ghost(tmp_path, monkeypatch):
     """A READDIR(PLUS) whose batch of entries was made before a directory
     in it was renamed away (g/child -> moved) and answered after: the entry

@@ -2547,9 +2547,9 @@ class View:
         except BaseException as exc:
             if existing is not None:
                 self._put_back(existing.path, buf, was_dirty, detached, exc)
-            if isinstance(exc, StoreError) and exc.errno in (errno.EXDEV, errno.EEXIST):
+            if isinstance(exc, StoreError) and exc.errno in (errno.EXDEV, errno.EEXIST, errno.EISDIR):
                 # (another file system mounted inside the store: an answer, mv copies the link; the
-                # name taken meanwhile, RENAME_NOREPLACE)
+                # name taken meanwhile, RENAME_NOREPLACE; a directory made there since the lookup)
                 raise ViewError(exc.errno, str(exc)) from None
             raise
 

@@ -1420,8 +1420,11 @@ class LocalBackend:
                 if src_dir != dst_dir:
                     os.fsync(sfd)
         except OSError as exc:
-            if (exc.errno == errno.EXDEV and exc.filename == key) or (noreplace and exc.errno == errno.EEXIST):
-                # (across file systems: the caller copies; the new name taken meanwhile)
+            if (exc.errno == errno.EXDEV and exc.filename == key) or (noreplace and exc.errno == errno.EEXIST) \
+                    or exc.errno == errno.EISDIR:
+                # (across file systems: the caller copies; the new name taken
+                # meanwhile; a directory made at the new name since the
+                # caller's lookup: rename(2)'s answer, not a missing name)
                 err = StoreError(f"{key} -> {new_key}: {exc.strerror}", key)
                 err.errno = exc.errno
                 raise err from None
