@@ -1610,6 +1610,64 @@ def test_an_info_is_parsed_once_per_version_however_often_it_is_read(tmp_path, m
     trio.run(main)
 
 
+def test_small_infos_kept_parsed_never_push_out_a_large_zarr_json_s_parse(tmp_path, monkeypatch):
+    """The parses of precomputed ``info`` documents are kept whatever their
+    size (above); they went into the one table the large ``zarr.json``
+    parses are kept in (256 entries): probing 300 volumes with small infos
+    pushed out a 300 KiB document's parse, parsed again at its next probe
+    (tens of MiB: seconds of the interpreter).  The small ones have a table
+    of their own: the large one stays parsed, and the infos too, up to
+    their own bound."""
+    import trio
+
+    from tests.handmade_zarr import array_doc, write_array_doc
+    from zshardfs.backends.local import LocalBackend
+    from zshardfs.config import MountConfig
+    from zshardfs.daemon import build_view
+    from zshardfs.layouts import precomputed, zarr_sharding
+
+    doc = array_doc((64, 64), (32, 32), (16, 16))
+    doc["attributes"] = {"notes": "x" * (300 << 10)}  # (a large document: its parse is worth keeping)
+    write_array_doc(tmp_path / "big", doc)
+    sharding = peers.sharding("identity", 0, 0, 0)
+    info = json.dumps({"@type": "neuroglancer_multiscale_volume", "type": "image", "data_type": "uint8",
+                       "num_channels": 1, "scales": [{"key": "s0", "size": [64, 64, 64], "chunk_sizes": [[32, 32, 32]],
+                                                      "encoding": "raw", "resolution": [1, 1, 1],
+                                                      "voxel_offset": [0, 0, 0], "sharding": sharding}]})
+    for i in range(300):
+        (tmp_path / f"v{i}" / "s0").mkdir(parents=True)
+        (tmp_path / f"v{i}" / "info").write_text(info)
+    parsed = []
+    real_meta, real_parse = zarr_sharding._sharded_meta, precomputed.parse_info
+
+    async def sharded_meta(blob):
+        parsed.append(blob.info.key)
+        return await real_meta(blob)
+
+    def parse_info(doc, what):
+        parsed.append(what)
+        return real_parse(doc, what)
+    monkeypatch.setattr(zarr_sharding, "_sharded_meta", sharded_meta)
+    monkeypatch.setattr(precomputed, "parse_info", parse_info)
+    root = str(tmp_path)
+    view = build_view(MountConfig(source=root, mountpoint=root + "-mnt", metadata_ttl=0), LocalBackend(root))
+
+    async def probe(key):
+        with view.store.request_deadline():
+            return await view.dataset_at(key)
+
+    async def main():
+        assert (await probe("big")).layout == "zarr3-sharding"
+        for i in range(300):
+            assert (await probe(f"v{i}/s0")).layout == "precomputed"
+        parsed.clear()
+        assert (await probe("big")).layout == "zarr3-sharding"
+        assert (await probe("v299/s0")).layout == "precomputed"
+        assert parsed == [], parsed  # (before: ['big/zarr.json'])
+
+    trio.run(main)
+
+
 def test_scale_keys_are_checked_against_each_other_in_one_pass():
     """parse_info refuses a part whose key is another's or a directory above
     or below it, naming the first such part.  It compared every key with

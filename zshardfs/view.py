@@ -435,7 +435,8 @@ class View:
                 "fresh_nodes": len(self._fresh_nodes), "listed_nodes": self._listed_count,
                 "orphans": len(self.orphans),
                 "removed_documents": len(self.removed_documents),
-                "previous_documents": len(self.previous_documents), "probed": len(self.ctx.probed),
+                "previous_documents": len(self.previous_documents),
+                "probed": len(self.ctx.probed) + len(self.ctx.probed_small),
                 "info_dirs": len(self._info_dirs_kept)}
 
     # -- datasets -----------------------------------------------------------
@@ -2390,8 +2391,9 @@ class View:
             self.datasets.pop(k)
         for k in [k for k in self.documents._d if at_key(k[0])]:
             self.documents.pop(k)
-        for k in [k for k in self.ctx.probed if at_key(k[1])]:
-            del self.ctx.probed[k]
+        for table in (self.ctx.probed, self.ctx.probed_small):
+            for k in [k for k in table if at_key(k[1])]:
+                del table[k]
         # (loads under way too: one landing after the rename would be kept
         # under the old key, and used by whatever is made there next)
         self.shards.forget_where(lambda k: at_key(k if isinstance(k, str) else k[0]))

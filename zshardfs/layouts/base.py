@@ -83,10 +83,16 @@ class LayoutContext:
     #: parsing tens of MiB of JSON holds the interpreter (the GIL) even in a
     #: worker thread, so an unchanged one is not parsed again at every probe
     probed: OrderedDict = field(default_factory=OrderedDict)
+    #: the same for the smaller documents a layout keeps too (``min_size``
+    #: below PROBED_MIN: a precomputed ``info``, asked at every probe below
+    #: its volume): a table of their own, so that many of them never push
+    #: the large ones out of ``probed``
+    probed_small: OrderedDict = field(default_factory=OrderedDict)
 
     #: documents smaller than this are parsed again (it costs less than a lookup)
     PROBED_MIN = 256 << 10
     PROBED_MAX_ITEMS = 256
+    PROBED_SMALL_MAX_ITEMS = 256
 
     def probed_get(self, layout: str, key: str, etag: str | None, size: int, min_size: int = PROBED_MIN):
         """(True, result) if a probe of this version concluded before; else
@@ -94,19 +100,22 @@ class LayoutContext:
         whose parse costs more than a lookup even when small passes 0)."""
         if size < min_size or etag is None:
             return False, None
-        entry = self.probed.get((layout, key, etag))
+        table = self.probed if size >= self.PROBED_MIN else self.probed_small
+        entry = table.get((layout, key, etag))
         if entry is None:
             return False, None
-        self.probed.move_to_end((layout, key, etag))
+        table.move_to_end((layout, key, etag))
         return True, entry[0]
 
     def probed_put(self, layout: str, key: str, etag: str | None, size: int, result,
                    min_size: int = PROBED_MIN) -> None:
         if size < min_size or etag is None:
             return
-        self.probed[(layout, key, etag)] = (result,)
-        while len(self.probed) > self.PROBED_MAX_ITEMS:
-            self.probed.popitem(last=False)
+        table, bound = ((self.probed, self.PROBED_MAX_ITEMS) if size >= self.PROBED_MIN
+                        else (self.probed_small, self.PROBED_SMALL_MAX_ITEMS))
+        table[(layout, key, etag)] = (result,)
+        while len(table) > bound:
+            table.popitem(last=False)
 
 
 class Dataset(ABC):
