@@ -1352,7 +1352,8 @@ def test_what_is_made_in_a_directory_just_emptied_stays(store, mount):
     with open(m / "out3" / "log.txt", "wb") as log:
         log.write(b"a")
         log.flush()
-        time.sleep(6.5)  # (past EMPTIED_KEEP, 5 s)
+        if store.kind == "s3":  # (a local store keeps empty directories: nothing is kept for a while there)
+            time.sleep(6.5)  # (past EMPTIED_KEEP, 5 s)
         assert sorted(os.listdir(m.path)) == ["out1", "out2", "out3"]
         assert os.listdir(m / "out3") == ["log.txt"]
     for d in ("out1", "out2"):
