@@ -2240,7 +2240,7 @@ def test_an_append_after_another_client_grew_the_file_lands_at_its_end(store, mo
     values = np.arange(64, dtype="<i4").reshape(8, 8)
     seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=values,
                compressors=zarr.codecs.GzipCodec(level=1))
-    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    m = mount(store.source, "flush_delay=60", "metadata_ttl=0.3", "index_ttl=0.3", extra=store.extra)
     assert (m / "log.txt").read_bytes() == b"line 1\n"  # (the kernel holds its size now)
     old_chunk = (m / "arr/c/0/0").read_bytes()
     store.put("log.txt", b"line 1\nline 2 by another client\n")
@@ -2251,7 +2251,7 @@ def test_an_append_after_another_client_grew_the_file_lands_at_its_end(store, mo
     store.put("arr/c/0/0", (grown / "arr/c/0/0").read_bytes())
     new_chunk = stored_chunks(store, "arr", (2, 2))[0, 0]
     assert len(new_chunk) > len(old_chunk)
-    time.sleep(1.5)  # past metadata_ttl and index_ttl, within attr_timeout (5 s)
+    time.sleep(0.6)  # past metadata_ttl and index_ttl (0.3 s), within attr_timeout (5 s)
     with open(m / "log.txt", "ab") as f:
         f.write(b"line 3\n")
     fd = os.open(m / "arr/c/0/0", os.O_WRONLY | os.O_APPEND)
@@ -2284,7 +2284,7 @@ def test_an_append_lands_at_the_end_this_mount_holds(store, mount, tmp_path, cas
     values = np.arange(64, dtype="<i4").reshape(8, 8)
     seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=values)
     store.put("log.txt", b"line 1\nline 2 by another client\n")
-    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    m = mount(store.source, "flush_delay=60", "metadata_ttl=0.3", "index_ttl=0.3", extra=store.extra)
     chunk = m / "arr/c/0/0"
     old_log, old_chunk = (m / "log.txt").read_bytes(), chunk.read_bytes()  # (the kernel holds their sizes)
     readers = []
@@ -2307,7 +2307,7 @@ def test_an_append_lands_at_the_end_this_mount_holds(store, mount, tmp_path, cas
         base_log = old_log
     base_chunk = stored_chunks(store, "arr", (2, 2))[0, 0]
     assert (base_chunk != old_chunk) == (case in ("shorter", "grown_while_open"))
-    time.sleep(1.5)  # past metadata_ttl and index_ttl, within attr_timeout (5 s)
+    time.sleep(0.6)  # past metadata_ttl and index_ttl (0.3 s), within attr_timeout (5 s)
     try:
         for path, base in ((m / "log.txt", base_log), (chunk, base_chunk)):
             a = os.open(path, os.O_WRONLY | os.O_APPEND)
