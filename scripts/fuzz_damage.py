@@ -923,7 +923,7 @@ def check_bad_writes(res: dict, bad_writes: list, before: dict[str, bytes], afte
 
 
 LIVE_TTL = 0.2  # metadata_ttl, index_ttl and attr_timeout of the live mounts
-LIVE_WAIT = 2.5  # past every TTL, and the 1 s a descriptor kept for a local path answers for it
+LIVE_WAIT = 1.5  # past every TTL (0.2 s), and the 1 s a descriptor kept for a local path answers for it (NOWAIT_TRUST)
 HUGE = 1 << 40  # a shard made a sparse file of this size (truncate -s 1T)
 LIVE_MEMORY = 256 << 20  # the most the daemon's peak memory, or the bytes it reads, may grow by per phase
 
