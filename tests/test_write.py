@@ -3578,7 +3578,7 @@ def test_a_directory_another_client_removed_lists_empty_while_the_kernel_holds_i
     pc_kv seed 405 on S3.)"""
     for key, data in (("gone/x.txt", b"x"), ("gone/sub/y.txt", b"y"), ("kept.txt", b"k")):
         store.put(key, data)
-    m = mount(store.source, "ro", "metadata_ttl=0.2", "attr_timeout=5", extra=store.extra)
+    m = mount(store.source, "ro", "metadata_ttl=0.2", "attr_timeout=2", extra=store.extra)
     assert sorted(os.listdir(m.path / "gone")) == ["sub", "x.txt"] and os.listdir(m.path / "gone/sub") == ["y.txt"]
     if store.kind == "local":
         shutil.rmtree(store.root / "gone")
