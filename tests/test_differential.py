@@ -12,15 +12,16 @@ holding its unsharded twin, and compares the two after every step, except for th
 documented Limits (which the twin emulates). A failure prints the seed, the layout and
 the op list, and saves the list for ``scripts/difftest.py --replay FILE``.
 
-Each case's seed was chosen so that its run includes at least one remount and one
-kill -9 (asserted, so a change of the generator cannot drop them unnoticed); its steps end
-a few (5-15) past the first step by which the run has both (and, for FAULT_CASES, the
-failures asserted), so the whole file stays within about 2.5 minutes on two cores. Ops are
-drawn from the seed one after another, so fewer steps run a prefix of the same ops. RACE_CASES add race ops (a
-file watched by one process while another changes it), FAULT_CASES stretches of
-network faults on S3 (each also has an op fail under them, asserted) and RACE_FAULT_CASES
-both (a race op failing under them, asserted), DIRMV_CASES directory renames on local stores
-(held files and writers below meanwhile, asserted), which other runs leave out.
+Each case's seed was chosen so that its run includes at least one remount and one kill -9
+(asserted, so a change of the generator cannot drop them unnoticed); its steps end a few
+(5-15) past the first step by which the run has both (and, for FAULT_CASES, the failures
+asserted), which takes about a fifth off the file's run time (3-4 minutes on two cores
+before). Ops are drawn from the seed one after another, so fewer steps run a prefix of the
+same ops. RACE_CASES add race ops (a file watched by one process while another changes it),
+FAULT_CASES stretches of network faults on S3 (each also has an op fail under them,
+asserted) and RACE_FAULT_CASES both (a race op failing under them, asserted), DIRMV_CASES
+directory renames on local stores (held files and writers below meanwhile, asserted), which
+other runs leave out.
 """
 
 from __future__ import annotations
