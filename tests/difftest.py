@@ -1304,7 +1304,13 @@ class Applier:
                 raise OSError(errno.ENOENT, r)
             os.rename(self.p(tmp), self.p(dst))
         except OSError as e:
-            os.unlink(self.p(tmp))
+            try:
+                os.unlink(self.p(tmp))
+            except FileNotFoundError:
+                # under network faults a failed rename may have done its work (the new name
+                # stored, the old one's DELETE given up after an attempt removed it)
+                if not (self.under_faults and errname(e) in FAULT_ERRNOS):
+                    raise
             return "rename:" + errname(e)
         if op.get("dirfsync"):
             self._on_fd(str(Path(dst).parent), os.O_RDONLY | os.O_DIRECTORY, os.fsync)

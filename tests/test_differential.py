@@ -495,3 +495,29 @@ def test_a_writers_temporary_renamed_over_its_file_takes_an_older_temporary_with
             "w1": [["plain/b.bin", ["rnd", 7, 5], 0, "tmp"]], "w2": [], "delay": 1.0}]
     out = dt.run("basic", "local", base=tmp_path, seed=0, ops=ops, final=False)
     assert out.ok, out.failure
+
+
+def test_a_tmprename_whose_rename_failed_under_faults_after_moving_is_a_failed_step(tmp_path, monkeypatch):
+    """Under network faults a rename may fail with EIO having done its work (on S3: the file
+    stored at its new name, then the DELETE of the old retried until it gave up, one attempt
+    having removed it): the tmprename op's clean-up unlink of its temporary then met ENOENT,
+    and the op's result was that ENOENT instead of the rename's EIO, a divergence (seed 20207,
+    pc_deep_keys, s3, --faults 3). It is now "rename:EIO", a step failed under faults, whose
+    names the runner takes from the mount; without faults the ENOENT still shows."""
+    real_rename = os.rename
+
+    def rename_then_eio(a, b):
+        real_rename(a, b)
+        raise OSError(errno.EIO, "the old name's DELETE failed (after it removed it)")
+
+    monkeypatch.setattr(dt.os, "rename", rename_then_eio)
+    env = SimpleNamespace(names=None, data={"d": b"new bytes"})
+    ap = dt.Applier(env, tmp_path, twin=False)
+    op = {"op": "tmprename", "tmp": ".zarr-tmp.1", "path": "c", "data": "d", "fsync": True, "dirfsync": True}
+    ap.under_faults = True
+    got = ap.apply(op)
+    assert got == "rename:EIO" and dt.fault_failed(got), got
+    assert (tmp_path / "c").read_bytes() == b"new bytes" and not (tmp_path / ".zarr-tmp.1").exists()
+    (tmp_path / "c").unlink()
+    ap.under_faults = False
+    assert ap.apply(op) == "ENOENT"
