@@ -812,7 +812,8 @@ class Env:
             self.mount_count += 1
         where = mnt or self.mnt
         try:
-            r = run_mount(self.source, where, *self.opts, *opts, log=self.work / log, extra=extra, check=False)
+            mine = [o for o in self.opts if not ("ro" in opts and o.startswith("shard="))]  # (refused on ro)
+            r = run_mount(self.source, where, *mine, *opts, log=self.work / log, extra=extra, check=False)
         finally:
             if os.path.ismount(where):  # (also when the mount command was interrupted)
                 try:

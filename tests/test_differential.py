@@ -521,3 +521,22 @@ def test_a_tmprename_whose_rename_failed_under_faults_after_moving_is_a_failed_s
     (tmp_path / "c").unlink()
     ap.under_faults = False
     assert ap.apply(op) == "ENOENT"
+
+
+def test_the_read_only_check_mount_leaves_out_options_only_a_read_write_mount_takes(tmp_path, monkeypatch):
+    """After a stretch of network faults the runner mounts the store read-only to check it,
+    with the run's options plus ``ro``: a run with ``-o shard=K`` then failed there with "option
+    shard: only makes sense on a read-write mount" (seed 20269, be_crc_3d_dot, s3, --faults 3,
+    -o shard=3,metadata_ttl=0). A read-only mount now leaves ``shard`` out; the others stay."""
+    seen = []
+
+    def fake_run_mount(source, where, *opts, **kw):
+        seen.append(opts)
+        return SimpleNamespace(returncode=1, stderr="not mounted (test)")
+
+    monkeypatch.setattr(dt, "run_mount", fake_run_mount)
+    env = dt.Env("basic", "local", ["shard=3", "metadata_ttl=0"], tmp_path)
+    for opts in (("ro",), ()):
+        with pytest.raises(RuntimeError):
+            env.mount(tmp_path / "m", opts)
+    assert seen == [("metadata_ttl=0", "ro"), ("shard=3", "metadata_ttl=0")], seen
