@@ -35,7 +35,7 @@ import zarr
 from tests import util
 from tests.conftest import ZSHARDFS
 from tests.handmade_zarr import shard_bytes
-from tests.util import process_running
+from tests.util import SAVES, process_running, save_as
 
 EMPTY = 2**64 - 1
 PREFIX = "store"  # S3: the mounted prefix inside the test bucket
@@ -3107,6 +3107,16 @@ def test_zarr2_arrays_made_in_a_shard_mount_are_stored_as_written_and_said(store
     np.testing.assert_array_equal(zarr2(store.local_copy(tmp_path / "copy") / "t", "read"), expected)
 
 
+def _zarr2_consolidated_seed_and_twin(tmp_path):
+    """zarr 2.18's sharded array (``seed/t``) and its unsharded twin (``twin``), both
+    consolidated: (the runner, the twin's values read consolidated)."""
+    zarr2 = _zarr2_resize_runner(tmp_path)
+    for root, kind in ((tmp_path / "seed" / "t", "create-sharded"), (tmp_path / "twin", "create-plain")):
+        zarr2(root, kind)
+        zarr2(root, "consolidate")
+    return zarr2, zarr2(tmp_path / "twin", "read-consolidated")
+
+
 def test_zarr2_consolidated_metadata_of_transformer_arrays_is_shown_and_stored_mapped(store, mount, tmp_path):
     """zarr 2.18's consolidated metadata (``meta/root/consolidated/.zmetadata``:
     every array and group document of the store, one JSON object) holds
@@ -3118,12 +3128,7 @@ def test_zarr2_consolidated_metadata_of_transformer_arrays_is_shown_and_stored_m
     its shards for chunks (the same error).  Each member is now shown
     without the transformer, as its own document is, and stored with it
     put back (attributes carried over), as its own document is."""
-    zarr2 = _zarr2_resize_runner(tmp_path)
-
-    for root, how in ((tmp_path / "seed" / "t", "create-sharded"), (tmp_path / "twin", "create-plain")):
-        zarr2(root, how)
-        zarr2(root, "consolidate")
-    expected = zarr2(tmp_path / "twin", "read-consolidated")
+    zarr2, expected = _zarr2_consolidated_seed_and_twin(tmp_path)
     store.put_tree(tmp_path / "seed" / "t", "t")
     m = mount(store.source, extra=store.extra)
     doc = "meta/root/consolidated/.zmetadata"
@@ -3137,7 +3142,7 @@ def test_zarr2_consolidated_metadata_of_transformer_arrays_is_shown_and_stored_m
     np.testing.assert_array_equal(zarr2(store.local_copy(tmp_path / "copy") / "t", "read-consolidated"), expected)
 
 
-@pytest.mark.parametrize("how", ["write", "tmprename", "rmput", "emptied"])
+@pytest.mark.parametrize("how", [h for h in SAVES if h != "editor"])
 def test_zarr2_consolidated_members_renamed_away_keep_their_transformer(store, mount, tmp_path, how):
     """zarr 2.18's ``meta/root/consolidated/.zmetadata`` written back through the mount
     (in place, a temporary renamed over it, ``rm`` then a saved copy put back, ``truncate`` to 0 then written; its
@@ -3148,11 +3153,7 @@ def test_zarr2_consolidated_members_renamed_away_keep_their_transformer(store, m
     2.18 reading the store consolidated took the shards for chunks.  The entry now maps
     back onto the stored ``.zmetadata``'s entry of it (the one this mount removed or
     emptied there, while none is stored)."""
-    zarr2 = _zarr2_resize_runner(tmp_path)
-    for root, kind in ((tmp_path / "seed" / "t", "create-sharded"), (tmp_path / "twin", "create-plain")):
-        zarr2(root, kind)
-        zarr2(root, "consolidate")
-    expected = zarr2(tmp_path / "twin", "read-consolidated")
+    zarr2, expected = _zarr2_consolidated_seed_and_twin(tmp_path)
     store.put_tree(tmp_path / "seed" / "t", "t")
     m = mount(store.source, extra=store.extra)
     doc = m / "t/meta/root/consolidated/.zmetadata"
@@ -3160,19 +3161,7 @@ def test_zarr2_consolidated_members_renamed_away_keep_their_transformer(store, m
     edit = json.loads(doc.read_bytes())
     edit["metadata"][member]["attributes"]["k"] = 1
     os.rename(m / "t" / member, m / "t/meta/root/arr.array.json.away")
-    text = json.dumps(edit).encode()
-    if how == "write":
-        doc.write_bytes(text)
-    elif how == "tmprename":
-        (m / "t/meta/root/consolidated/.zmetadata.tmp").write_bytes(text)
-        os.rename(m / "t/meta/root/consolidated/.zmetadata.tmp", doc)
-    elif how == "rmput":
-        os.unlink(doc)
-        doc.write_bytes(text)
-    else:
-        os.truncate(doc, 0)
-        with open(doc, "r+b") as f:
-            f.write(text)
+    save_as(doc, json.dumps(edit).encode(), how)
     assert json.loads(doc.read_bytes()) == edit
     os.rename(m / "t/meta/root/arr.array.json.away", m / "t" / member)
     np.testing.assert_array_equal(zarr2(m / "t", "read-consolidated"), expected)

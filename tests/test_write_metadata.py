@@ -18,6 +18,7 @@ import zarr
 
 from tests import test_write as tw
 from tests.test_write import assert_no_strays, chunk_name
+from tests.util import SAVES, save_as
 
 store = tw.store  # the local directory and the S3 bucket of test_write.py
 
@@ -415,6 +416,19 @@ def test_peers_edit_each_others_arrays_through_the_view(store, mount, tmp_path):
     assert members["ts"].shards == (8, 8)
 
 
+def _consolidated_on_a_local_mount(tmp_path, mount):
+    """A local store holding the sharded hierarchy ``h``, mounted, and consolidated
+    through the mount: (the store, the mount)."""
+    root = tmp_path / "store"
+    root.mkdir()
+    local = tw.Store("local", root=root)
+    _hierarchy(tmp_path / "seed", sharded=True)
+    local.put_tree(tmp_path / "seed", "h")
+    m = mount(local.source, extra=local.extra)
+    _consolidate(m / "h")
+    return local, m
+
+
 def test_consolidated_members_renamed_away_keep_their_stored_entries(tmp_path, mount):
     """A group's zarr.json written through the mount (its attributes edited, the
     consolidated entries as the view showed them) while a member group is renamed away
@@ -423,13 +437,7 @@ def test_consolidated_members_renamed_away_keep_their_stored_entries(tmp_path, m
     back, zarr-python's consolidated read of it failed ("scripts/difftest.py --seed 10004
     --layout hier_rect --steps 30 --dirmv 40", op 26). An entry written as the view shows
     the group's stored entry keeps that stored entry, as a directory store would."""
-    root = tmp_path / "store"
-    root.mkdir()
-    local = tw.Store("local", root=root)
-    _hierarchy(tmp_path / "seed", sharded=True)
-    local.put_tree(tmp_path / "seed", "h")
-    m = mount(local.source, extra=local.extra)
-    _consolidate(m / "h")
+    local, m = _consolidated_on_a_local_mount(tmp_path, mount)
     os.rename(m / "h/sub", m / "away")
     edit = _doc(m / "h/zarr.json")
     edit["attributes"] = {"k": 1}
@@ -444,7 +452,7 @@ def test_consolidated_members_renamed_away_keep_their_stored_entries(tmp_path, m
 
 
 @pytest.mark.parametrize("edit_member", [False, True], ids=["group", "member"])
-@pytest.mark.parametrize("how", ["write", "tmprename", "rmput", "editor", "emptied"])
+@pytest.mark.parametrize("how", SAVES)
 def test_consolidated_members_renamed_away_keep_their_stored_entries_however_saved(tmp_path, mount, how,
                                                                                   edit_member):
     """The group's zarr.json written back however a tool saves it (in place, a temporary
@@ -456,13 +464,7 @@ def test_consolidated_members_renamed_away_keep_their_stored_entries_however_sav
     emptying, or after any edit of that entry: once the member was back, zarr-python's
     consolidated read of the stored hierarchy failed.  Its entry now maps back onto the
     group's last stored entry of that member (remembered across the removal)."""
-    root = tmp_path / "store"
-    root.mkdir()
-    local = tw.Store("local", root=root)
-    _hierarchy(tmp_path / "seed", sharded=True)
-    local.put_tree(tmp_path / "seed", "h")
-    m = mount(local.source, extra=local.extra)
-    _consolidate(m / "h")
+    local, m = _consolidated_on_a_local_mount(tmp_path, mount)
     stored_b = json.loads(local.get("h/zarr.json"))["consolidated_metadata"]["metadata"]["sub/b"]
     os.rename(m / "h/sub", m / "away")
     doc = m / "h/zarr.json"
@@ -473,24 +475,7 @@ def test_consolidated_members_renamed_away_keep_their_stored_entries_however_sav
         edit["consolidated_metadata"]["metadata"]["sub/b"]["attributes"] = {"units": "km"}
         edit["consolidated_metadata"]["metadata"]["sub/b"]["fill_value"] = 7.0
         want_b = {**stored_b, "attributes": {"units": "km"}, "fill_value": 7.0}
-    text = json.dumps(edit)
-    if how == "write":
-        doc.write_text(text)
-    elif how == "tmprename":
-        (m / "h/zarr.json.tmp").write_text(text)
-        os.rename(m / "h/zarr.json.tmp", doc)
-    elif how == "rmput":
-        os.unlink(doc)
-        doc.write_text(text)
-    elif how == "editor":
-        os.rename(doc, m / "h/zarr.json~")
-        with open(doc, "x") as f:
-            f.write(text)
-        os.unlink(m / "h/zarr.json~")
-    else:
-        os.truncate(doc, 0)
-        with open(doc, "r+") as f:
-            f.write(text)
+    save_as(doc, json.dumps(edit).encode(), how)
     assert _doc(doc) == edit
     os.rename(m / "away", m / "h/sub")
     assert _doc(doc) == edit
@@ -512,13 +497,7 @@ def test_an_entry_of_a_member_renamed_away_that_cannot_be_mapped_back_is_stored_
     for (a present one's would be refused, EPERM), and it cannot be mapped onto the
     group's stored entry: stored as written, as a directory store would store it,
     with one warning line."""
-    root = tmp_path / "store"
-    root.mkdir()
-    local = tw.Store("local", root=root)
-    _hierarchy(tmp_path / "seed", sharded=True)
-    local.put_tree(tmp_path / "seed", "h")
-    m = mount(local.source, extra=local.extra)
-    _consolidate(m / "h")
+    local, m = _consolidated_on_a_local_mount(tmp_path, mount)
     os.rename(m / "h/sub", m / "away")
     edit = _doc(m / "h/zarr.json")
     edit["consolidated_metadata"]["metadata"]["sub/b"]["chunk_grid"]["configuration"]["chunk_shape"] = [2]
@@ -541,13 +520,7 @@ def test_a_group_removed_and_made_again_takes_no_entry_of_the_removed_one(tmp_pa
     after it) keeps its entries as written (unsharded), which describe those arrays;
     mapped onto the removed group's sharded entries, zarr-python's consolidated read of
     the store would fail."""
-    root = tmp_path / "store"
-    root.mkdir()
-    local = tw.Store("local", root=root)
-    _hierarchy(tmp_path / "seed", sharded=True)
-    local.put_tree(tmp_path / "seed", "h")
-    m = mount(local.source, extra=local.extra)
-    _consolidate(m / "h")
+    local, m = _consolidated_on_a_local_mount(tmp_path, mount)
     shutil.copytree(m / "h", tmp_path / "backup")
     shutil.rmtree(m / "h")
     (m / "h").mkdir()

@@ -82,3 +82,36 @@ def store_with_links_out(tmp_path):
     (root / "inside").symlink_to("sub/file")
     (root / "sub" / "back").symlink_to("../sub")
     return root, outside
+
+
+#: the ways a tool saves a file over one that exists (``save_as``)
+SAVES = ("write", "tmprename", "rmput", "editor", "emptied")
+
+
+def save_as(path: Path, data: bytes, how: str) -> None:
+    """Write ``data`` over the file ``path`` as a tool would: in place (``write``), a
+    temporary renamed over it (``tmprename``), removed then written anew (``rmput``),
+    an editor's save (renamed to ``~``, written anew, the ``~`` removed: ``editor``), or
+    truncated to 0 then written (``emptied``)."""
+    path = Path(path)
+    if how == "write":
+        path.write_bytes(data)
+    elif how == "tmprename":
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data)
+        os.rename(tmp, path)
+    elif how == "rmput":
+        os.unlink(path)
+        path.write_bytes(data)
+    elif how == "editor":
+        backup = path.with_name(path.name + "~")
+        os.rename(path, backup)
+        with open(path, "xb") as f:
+            f.write(data)
+        os.unlink(backup)
+    elif how == "emptied":
+        os.truncate(path, 0)
+        with open(path, "r+b") as f:
+            f.write(data)
+    else:
+        raise ValueError(how)
