@@ -1283,14 +1283,15 @@ class Operations(pyfuse3.Operations):
 
     def _move_inodes(self, move) -> None:
         """After a directory's rename in storage: the inodes of the old
-        paths answer for the new ones; what the new name held is forgotten."""
-        new_below = move.new_path + "/"
-        for p in [p for p in self.by_path if p == move.new_path or p.startswith(new_below)]:
+        paths answer for the new ones; what the new name held is forgotten.
+        Only the paths held at or below either place are visited
+        (by_path.below), not every inode the kernel holds."""
+        for p, _ in self.by_path.below(move.new_path):
             self._forget_path(p)
         below, key_below, now = move.old_path + "/", move.old_key + "/", time.monotonic()
         for p in [p for p in self._forgotten if p == move.old_path or p.startswith(below)]:
             del self._forgotten[p]
-        for p, ino in [(p, i) for p, i in self.by_path.items() if p == move.old_path or p.startswith(below)]:
+        for p, ino in sorted(self.by_path.below(move.old_path), key=lambda item: item[1]):
             del self.by_path[p]
             entry = self.inodes.get(ino)
             if entry is None:
