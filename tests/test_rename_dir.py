@@ -1591,3 +1591,48 @@ def test_a_directory_s_rename_costs_what_is_below_it_not_every_inode(tmp_path, m
     trio.run(main)
     assert sorted(os.listdir(st.root)) == ["h1", "h2"]
     assert _view(st.root / "h2") == {name: name.encode() for name in names}
+
+
+def test_a_file_renamed_onto_a_directory_made_since_its_lookup_is_eisdir(tmp_path, monkeypatch, caplog):
+    """A regular file's rename to a name free at the view's lookup, where
+    another process makes a directory before the file is stored there:
+    rename(2) answers EISDIR (as the view does when the directory is there
+    at the lookup, and as for a link, above); the store's EISDIR was taken
+    for a missing name (LocalBackend.put, through _fail), and the client
+    got ENOENT for a file it had just found.  Nothing moves: the file keeps
+    its bytes at its name, the directory stays, and the log has no error
+    line (an answer, not a failure)."""
+    import logging
+    import stat
+
+    import pyfuse3
+    import trio
+
+    st = _local(tmp_path)
+    (st.root / "f").write_bytes(b"file bytes")
+    view, ops = _ops_on(st)
+    real_put = view.store.put
+
+    async def put_raced(key, data, **kwargs):
+        if key == "moved":
+            os.mkdir(st.root / key)  # (another process makes a directory there just now)
+        return await real_put(key, data, **kwargs)
+    monkeypatch.setattr(view.store, "put", put_raced)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
+    caplog.set_level(logging.DEBUG, "zshardfs")
+
+    async def main():
+        await ops.lookup(pyfuse3.ROOT_INODE, b"f")
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await ops.rename(pyfuse3.ROOT_INODE, b"f", pyfuse3.ROOT_INODE, b"moved", 0, None)
+        assert info.value.errno == errno.EISDIR  # (before: ENOENT)
+        ino = (await ops.lookup(pyfuse3.ROOT_INODE, b"f")).st_ino
+        fh = (await ops.open(ino, os.O_RDONLY, None)).fh
+        assert await ops.read(fh, 0, 100) == b"file bytes"
+        await ops.release(fh)
+        assert stat.S_ISDIR((await ops.lookup(pyfuse3.ROOT_INODE, b"moved")).st_mode)  # (no file kept there)
+
+    trio.run(main)
+    assert (st.root / "f").read_bytes() == b"file bytes" and os.listdir(st.root / "moved") == []
+    assert sorted(os.listdir(st.root)) == ["f", "moved"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

@@ -44,8 +44,8 @@ from typing import AsyncIterator
 import crc32c
 import trio
 
-from .backends.base import (AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed,
-                            StoreError, TooLarge, Unavailable, held_by_deadline, join_key,
+from .backends.base import (AccessDenied, AsyncStore, CorruptData, DirectoryAtKey, NotFound, ObjectInfo,
+                            PreconditionFailed, StoreError, TooLarge, Unavailable, held_by_deadline, join_key,
                             waited_within_deadline)
 from .layouts import LAYOUTS, precomputed
 from .layouts.base import ChunkEntry, ChunkTarget, Dataset, DirEntry, LayoutContext
@@ -2502,7 +2502,7 @@ class View:
                 await self._store_buffer(handle.buffer)
             else:
                 await self.flush(handle, held_by_renames=False)
-        except BaseException:
+        except BaseException as exc:
             # a rename that fails changes nothing: the new name holds what it
             # held (unless the new bytes may have been stored there after all),
             # and its writers write on to it
@@ -2516,6 +2516,10 @@ class View:
                 self._reattach_writers(detached)
             elif made is None:  # (a chunk: the name's buffer is its shard's, see _reattach_writers)
                 self._reattach_writers(detached)
+            if isinstance(exc, DirectoryAtKey):
+                # a directory made at the new name since the lookup (another
+                # process): rename(2)'s answer, not a missing name
+                raise ViewError(errno.EISDIR, f"{join_key(new_parent.path, new_name)}: is a directory") from None
             raise
         finally:
             await self.release(handle)

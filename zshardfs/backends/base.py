@@ -207,6 +207,12 @@ class NotFound(StoreError):
     errno = errno.ENOENT
 
 
+class DirectoryAtKey(NotFound):
+    """A put whose key is a directory in storage (made by another process):
+    a missing name to every caller, as any NotFound (a flush, a write-back),
+    but a file's rename through the view answers it EISDIR, as rename(2)."""
+
+
 class PreconditionFailed(StoreError):
     """The object is not at the version the caller pinned (or exists when
     ``if_none_match`` said it must not)."""

@@ -52,8 +52,8 @@ from collections import Counter, OrderedDict
 from contextlib import contextmanager
 
 from ..logonce import log_once
-from .base import (AccessDenied, Blob, CorruptData, Listing, NotFound, ObjectInfo, PreconditionFailed, StoreError,
-                   TooLarge, bump, join_key)
+from .base import (AccessDenied, Blob, CorruptData, DirectoryAtKey, Listing, NotFound, ObjectInfo,
+                   PreconditionFailed, StoreError, TooLarge, bump, join_key)
 
 log = logging.getLogger(__name__)
 
@@ -1216,6 +1216,8 @@ class LocalBackend:
         except OSError as exc:
             if exc.errno == errno.ENOTDIR:
                 raise self._path_blocked(key, dir_key) from None
+            if exc.errno == errno.EISDIR:  # (a directory at the key: NotFound still, told apart for a rename)
+                raise DirectoryAtKey(f"{key}: not found (a directory)", key) from None
             raise self._fail(key, exc) from None
         finally:
             if dfd >= 0:
