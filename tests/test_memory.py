@@ -131,4 +131,7 @@ def test_the_daemon_keeps_few_malloc_arenas(tmp_path, mount, monkeypatch):
     # with MALLOC_ARENA_MAX in the daemon's environment, which decides then
     assert arenas_after_a_burst("off", "malloc_trim=off") > memtrim.ARENA_MAX
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
-    assert arenas_after_a_burst("env") == 3  # (4, the main one included)
+    # (4, the main one included: at most 3 others; more than the daemon's own limit
+    # leaves, 1; how many of the 3 a burst makes depends on how many worker threads it
+    # starts, fewer on a loaded machine)
+    assert memtrim.ARENA_MAX - 1 < arenas_after_a_burst("env") <= 3
