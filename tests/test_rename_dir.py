@@ -1593,6 +1593,99 @@ def test_a_directory_s_rename_costs_what_is_below_it_not_every_inode(tmp_path, m
     assert _view(st.root / "h2") == {name: name.encode() for name in names}
 
 
+def test_a_directory_s_rename_costs_what_is_below_it_not_every_forgotten_path(tmp_path, monkeypatch):
+    """The numbers kept for the paths the kernel forgot (Operations._forgotten,
+    up to REMEMBERED_INODES) below a renamed directory are dropped; they were
+    found by scanning all of them, on the event loop: ~10 ms of CPU per
+    rename with the table full.  Only those below the old place are visited
+    now (_forgotten.below): renames with the table full cost what they do
+    with it empty; those below go, the others stay."""
+    import pyfuse3
+    import trio
+
+    from zshardfs import fuse_ops
+
+    st = _local(tmp_path)
+    names = [f"d{i}/f{j}" for i in range(3) for j in range(4)]
+    for top in ("g1", "g2"):
+        for name in names:
+            (st.root / top / name).parent.mkdir(parents=True, exist_ok=True)
+            (st.root / top / name).write_bytes(name.encode())
+    view, ops = _ops_on(st)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
+
+    async def renames(top: str) -> float:
+        """CPU seconds of 20 renames of ``top`` to h + its suffix and back."""
+        held = {}
+        for name in names:
+            parent, path = pyfuse3.ROOT_INODE, top
+            parent = held[path] = (await ops.lookup(parent, top.encode())).st_ino
+            for part in name.split("/"):
+                path += "/" + part
+                parent = held[path] = (await ops.lookup(parent, part.encode())).st_ino
+        new = "h" + top[1:]
+        t = time.process_time()
+        for i in range(20):
+            a, b = (top, new) if i % 2 == 0 else (new, top)
+            await ops.rename(pyfuse3.ROOT_INODE, a.encode(), pyfuse3.ROOT_INODE, b.encode(), 0, None)
+        spent = time.process_time() - t
+        for path, ino in held.items():
+            assert ops.by_path.get(path) == ino, path
+        return spent
+
+    async def main():
+        alone = await renames("g1")
+        gone = [ops._number_of(f"g2/d{i}/gone") for i in range(3)]  # (forgotten below g2)
+        others = [f"other/d{i // 1000}/f{i}" for i in range(fuse_ops.REMEMBERED_INODES - len(gone))]
+        for path in others:
+            ops._number_of(path)
+        assert len(ops._forgotten) == fuse_ops.REMEMBERED_INODES and len(set(gone)) == 3
+        many = await renames("g2")
+        assert many < 2 * alone + 0.02, (many, alone)
+        assert not [p for p in ops._forgotten if p.startswith("g2/")], "forgotten below g2 kept"
+        assert list(ops._forgotten) == others  # (in their order: the oldest go first)
+        assert ops._forgotten.below("g2") == [] and len(ops._forgotten.below("other")) == len(others)
+
+    trio.run(main)
+    assert sorted(os.listdir(st.root)) == ["g1", "g2"]
+    assert _view(st.root / "g2") == {name: name.encode() for name in names}
+
+
+def test_the_forgotten_table_finds_what_is_below_a_directory_as_a_scan_would():
+    """Operations._forgotten's index of children (_ForgottenTable, as by_path's:
+    test_write.py): after random adds, removals and evictions of the oldest
+    (popitem), what it finds at or below each directory is what a scan
+    finds, in the same order as a plain OrderedDict."""
+    import random
+    from collections import OrderedDict
+
+    from zshardfs.fuse_ops import _ForgottenTable
+
+    rng = random.Random(11)
+    table, plain = _ForgottenTable(), OrderedDict()
+    names = [f"{a}/{b}/{c}"[: rng.choice((1, 3, 5))] for a in "ab" for b in "xy" for c in "pq"]
+    for step in range(5000):
+        path = rng.choice(names)
+        how = rng.random()
+        if how < 0.5:
+            table[path] = plain[path] = step
+        elif how < 0.65:
+            assert table.pop(path, None) == plain.pop(path, None)
+        elif how < 0.8 and plain:
+            last = rng.random() < 0.5
+            assert table.popitem(last=last) == plain.popitem(last=last)
+        elif path in plain:
+            del table[path], plain[path]
+        assert list(table.items()) == list(plain.items())
+        for top in ("", "a", "a/x", "b/y/q"):
+            below = top + "/" if top else ""
+            assert sorted(table.below(top)) == sorted((p, i) for p, i in plain.items()
+                                                      if p == top or p.startswith(below)), (step, top)
+    while plain:
+        assert table.popitem(last=False) == plain.popitem(last=False)
+    assert table._kids == {}
+
+
 def test_a_file_renamed_onto_a_directory_made_since_its_lookup_is_eisdir(tmp_path, monkeypatch, caplog):
     """A regular file's rename to a name free at the view's lookup, where
     another process makes a directory before the file is stored there:

@@ -240,7 +240,7 @@ class _PathTable(dict):
     their number (:meth:`below`), not by scanning every inode the kernel
     holds.  Reads are the plain dict's; only adding and removing a path
     keep the children (``__setitem__``, ``__delitem__``, ``pop``: the only
-    changes Operations makes)."""
+    changes Operations makes; and _ForgottenTable's ``popitem``)."""
 
     def __init__(self, items=()):
         super().__init__()
@@ -261,8 +261,8 @@ class _PathTable(dict):
     def pop(self, path: str, *default):
         if path not in self:
             return super().pop(path, *default)
-        ino = super().pop(path)
-        self._unlink(path)
+        ino = self[path]
+        del self[path]  # (not the base's pop: OrderedDict's, in a subclass, deletes through __delitem__)
         return ino
 
     def _unsupported(self, *args, **kwargs):
@@ -304,6 +304,19 @@ class _PathTable(dict):
                 out.append((p, ino))
             todo.extend(self._kids.get(p, ()))
         return out
+
+
+class _ForgottenTable(_PathTable, OrderedDict):
+    """Operations._forgotten (path -> inode number kept after the kernel
+    forgot it, oldest first, at most REMEMBERED_INODES): the same index of
+    children as by_path (:meth:`below`, for a directory's rename), and
+    :meth:`popitem` (the oldest first) keeps it in step."""
+
+    def popitem(self, last: bool = True) -> tuple[str, int]:
+        path = next(reversed(self)) if last else next(iter(self))
+        ino = self[path]
+        del self[path]
+        return path, ino
 
 
 @dataclass
@@ -348,7 +361,7 @@ class Operations(pyfuse3.Operations):
         self.by_path = _PathTable({"": pyfuse3.ROOT_INODE})
         self._next_inode = pyfuse3.ROOT_INODE + 1
         # path -> number of paths the kernel forgot, most recent last (bounded)
-        self._forgotten: OrderedDict[str, int] = OrderedDict()
+        self._forgotten = _ForgottenTable()
         self._handles: dict[int, _DirHandle | tuple[int, Handle]] = {}
         self._next_fh = 1
         self._dir_moves = 0  # directories renamed in storage (see lookup)
@@ -1283,13 +1296,14 @@ class Operations(pyfuse3.Operations):
 
     def _move_inodes(self, move) -> None:
         """After a directory's rename in storage: the inodes of the old
-        paths answer for the new ones; what the new name held is forgotten.
-        Only the paths held at or below either place are visited
-        (by_path.below), not every inode the kernel holds."""
+        paths answer for the new ones; what the new name held is forgotten,
+        and so are the numbers kept for forgotten paths below the old place.
+        Only the paths at or below either place are visited (by_path.below,
+        _forgotten.below), not every inode the kernel holds or forgot."""
         for p, _ in self.by_path.below(move.new_path):
             self._forget_path(p)
-        below, key_below, now = move.old_path + "/", move.old_key + "/", time.monotonic()
-        for p in [p for p in self._forgotten if p == move.old_path or p.startswith(below)]:
+        key_below, now = move.old_key + "/", time.monotonic()
+        for p, _ in self._forgotten.below(move.old_path):
             del self._forgotten[p]
         for p, ino in sorted(self.by_path.below(move.old_path), key=lambda item: item[1]):
             del self.by_path[p]
