@@ -262,7 +262,7 @@ class _PathTable(dict):
         if path not in self:
             return super().pop(path, *default)
         ino = self[path]
-        del self[path]  # (not the base's pop: OrderedDict's, in a subclass, deletes through __delitem__)
+        del self[path]  # (the index kept by __delitem__ alone, whichever base is under it)
         return ino
 
     def _unsupported(self, *args, **kwargs):
