@@ -1729,3 +1729,54 @@ def test_a_file_renamed_onto_a_directory_made_since_its_lookup_is_eisdir(tmp_pat
     assert (st.root / "f").read_bytes() == b"file bytes" and os.listdir(st.root / "moved") == []
     assert sorted(os.listdir(st.root)) == ["f", "moved"]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_a_file_not_stored_yet_renamed_onto_a_directory_made_since_its_lookup_is_eisdir(tmp_path, monkeypatch,
+                                                                                         caplog):
+    """As above, for a file written and still open, in memory only (a close
+    stores it): its rename stores it under the new name through View.flush,
+    whose put finds the directory another process made there since the
+    lookup.  rename(2)'s EISDIR, not ENOENT; nothing moves: the writer
+    writes on at the old name, its close stores every byte there, the
+    directory stays empty, and the log has no error line."""
+    import logging
+    import stat
+
+    import pyfuse3
+    import trio
+
+    st = _local(tmp_path)
+    view, ops = _ops_on(st)
+    real_put = view.store.put
+    puts = []
+
+    async def put_raced(key, data, **kwargs):
+        puts.append(key)
+        if key == "moved":
+            os.mkdir(st.root / key)  # (another process makes a directory there just now)
+        return await real_put(key, data, **kwargs)
+    monkeypatch.setattr(view.store, "put", put_raced)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
+    caplog.set_level(logging.DEBUG, "zshardfs")
+
+    async def main():
+        fi, _ = await ops.create(pyfuse3.ROOT_INODE, b"f", 0o644, os.O_WRONLY, None)
+        await ops.write(fi.fh, 0, b"in memory ")
+        assert not (st.root / "f").exists()  # (not stored yet)
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await ops.rename(pyfuse3.ROOT_INODE, b"f", pyfuse3.ROOT_INODE, b"moved", 0, None)
+        assert info.value.errno == errno.EISDIR
+        assert "moved" in puts  # (the race was run: the put of the new name found the directory)
+        await ops.write(fi.fh, 10, b"and more")
+        await ops.flush(fi.fh)
+        await ops.release(fi.fh)
+        ino = (await ops.lookup(pyfuse3.ROOT_INODE, b"f")).st_ino
+        fh = (await ops.open(ino, os.O_RDONLY, None)).fh
+        assert await ops.read(fh, 0, 100) == b"in memory and more"
+        await ops.release(fh)
+        assert stat.S_ISDIR((await ops.lookup(pyfuse3.ROOT_INODE, b"moved")).st_mode)  # (no file kept there)
+
+    trio.run(main)
+    assert (st.root / "f").read_bytes() == b"in memory and more" and os.listdir(st.root / "moved") == []
+    assert sorted(os.listdir(st.root)) == ["f", "moved"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
