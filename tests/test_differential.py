@@ -540,3 +540,28 @@ def test_the_read_only_check_mount_leaves_out_options_only_a_read_write_mount_ta
         with pytest.raises(RuntimeError):
             env.mount(tmp_path / "m", opts)
     assert seen == [("metadata_ttl=0", "ro"), ("shard=3", "metadata_ttl=0")], seen
+
+
+def test_a_writers_temporary_left_by_the_rename_is_taken_by_the_other_writers_temporary_after_it(tmp_path, monkeypatch):
+    """A dirmv writer below ``src`` whose temporary (``tmp``) was made before the directory
+    moved and whose rename by the old name then fails ("rename:ENOENT") leaves it in the moved
+    directory; the writer below ``dst``, writing the same file through a temporary of the same
+    name after the rename, opens it (O_TRUNC) and renames it over the file: the mount has no
+    temporary. The twin wrote the writers below ``dst`` first and the temporary left after
+    them ("x/b/2/2.tmp-w: mount None twin 24:bb23e745bc": scripts/difftest.py --seed 20010
+    --layout hier_rect --steps 40 --dirmv 40 --meta 60, step 34, once). Here the interleaving
+    is forced: the writers wait (up to 3 s) for the file's directory to be gone before their
+    rename, the directory moves 1 s in (its temporary stored by then), the writer below ``dst``
+    starts 1.5 s in."""
+    wait = ("            t=time.time()\n"
+            "            while os.path.isdir(os.path.dirname(p)) and time.time()-t<3: time.sleep(0.01)\n")
+    writer = dt.Applier._DIRMV_WRITER.replace("            os.rename(p+'.tmp-w',p)\n",
+                                              wait + "            os.rename(p+'.tmp-w',p)\n")
+    assert writer != dt.Applier._DIRMV_WRITER
+    monkeypatch.setattr(dt.Applier, "_DIRMV_WRITER", writer)
+    ops = [{"op": "dirmv", "src": "plain", "dst": "mv0", "how": "free", "noreplace": False, "mid": "conc",
+            "w1": [["plain/b.bin", ["rnd", 5, 24], 0, "tmp"]],
+            "w2": [["mv0/b.bin", ["rnd", 6, 1], 1.5, "tmp"]], "delay": 1.0}]
+    out = dt.run("basic", "local", base=tmp_path, seed=0, ops=ops, final=False)
+    assert out.ok, out.failure
+    assert out.stats["dirmv"] == {"ok": 1}, out.stats  # (moved: the writer below src left its temporary)
