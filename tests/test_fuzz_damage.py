@@ -45,13 +45,22 @@ def fuzz():
     module.cleanup()
 
 
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """The good stores, built once for the module's tests (the script's --cache): each
+    test damages copies of them, never them, and the good store's reference view (a
+    mount, a walk and an fsck, kept by the script per store) is then made once per layout
+    and backend rather than once per test."""
+    return tmp_path_factory.mktemp("fuzz-stores")
+
+
 @pytest.mark.parametrize("layout", list(SEEDS))
-def test_damaged_stores_answer_clearly(layout, fuzz, tmp_path, capsys):
+def test_damaged_stores_answer_clearly(layout, fuzz, stores, tmp_path, capsys):
     kinds = set()
     found = {}
     try:
         for seed in SEEDS[layout]:
-            findings, damages = fuzz.run_seed(layout, seed, tmp_path / "stores", tmp_path / "runs")
+            findings, damages = fuzz.run_seed(layout, seed, stores, tmp_path / "runs")
             if findings:
                 found[seed] = findings
             for d in damages:
@@ -76,7 +85,7 @@ LIVE_SEEDS = [
 ]
 
 
-def test_damage_made_while_mounted_answers_clearly(fuzz, tmp_path, capsys):
+def test_damage_made_while_mounted_answers_clearly(fuzz, stores, tmp_path, capsys):
     """Mounted ro, then rw, with TTLs of 0.2 s, read whole (caches warm); the store damaged
     underneath and read at once (old or new bytes, or EIO/ENOENT/ENOTDIR), then again past the
     TTLs (as a fresh mount of the damaged store reads it, or an error; undamaged files as
@@ -89,7 +98,7 @@ def test_damage_made_while_mounted_answers_clearly(fuzz, tmp_path, capsys):
         for layout, backend, seed in LIVE_SEEDS:
             if backend == "s3" and fuzz.S3 is None:
                 fuzz.start_s3(tmp_path / "moto.log")
-            findings, damages = fuzz.run_live(layout, seed, tmp_path / "stores", tmp_path / "runs")
+            findings, damages = fuzz.run_live(layout, seed, stores, tmp_path / "runs")
             if findings:
                 found[layout, backend, seed] = findings
             for d in damages:
