@@ -19,6 +19,7 @@ import pytest
 import zarr
 
 from tests.test_write import Store, seed_array, write_file, zs
+from tests.util import assert_below_as_a_scan
 
 
 def _tree(root: Path) -> dict[str, tuple[int, bytes]]:
@@ -869,6 +870,31 @@ def test_a_link_rename_onto_a_free_name_that_fails_in_storage_is_one_errno(tmp_p
     assert os.listdir(st.root) == [] and invalidated == [b"lnk", b"moved"]
 
 
+def _a_directory_made_at_moved_before(st, method: str, monkeypatch, caplog):
+    """fuse_ops over the local store ``st`` (no kernel to notify) whose store
+    call ``method`` (put, move_link) of the key ``moved`` finds a directory
+    another process made there just before it; every log line caught:
+    (the ops, the keys the method was called for)."""
+    import logging
+
+    import pyfuse3
+
+    view, ops = _ops_on(st)
+    real = getattr(view.store, method)
+    keys = []
+
+    async def raced(*args, **kwargs):
+        key = args[1] if method == "move_link" else args[0]
+        keys.append(key)
+        if key == "moved":
+            os.mkdir(st.root / key)  # (another process makes a directory there just now)
+        return await real(*args, **kwargs)
+    monkeypatch.setattr(view.store, method, raced)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
+    caplog.set_level(logging.DEBUG, "zshardfs")
+    return ops, keys
+
+
 def test_a_link_renamed_onto_a_directory_made_since_its_lookup_is_eisdir(tmp_path, monkeypatch, caplog):
     """A symbolic link's rename to a name free at the view's lookup, where
     another process makes a directory before the move: rename(2) answers
@@ -885,15 +911,7 @@ def test_a_link_renamed_onto_a_directory_made_since_its_lookup_is_eisdir(tmp_pat
 
     st = _local(tmp_path)
     os.symlink("x", st.root / "lnk")
-    view, ops = _ops_on(st)
-    real_move_link = view.store.move_link
-
-    async def move_link_raced(key, new_key, **kwargs):
-        os.mkdir(st.root / new_key)  # (another process makes a directory there just now)
-        return await real_move_link(key, new_key, **kwargs)
-    monkeypatch.setattr(view.store, "move_link", move_link_raced)
-    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
-    caplog.set_level(logging.DEBUG, "zshardfs")
+    ops, _ = _a_directory_made_at_moved_before(st, "move_link", monkeypatch, caplog)
 
     async def main():
         await ops.lookup(pyfuse3.ROOT_INODE, b"lnk")
@@ -1539,6 +1557,37 @@ def test_a_storage_listing_made_across_a_rename_is_never_kept(tmp_path, monkeypa
     assert os.listdir(st.root) == ["h"]
 
 
+def _two_trees_on_ops(tmp_path, monkeypatch):
+    """A local store holding two trees ``g1`` and ``g2`` of the same 12 files, and
+    fuse_ops over it with no kernel to notify: (the store, the names, the ops)."""
+    import pyfuse3
+
+    st = _local(tmp_path)
+    names = [f"d{i}/f{j}" for i in range(3) for j in range(4)]
+    for top in ("g1", "g2"):
+        for name in names:
+            (st.root / top / name).parent.mkdir(parents=True, exist_ok=True)
+            (st.root / top / name).write_bytes(name.encode())
+    view, ops = _ops_on(st)
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
+    return st, names, ops
+
+
+async def _look_up_below(ops, top: str, names) -> dict:
+    """Look ``names`` up below ``top`` as the kernel would: {path: inode} of each
+    directory and file met."""
+    import pyfuse3
+
+    held = {}
+    for name in names:
+        parent, path = pyfuse3.ROOT_INODE, top
+        parent = held[path] = (await ops.lookup(parent, top.encode())).st_ino
+        for part in name.split("/"):
+            path += "/" + part
+            parent = held[path] = (await ops.lookup(parent, part.encode())).st_ino
+    return held
+
+
 def test_a_directory_s_rename_costs_what_is_below_it_not_every_inode(tmp_path, monkeypatch):
     """A directory's rename moved this table's inodes to the new paths by
     scanning every path the kernel holds (Operations._move_inodes), on the
@@ -1551,24 +1600,11 @@ def test_a_directory_s_rename_costs_what_is_below_it_not_every_inode(tmp_path, m
 
     from zshardfs.view import Node
 
-    st = _local(tmp_path)
-    names = [f"d{i}/f{j}" for i in range(3) for j in range(4)]
-    for top in ("g1", "g2"):
-        for name in names:
-            (st.root / top / name).parent.mkdir(parents=True, exist_ok=True)
-            (st.root / top / name).write_bytes(name.encode())
-    view, ops = _ops_on(st)
-    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
+    st, names, ops = _two_trees_on_ops(tmp_path, monkeypatch)
 
     async def rename(top: str) -> float:
         """CPU seconds of the rename of ``top`` to h + its suffix; checks the inodes moved."""
-        held = {}
-        for name in names:
-            parent, path = pyfuse3.ROOT_INODE, top
-            parent = held[path] = (await ops.lookup(parent, top.encode())).st_ino
-            for part in name.split("/"):
-                path += "/" + part
-                parent = held[path] = (await ops.lookup(parent, part.encode())).st_ino
+        held = await _look_up_below(ops, top, names)
         new = "h" + top[1:]
         t = time.process_time()
         await ops.rename(pyfuse3.ROOT_INODE, top.encode(), pyfuse3.ROOT_INODE, new.encode(), 0, None)
@@ -1605,24 +1641,11 @@ def test_a_directory_s_rename_costs_what_is_below_it_not_every_forgotten_path(tm
 
     from zshardfs import fuse_ops
 
-    st = _local(tmp_path)
-    names = [f"d{i}/f{j}" for i in range(3) for j in range(4)]
-    for top in ("g1", "g2"):
-        for name in names:
-            (st.root / top / name).parent.mkdir(parents=True, exist_ok=True)
-            (st.root / top / name).write_bytes(name.encode())
-    view, ops = _ops_on(st)
-    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
+    st, names, ops = _two_trees_on_ops(tmp_path, monkeypatch)
 
     async def renames(top: str) -> float:
         """CPU seconds of 20 renames of ``top`` to h + its suffix and back."""
-        held = {}
-        for name in names:
-            parent, path = pyfuse3.ROOT_INODE, top
-            parent = held[path] = (await ops.lookup(parent, top.encode())).st_ino
-            for part in name.split("/"):
-                path += "/" + part
-                parent = held[path] = (await ops.lookup(parent, part.encode())).st_ino
+        held = await _look_up_below(ops, top, names)
         new = "h" + top[1:]
         t = time.process_time()
         for i in range(20):
@@ -1677,10 +1700,7 @@ def test_the_forgotten_table_finds_what_is_below_a_directory_as_a_scan_would():
         elif path in plain:
             del table[path], plain[path]
         assert list(table.items()) == list(plain.items())
-        for top in ("", "a", "a/x", "b/y/q"):
-            below = top + "/" if top else ""
-            assert sorted(table.below(top)) == sorted((p, i) for p, i in plain.items()
-                                                      if p == top or p.startswith(below)), (step, top)
+        assert_below_as_a_scan(table, plain, step)
     while plain:
         assert table.popitem(last=False) == plain.popitem(last=False)
     assert table._kids == {}
@@ -1703,16 +1723,7 @@ def test_a_file_renamed_onto_a_directory_made_since_its_lookup_is_eisdir(tmp_pat
 
     st = _local(tmp_path)
     (st.root / "f").write_bytes(b"file bytes")
-    view, ops = _ops_on(st)
-    real_put = view.store.put
-
-    async def put_raced(key, data, **kwargs):
-        if key == "moved":
-            os.mkdir(st.root / key)  # (another process makes a directory there just now)
-        return await real_put(key, data, **kwargs)
-    monkeypatch.setattr(view.store, "put", put_raced)
-    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
-    caplog.set_level(logging.DEBUG, "zshardfs")
+    ops, _ = _a_directory_made_at_moved_before(st, "put", monkeypatch, caplog)
 
     async def main():
         await ops.lookup(pyfuse3.ROOT_INODE, b"f")
@@ -1746,18 +1757,7 @@ def test_a_file_not_stored_yet_renamed_onto_a_directory_made_since_its_lookup_is
     import trio
 
     st = _local(tmp_path)
-    view, ops = _ops_on(st)
-    real_put = view.store.put
-    puts = []
-
-    async def put_raced(key, data, **kwargs):
-        puts.append(key)
-        if key == "moved":
-            os.mkdir(st.root / key)  # (another process makes a directory there just now)
-        return await real_put(key, data, **kwargs)
-    monkeypatch.setattr(view.store, "put", put_raced)
-    monkeypatch.setattr(pyfuse3, "invalidate_entry_async", lambda *args, **kw: None)  # (no kernel here)
-    caplog.set_level(logging.DEBUG, "zshardfs")
+    ops, puts = _a_directory_made_at_moved_before(st, "put", monkeypatch, caplog)
 
     async def main():
         fi, _ = await ops.create(pyfuse3.ROOT_INODE, b"f", 0o644, os.O_WRONLY, None)

@@ -115,3 +115,12 @@ def save_as(path: Path, data: bytes, how: str) -> None:
             f.write(data)
     else:
         raise ValueError(how)
+
+
+def assert_below_as_a_scan(table, plain: dict, step: int) -> None:
+    """What fuse_ops' path ``table`` (_PathTable, _ForgottenTable) finds at or below a
+    few directories is what a scan of the dict ``plain`` holding the same finds."""
+    for top in ("", "a", "a/x", "b/y/q"):
+        below = top + "/" if top else ""
+        assert sorted(table.below(top)) == sorted((p, i) for p, i in plain.items()
+                                                  if p == top or p.startswith(below)), (step, top)
