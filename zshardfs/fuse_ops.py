@@ -1131,7 +1131,17 @@ class Operations(pyfuse3.Operations):
         (the request's arguments that are inodes or directory handles, by
         its kind: _HELD_ARGS); and the wait ends after 2 s whatever
         happened (a related request holding a lock for longer), the rest
-        queued."""
+        queued.
+
+        Only the request whose work removed them does so (View.removed_by;
+        anyone, if none is known): another request ending meanwhile may hold
+        locks not among its arguments (an rmdir's victim, a directory moved
+        to another, a LOOKUP a rename makes while holding both directories),
+        and its answer waited 2 s for its own lock."""
+        by = self.view.removed_by
+        if by and trio.lowlevel.current_task() not in by:
+            return  # (left to them: each invalidates before its answer)
+        self.view.removed_by = set()
         removed, self.view.removed_here = self.view.removed_here, {}
         datasets, self.view.datasets_gone = self.view.datasets_gone, set()
         inodes, handles = _HELD_ARGS.get(request, ((), ()))

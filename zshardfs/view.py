@@ -419,6 +419,10 @@ class View:
         # place (_removed_document): the entries the kernel holds of their
         # chunk files and directories are forgotten likewise
         self.datasets_gone: set[tuple[str, tuple]] = set()
+        # the tasks (a request's) whose work added to the two above: only
+        # they forget them, at their end (another request ending meanwhile
+        # may hold a lock their invalidation needs: an rmdir's victim)
+        self.removed_by: set[trio.lowlevel.Task] = set()
         # (S3) info key -> (etag, the directories it names): see _info_dirs
         self._info_dirs_kept: OrderedDict[str, tuple[str, frozenset[str]]] = OrderedDict()
 
@@ -1775,6 +1779,7 @@ class View:
             self._chunk_changed(t)
         if gone and sum(map(len, self.removed_here.values())) < 1 << 20:  # (else they time out, attr_timeout)
             self.removed_here.setdefault(before.root, set()).update((t.shard_key, t.chunk_id) for t in gone)
+            self.removed_by.add(trio.lowlevel.current_task())
         if gone:
             log.info("%s: shape shrank: %d chunks outside it removed", dir_key, len(gone))
 
@@ -1826,8 +1831,10 @@ class View:
             await self.writeback.flush_below(dir_key)
         # (and the directories storage lost with them, which a directory
         # store keeps: the kernel, which may hold them, is told to forget them)
-        self.datasets_gone.update((d, self.orphans[d][0].version) for d in dirs
-                                  if d in self.orphans and self.orphans[d][0].version)
+        gone = {(d, self.orphans[d][0].version) for d in dirs if d in self.orphans and self.orphans[d][0].version}
+        if gone:
+            self.datasets_gone.update(gone)
+            self.removed_by.add(trio.lowlevel.current_task())
         self._forget_removed(key)  # ...which is new
         return None
 
