@@ -1279,6 +1279,54 @@ def test_a_whole_chunk_read_again_after_a_page_drop_takes_one_crc32c_and_a_repla
     trio.run(main)
 
 
+def test_chunks_handed_whole_to_the_kernel_are_not_kept_on_a_local_store(tmp_path, monkeypatch):
+    """An open that hands a chunk file's bytes to the kernel (open_fill) put
+    the chunk in the chunk cache too, evicted first (SEMANTICS 2.4: on S3 a
+    second scan after the kernel dropped the pages then costs no GET per
+    chunk).  On a local store that copy saves nothing (fetching the chunk
+    again is a read of the shard's page cache) and cost the most: each chunk
+    a fresh mount read took new memory until the cache was full, about 8
+    page faults per 32 KiB chunk, some 20 us of the daemon's CPU per random
+    chunk read (docs/PERFORMANCE.md).  Now a local store's chunk cache lets
+    go of a chunk handed over whole, and a READ after the kernel dropped its
+    pages reads it again from the shard, the same bytes."""
+    import pyfuse3
+
+    from zshardfs.fuse_ops import Operations
+    from zshardfs.shards import CHUNK_ENTRY_OVERHEAD
+
+    stored = {}
+    monkeypatch.setattr(pyfuse3, "notify_store", lambda inode, off, data: stored.__setitem__(inode, bytes(data)))
+    _one_shard_array(tmp_path, 1)
+    # (read-ahead off: a scan's fetch of the rest of the shard caches the
+    # chunks it brings, which stay until read; nothing else is kept)
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt", read_only=True,
+                                  prefetch="off"), LocalBackend(str(tmp_path)))
+    ops = Operations(view, read_only=True, open_fill=1 << 20)
+
+    async def main():
+        arr = (await ops.lookup(pyfuse3.ROOT_INODE, b"arr")).st_ino
+        c = (await ops.lookup(arr, b"c")).st_ino
+        inodes = []
+        for i in (b"0", b"1"):
+            row = (await ops.lookup(c, i)).st_ino
+            inodes += [(await ops.lookup(row, j)).st_ino for j in (b"0", b"1")]
+        for n, ino in enumerate(inodes):
+            fh = (await ops.open(ino, os.O_RDONLY, None)).fh
+            assert stored[ino] == bytes([1 + n]) * 4
+            chunks = view.shards.chunks
+            assert [k for k in chunks._d if chunks.peek(k) is not None] == [], n  # (before: n + 1 kept)
+            assert chunks.bytes == (n + 1) * CHUNK_ENTRY_OVERHEAD  # (keys only: read-ahead fetches them no more)
+            await ops.release(fh)
+        assert ops.open_fills == 4
+        fh = (await ops.open(inodes[2], os.O_RDONLY, None)).fh  # (filled: no fill this time)
+        assert await ops.read(fh, 0, 4096) == bytes([3]) * 4  # (its pages dropped: the kernel asks)
+        await ops.release(fh)
+
+    trio.run(main)
+    assert not view.shards.keep_handed_over
+
+
 def test_a_listing_begun_before_a_writers_close_gives_the_size_it_wrote(tmp_path, monkeypatch):
     """A writer's close (RELEASE) marks its inode's node stale, its size the one before
     the writes (the next getattr asks the view), and a lookup or listing begun before the

@@ -155,7 +155,7 @@ def build_view(cfg: MountConfig, backend) -> View:
     shards = ShardCache(store, index_cache_bytes=cfg.index_cache, index_ttl=cfg.index_ttl,
                         chunk_cache_bytes=cfg.chunk_cache, prefetch=cfg.prefetch == "on",
                         prefetch_max=cfg.prefetch_max, prefetch_gap=cfg.prefetch_gap,
-                        prefetch_ahead=prefetch_ahead(cfg))
+                        prefetch_ahead=prefetch_ahead(cfg), keep_handed_over=cfg.source.startswith("s3://"))
     writeback = WriteBack(store, shards, max_dirty_bytes=cfg.max_dirty, idle_delay=cfg.flush_delay,
                           room_timeout=cfg.timeout)
     return View(store, shards, writeback, metadata_ttl=cfg.metadata_ttl, read_only=cfg.read_only,

@@ -137,9 +137,29 @@ class ByteLRU:
                 return None
             self.hits += 1
             return beside[1]
+        if item[0] is None:  # (let go of: see let_go)
+            self.misses += 1
+            return None
         self._d.move_to_end(key)
         self.hits += 1
         return item[0]
+
+    def let_go(self, key, nbytes: int) -> None:
+        """Drop ``key``'s value but remember the key, counted as ``nbytes``,
+        first to be evicted: ``get`` and ``peek`` answer None (a miss), ``in``
+        says no, and :meth:`known` still says yes (so read-ahead does not
+        fetch it again); a ``put`` gives it a value again."""
+        item = self._d.get(key)
+        if item is not None:
+            self._d[key] = (None, nbytes)
+            self.bytes += nbytes - item[1]
+            self._d.move_to_end(key, last=False)
+        if self._oversized(key) is not None:
+            self._beside = None
+
+    def known(self, key) -> bool:
+        """``key`` is cached, or was and :meth:`let_go` of since."""
+        return key in self._d or self._oversized(key) is not None
 
     def put(self, key, value, nbytes: int) -> None:
         self.pop(key)
@@ -153,7 +173,8 @@ class ByteLRU:
             self.bytes -= n
 
     def __contains__(self, key) -> bool:
-        return key in self._d or self._oversized(key) is not None
+        item = self._d.get(key)
+        return (item is not None and item[0] is not None) or self._oversized(key) is not None
 
     def touch(self, key) -> None:
         """Count a hit on ``key`` and mark it recently used."""
@@ -282,10 +303,14 @@ class ShardCache:
 
     def __init__(self, store: AsyncStore, *, index_cache_bytes: int = 64 << 20, index_ttl: float = 1.0,
                  chunk_cache_bytes: int = 64 << 20, prefetch: bool = False, prefetch_max: int = 16 << 20,
-                 prefetch_gap: int = 1 << 20, prefetch_ahead: int = 0):
+                 prefetch_gap: int = 1 << 20, prefetch_ahead: int = 0, keep_handed_over: bool = True):
         self.store = store
         self.indexes = ByteLRU(index_cache_bytes)
         self.chunks = ByteLRU(chunk_cache_bytes)
+        # a chunk the kernel's page cache holds whole is kept (evicted
+        # first) where fetching it again costs a request (S3), and let go
+        # of where it costs a read of the page cache (see handed_over)
+        self.keep_handed_over = keep_handed_over
         # (the last chunk or index larger than its whole cache is kept beside
         # it: see ByteLRU)
         self.index_ttl = index_ttl
@@ -475,10 +500,23 @@ class ShardCache:
         has it): evict it before anything not yet read.  A scan of a store
         about the chunk cache's size would otherwise evict, with every chunk
         it fetches, the oldest cached one, which is the next one a second
-        scan reads: one GET per chunk instead of per shard."""
+        scan reads: one GET per chunk instead of per shard.
+
+        Without ``keep_handed_over`` (a local store) its bytes go at once:
+        the kernel would only ask for it again after dropping its pages, and
+        then a read of the shard's pages costs about what a hit does.  Kept,
+        every chunk a fresh mount reads took new memory until the cache was
+        full, 8 page faults per 32 KiB (about 20 us of the daemon's CPU per
+        random chunk read, docs/PERFORMANCE.md); let go of, the next chunk's
+        bytes reuse its memory.  The key stays known (ByteLRU.let_go), so
+        read-ahead, which fetches the chunks of a shard not cached, does not
+        fetch it again."""
         cached: _Cached | None = self.indexes.peek(key)
         if cached is not None and cached.index is not None:
-            self.chunks.demote((key, cached.index.info.etag, chunk_id))
+            if self.keep_handed_over:
+                self.chunks.demote((key, cached.index.info.etag, chunk_id))
+            else:
+                self.chunks.let_go((key, cached.index.info.etag, chunk_id), CHUNK_ENTRY_OVERHEAD)
 
     async def read_chunk(self, fmt: ShardFormat, key: str, chunk_id: int, shard_ctx: Any = None) -> bytes | None:
         """The whole stored chunk as the view shows it, or None if absent."""
@@ -855,7 +893,7 @@ class ShardCache:
                 return None
             coming = self._coming.setdefault((key, etag), {})
             todo = sorted((e for e in entries if (e[0] not in coming or e[0] in mine)
-                           and (key, etag, e[0]) not in self.chunks),
+                           and not self.chunks.known((key, etag, e[0]))),
                           key=lambda e: (e[0] < chunk_id, e[0]))
             chosen, total = [], 0
             for e in todo:
@@ -914,7 +952,7 @@ class ShardCache:
                 cid, off, n = by_offset[i]
                 if off >= got:
                     break
-                if off + n > got or (key, etag, cid) in self.chunks:
+                if off + n > got or self.chunks.known((key, etag, cid)):
                     continue
                 arrived_raw.append((cid, blob.data[off - start: off - start + n]))
 
