@@ -8,7 +8,7 @@ Builds (or reuses) scripts/bench_read.py's store.  Each run draws 300 chunks,
 reads them with zarr-python directly from the sharded store, then through a
 fresh ``-o ro`` mount of each TREE (a checkout; default: this one), and
 prints per read: wall time, the daemon's CPU (schedstat of all its
-threads) and the FUSE requests by kind (every request the kernel sent,
+threads), its minor page faults and the FUSE requests by kind (every request the kernel sent,
 read off /dev/fuse by ``strace`` of a separate, untimed mount: a ``-o
 debug`` trace misses those libfuse answers itself, such as the IOCTL that
 Python's ``open()`` sends to ask ``isatty``).  --minimal adds
@@ -50,6 +50,13 @@ def cpu_of(pid: int) -> float:
         except (FileNotFoundError, ProcessLookupError):
             pass
     return total / 1e9
+
+
+def faults_of(pid: int) -> int:
+    """Minor page faults of the daemon so far (/proc/PID/stat: new memory
+    touched, among others)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[7])
 
 
 def mount(tree: Path, source: Path, mnt: Path, *opts: str) -> int:
@@ -175,6 +182,7 @@ def main() -> None:
     n = args.reads
     wall = collections.defaultdict(list)
     cpu = collections.defaultdict(list)
+    faults = collections.defaultdict(list)
     for run in range(args.runs):
         picks = [tuple(rng.randrange(g) for g in grid) for _ in range(n)]
         for s in subjects[run % len(subjects):] + subjects[:run % len(subjects)]:
@@ -184,9 +192,10 @@ def main() -> None:
             mnt = workdir / f"mnt-ab{s}"
             pid, proc = start(s, mnt)
             try:
-                c0 = cpu_of(pid)
+                c0, f0 = cpu_of(pid), faults_of(pid)
                 wall[s].append(reads(mnt / "a", picks))
                 cpu[s].append(cpu_of(pid) - c0)
+                faults[s].append(faults_of(pid) - f0)
             finally:
                 stop(mnt, proc)
         print(f"run {run}: " + "; ".join(
@@ -197,8 +206,13 @@ def main() -> None:
           f"(ratio: zarr-python direct over it, >1 is faster):")
     for s in subjects:
         print(f"  {names[s]:36s} {med(wall[s]) / n * 1e6:7.0f} us wall"
-              + (f"  {med(cpu[s]) / n * 1e6:6.0f} us daemon cpu" if cpu[s] else " " * 23)
+              + (f"  {med(cpu[s]) / n * 1e6:6.0f} us daemon cpu, {med(faults[s]) / n:4.1f} page faults"
+                 if cpu[s] else " " * 41)
               + f"  ratio {med(wall['direct']) / med(wall[s]):.2f}x")
+    for t in range(1, len(trees)):
+        paired = [b / a for a, b in zip(cpu[0], cpu[t])]
+        print(f"  tree{t} over tree0, daemon cpu paired by run: median {med(paired):.3f}x, "
+              f"lower in {sum(p < 1 for p in paired)} of {len(paired)} runs")
     if not args.no_trace:
         picks = [tuple(rng.randrange(g) for g in grid) for _ in range(n)]
         for s in subjects:
