@@ -1157,6 +1157,70 @@ def test_a_sync_between_close_and_rename_keeps_the_temporary(store, mount, tmp_p
     assert stored_chunks(store, "arr", (2, 2))[(0, 1)] == new
 
 
+def test_a_file_held_in_an_array_s_root_meets_a_directory_another_client_made_at_its_name(store, mount, tmp_path):
+    """A file in an array's own directory, written as a temporary and
+    renamed (``arr/notes.tmp`` -> ``arr/notes.txt``), is held in memory
+    until fsync, sync or unmount; meanwhile another client makes a
+    directory at its name in the store.  Local store: fsync answers EIO
+    (before: ENOENT, which fsync(2) never answers, and no log line), one
+    ERROR line names the file, ``zshardfs sync`` fails with EIO and
+    ``zshardfs umount`` refuses (the data is held), the daemon stays up,
+    the file keeps its bytes, and a rename through the mount stores it
+    under the new name.  Nothing else is harmed: a plain file and a chunk
+    written meanwhile are stored, the other client's directory is kept.
+    S3: an object and a prefix of one name coexist, so the file is stored
+    and the mount shows it, a file (the other client's objects below it
+    are not shown)."""
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4")
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    (m / "arr" / "notes.tmp").write_bytes(b"the notes")
+    os.rename(m / "arr" / "notes.tmp", m / "arr" / "notes.txt")
+    assert store.get("arr/notes.txt") is None  # (held in memory, as documented)
+    (m / "plain.txt").write_bytes(b"unharmed")
+    (m / "arr" / "c" / "0" / "1").write_bytes(raw_chunk(5))
+    store.put("arr/notes.txt/inner", b"another client's")  # (a directory, on a local store)
+    fd = os.open(m / "arr" / "notes.txt", os.O_RDONLY)
+    try:
+        if store.kind == "local":
+            with pytest.raises(OSError) as info:
+                os.fsync(fd)
+            assert info.value.errno == errno.EIO, info.value  # (before: ENOENT)
+        else:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    if store.kind == "local":
+        lines = [line for line in m.log_text().splitlines() if "arr/notes.txt" in line]
+        assert len(lines) == 1 and " ERROR " in lines[0] and "directory" in lines[0], lines
+        # (so does the close of any file written, stored at its close)
+        fd = os.open(m / "late.txt", os.O_WRONLY | os.O_CREAT)
+        os.write(fd, b"late bytes")
+        (store.root / "late.txt").mkdir()
+        with pytest.raises(OSError) as info:
+            os.close(fd)
+        assert info.value.errno == errno.EIO, info.value  # (before: ENOENT)
+        os.rename(m / "late.txt", m / "late.kept")
+        result = zs("sync", m.path, check=False)
+        assert result.returncode != 0 and os.strerror(errno.EIO) in result.stderr, result.stderr
+        result = zs("umount", m.path, check=False)
+        assert result.returncode != 0 and "still held" in result.stderr, result.stderr
+        assert (m / "arr" / "notes.txt").read_bytes() == b"the notes"  # (served: the daemon is up)
+        os.rename(m / "arr" / "notes.txt", m / "arr" / "notes.kept")
+        assert "failed unexpectedly" not in m.log_text()
+    else:
+        assert store.get("arr/notes.txt") == b"the notes"
+        assert (m / "arr" / "notes.txt").read_bytes() == b"the notes"
+    m.umount()
+    assert store.get("arr/notes.txt/inner") == b"another client's"
+    assert store.get("plain.txt") == b"unharmed" and stored_chunks(store, "arr", (2, 2))[(0, 1)] == raw_chunk(5)
+    if store.kind == "local":
+        assert store.get("arr/notes.kept") == b"the notes" and (store.root / "arr" / "notes.txt").is_dir()
+        assert store.get("late.kept") == b"late bytes" and (store.root / "late.txt").is_dir()
+        assert "lost" not in m.log_text()
+    else:
+        assert store.get("arr/notes.txt") == b"the notes"
+
+
 def test_arrays_are_removed_as_from_a_directory_store(store, mount, tmp_path):
     """rm -r, shutil.rmtree, zarr-python's delete and overwrite, and mv of an
     array (local: a rename; S3: EXDEV, mv copies, then removes) succeed, whatever order they

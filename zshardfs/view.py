@@ -57,6 +57,15 @@ from .writeback import DirtyChunk, WriteBack, failures_logged_by_caller
 log = logging.getLogger(__name__)
 
 
+class DirectoryInTheWay(StoreError):
+    """A file held in memory (written, or a scratch file in a dataset's
+    root) whose store found a directory another client made at its key:
+    EIO to the close, fsync or sync that stored it (rename: EISDIR); the
+    file stays held, dirty, as after any failed store."""
+
+    errno = errno.EIO
+
+
 class ViewError(StoreError):
     """A request the view refuses, with the errno to report."""
 
@@ -1545,7 +1554,18 @@ class View:
         async with held_by_deadline(buf.storing, buf.key or buf.path, "another store of it"):
             if buf.dirty and buf.key is not None:
                 try:
-                    await self._store_buffer_now(buf)
+                    try:
+                        await self._store_buffer_now(buf)
+                    except DirectoryAtKey as exc:
+                        # another client made a directory at its key: the
+                        # close, fsync or sync storing it answers EIO, as a
+                        # file system whose write-back fails (ENOENT, a
+                        # missing name, for a file open and found, was no
+                        # answer, and went unlogged); a rename answers EISDIR
+                        raise DirectoryInTheWay(f"{buf.path}: not stored: storage holds a directory at its key "
+                                                f"{buf.key} (made by another client); the file stays in memory "
+                                                "under its name (rename it through the mount to store it)",
+                                                buf.key) from exc
                 except ViewError:
                     raise  # (refused for good: not held)
                 except StoreError as exc:
@@ -2523,7 +2543,7 @@ class View:
                 self._reattach_writers(detached)
             elif made is None:  # (a chunk: the name's buffer is its shard's, see _reattach_writers)
                 self._reattach_writers(detached)
-            if isinstance(exc, DirectoryAtKey):
+            if isinstance(exc, (DirectoryAtKey, DirectoryInTheWay)):
                 # a directory made at the new name since the lookup (another
                 # process): rename(2)'s answer, not a missing name
                 raise ViewError(errno.EISDIR, f"{join_key(new_parent.path, new_name)}: is a directory") from None
