@@ -191,6 +191,34 @@ def test_rename_onto_directories_and_into_itself(tmp_path, mount):
     assert _sharded(st.root / "empty")
 
 
+def test_a_directory_moved_where_another_client_removed_files_never_shows_their_numbers(tmp_path, mount):
+    """A number kept for a path the kernel forgot (SEMANTICS 3.1) below the
+    name a directory is renamed to: the file that had it there is gone
+    (another client removed ``b/y`` in storage, the mount saw it go and the
+    kernel forgot it), and the path now holds a file of the moved directory,
+    one the kernel never looked up.  It was handed that number, the removed
+    file's (``find -samefile``, ``rsync -H`` and ``tar`` take files of one
+    number for one file), as only the numbers below the old place were
+    dropped; those below the new place go too now.  ``-o attr_timeout=0``:
+    the kernel asks again at each use, and forgets a name found gone."""
+    st = _local(tmp_path)
+    m = mount(st.root, "attr_timeout=0", "metadata_ttl=0")
+    (m / "a").mkdir()
+    (m / "b").mkdir()
+    (m / "b" / "y").write_bytes(b"y in b")
+    removed = os.stat(m / "b" / "y").st_ino
+    (st.root / "a" / "y").write_bytes(b"y in a")  # (another client: no number given yet)
+    (st.root / "b" / "y").unlink()  # (another client)
+    assert not (m / "b" / "y").exists()
+    os.rename(m / "a", m / "b")
+    assert (m / "b" / "y").read_bytes() == b"y in a"
+    now = os.stat(m / "b" / "y").st_ino
+    assert now != removed, (now, removed)  # (before: the removed file's number)
+    assert os.stat(m / "b" / "y").st_ino == now  # (kept for it, once given)
+    m.umount()
+    assert _view(st.root) == {"b/y": b"y in a"}
+
+
 def test_renames_that_stay_exdev(tmp_path, mount):
     """A chunk directory (virtual) stays EXDEV, so mv copies it; so does a
     directory inside an array's directory, or renamed into one, and a link to a directory that -o follow_symlinks shows as a directory; -o ro

@@ -1307,14 +1307,17 @@ class Operations(pyfuse3.Operations):
     def _move_inodes(self, move) -> None:
         """After a directory's rename in storage: the inodes of the old
         paths answer for the new ones; what the new name held is forgotten,
-        and so are the numbers kept for forgotten paths below the old place.
-        Only the paths at or below either place are visited (by_path.below,
-        _forgotten.below), not every inode the kernel holds or forgot."""
+        and so are the numbers kept for forgotten paths below either place
+        (below the new one they were files gone from there, removed by
+        another client: kept, the moved files at those paths were handed
+        them).  Only the paths at or below either place are visited
+        (by_path.below, _forgotten.below), not every inode the kernel holds
+        or forgot."""
         for p, _ in self.by_path.below(move.new_path):
             self._forget_path(p)
         key_below, now = move.old_key + "/", time.monotonic()
-        for p, _ in self._forgotten.below(move.old_path):
-            del self._forgotten[p]
+        for p, _ in [*self._forgotten.below(move.old_path), *self._forgotten.below(move.new_path)]:
+            self._forgotten.pop(p, None)
         for p, ino in sorted(self.by_path.below(move.old_path), key=lambda item: item[1]):
             del self.by_path[p]
             entry = self.inodes.get(ino)
