@@ -47,6 +47,16 @@ class Storage:
         else:
             self.server.s3.put_object(Bucket=self.bucket, Key=f"{PREFIX}/{key}", Body=data)
 
+    def rename(self, old: str, new: str) -> None:
+        """``mv old new`` (S3: a copy, then the old object's delete, as ``aws s3 mv``)."""
+        if self.kind == "local":
+            os.rename(self.root / old, self.root / new)
+        else:
+            s3 = self.server.s3
+            s3.copy_object(Bucket=self.bucket, Key=f"{PREFIX}/{new}",
+                           CopySource={"Bucket": self.bucket, "Key": f"{PREFIX}/{old}"})
+            s3.delete_object(Bucket=self.bucket, Key=f"{PREFIX}/{old}")
+
 
 @pytest.fixture(params=["local", "s3"])
 def storage(request, tmp_path) -> Storage:
@@ -415,6 +425,46 @@ def test_precomputed_names_outside_the_grid_and_unreadable_shards(mount, tmp_pat
         assert (mnt / "skel/2").read_bytes() == b"x" * 10
         with pytest.raises(PermissionError):
             (mnt / "skel/1").read_bytes()
+
+
+@pytest.mark.parametrize("first", ["path", "descriptor"])
+def test_a_file_rotated_by_another_client_while_open_gets_a_new_number_at_its_path(storage, mount, first):
+    """``tail -F`` and logrotate's readers tell a rotation by comparing the
+    path's ``st_ino`` with their open descriptor's.  Another client moves
+    ``log`` (open through the mount) to ``log.1`` and writes a new ``log``:
+    once the mount sees it, the path has a new number, and the descriptor
+    keeps its own and its file's size (its reads answer EIO, 2.5): never two
+    files with one number at once.  Seen first through the path (a lookup:
+    ``attr_timeout=0``), or first through the descriptor (its attributes
+    expired: ``getattr`` finds the new file).  A file the mount itself
+    rewrote keeps its number."""
+    timeout = "0" if first == "path" else "1"
+    storage.put("log", b"old log")
+    storage.put("other", b"other")
+    m = storage.mount(mount, f"attr_timeout={timeout},metadata_ttl=0,index_ttl=0", mode="rw")
+    fd, kept = os.open(m / "log", os.O_RDONLY), os.open(m / "other", os.O_RDONLY)
+    try:
+        number, other = os.fstat(fd).st_ino, os.stat(m / "other").st_ino
+        assert os.stat(m / "log").st_ino == number and os.fstat(kept).st_ino == other
+        with open(m / "other", "ab") as f:  # (the mount's own write: the same file)
+            f.write(b"!")
+        storage.rename("log", "log.1")
+        storage.put("log", b"the new log")
+        if first == "descriptor":
+            time.sleep(1.3)
+            assert (os.fstat(fd).st_ino, os.fstat(fd).st_size) == (number, len(b"old log"))
+        now = os.stat(m / "log")
+        assert now.st_ino != number, "the new file has the open one's number"
+        assert now.st_size == len(b"the new log")
+        assert (os.fstat(fd).st_ino, os.fstat(fd).st_size) == (number, len(b"old log"))
+        assert os.stat(m / "log.1").st_ino not in (number, now.st_ino)
+        assert os.stat(m / "log").st_ino == now.st_ino  # (its new number stays)
+        assert os.stat(m / "other").st_ino == other == os.fstat(kept).st_ino
+    finally:
+        os.close(fd)
+        os.close(kept)
+    assert os.stat(m / "log").st_ino == now.st_ino
+    assert (m / "log").read_bytes() == b"the new log"
 
 
 def test_a_file_replaced_after_the_mounts_own_write_is_read_in_the_later_version(storage, mount):

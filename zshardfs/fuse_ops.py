@@ -415,6 +415,8 @@ class Operations(pyfuse3.Operations):
         if ino is not None and ino not in self.inodes:  # (forgotten while a rename moved it)
             del self.by_path[node.path]
             ino = None
+        if ino is not None and self._replaced_while_open(ino, node, since):
+            ino = None
         if ino is None:
             ino = self._forgotten.pop(node.path, None)
             if ino is None:
@@ -427,6 +429,24 @@ class Operations(pyfuse3.Operations):
             if since is None or entry.changed <= since:
                 entry.node = node
         return ino
+
+    def _replaced_while_open(self, ino: int, node: Node, since: float | None = None) -> bool:
+        """Is ``node`` (found at the path of ``ino``, which the kernel has
+        open) another file than the one ``ino`` numbers, made by another
+        client (View.replaced_by_another: a rotation's ``mv log log.1`` and
+        new ``log``)?  The path then leaves ``ino``, whose descriptors keep
+        it and their file's attributes (see _getattr), and gets a new number
+        at its next lookup, as on a local file system: two files never show
+        one number at once (``tail -F`` compares the path's with its
+        descriptor's).  A file the kernel only knows by name keeps its
+        number (nothing else holds the old one).  ``since``: as for
+        _inode_for (older news than a change through this mount: no)."""
+        entry = self.inodes[ino]
+        if (entry.handles <= 0 or (since is not None and entry.changed > since)
+                or not self.view.replaced_by_another(entry.node, node)):
+            return False
+        del self.by_path[node.path]
+        return True
 
     def _drop_if_unused(self, ino: int) -> None:
         entry = self.inodes.get(ino)
@@ -580,6 +600,15 @@ class Operations(pyfuse3.Operations):
                     # the inode took another node while the refresh was out
                     # (a truncate, a rename, a lookup): newer news than what
                     # the refresh began with, which must not replace it
+                    return await self._getattr(inode)
+                if fresh is not None and entry is not None and self.by_path.get(node.path) == inode \
+                        and self._replaced_while_open(inode, fresh):
+                    # (the open file keeps its attributes; the kernel looks
+                    # the path up again, and finds the new file's number)
+                    parent, _, name = node.path.rpartition("/")
+                    parent_inode = self.by_path.get(parent)
+                    if parent_inode is not None:
+                        self._in_doubt((parent_inode, name.encode(_FS_ENCODING, _FS_ERRORS)))
                     return await self._getattr(inode)
                 if fresh is not None and entry is not None:
                     node = entry.node = fresh

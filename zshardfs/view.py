@@ -850,6 +850,20 @@ class View:
             return replace(node, version=own[0], size=own[2])
         return node
 
+    def replaced_by_another(self, old: Node, new: Node) -> bool:
+        """Is ``new`` (found at ``old``'s path) another stored file than
+        ``old``, made by another client: a plain file of the store whose
+        version is neither ``old``'s nor one this mount wrote (its reads,
+        pinned to ``old``'s version, then answer "replaced by another
+        client").  No I/O."""
+        if (old.is_dir or new.is_dir or old.target is not None or new.target is not None
+                or old.link is not None or new.link is not None or old.key is None or new.key != old.key
+                or old.version is None or new.version is None or new.version == old.version
+                or self.buffers.get(old.path) is not None):
+            return False
+        own = self.own_versions.get(new.key)
+        return own is None or own[0] != new.version
+
     def in_memory(self, node: Node) -> Node | None:
         """The node as it is now if its content lives in memory (a write
         buffer, a scratch file, an unflushed chunk); None otherwise.  No I/O."""
