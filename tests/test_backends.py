@@ -2158,3 +2158,38 @@ def test_a_directory_renamed_or_removed_is_swept_anew_at_its_name(tmp_path):
     dead = dead_writer_in(tmp_path / "r" / "e")
     backend.put("r/e/1", b"2")
     assert not dead.exists()
+
+
+def test_a_chunk_read_from_the_page_cache_makes_no_single_flight_mark(tmp_path):
+    """A local chunk whose shard's pages are cached is read and kept with
+    no await in between (AsyncStore.get_pinned_nowait), so no other reader
+    can be fetching it meanwhile and the single flight that shares a fetch
+    among readers is skipped: its mark (a trio.Event and a context manager
+    per chunk) was about 6 us of a random chunk OPEN's 48 in process
+    (docs/PERFORMANCE.md).  A read that takes a thread still marks it."""
+    from zshardfs.layouts.zarr_common import ZarrShardFormat
+    from zshardfs.shards import ShardCache
+
+    fmt = ZarrShardFormat("end", "little", checksum=True)
+    (tmp_path / "s").write_bytes(fmt.encode({0: b"zero", 1: b"one"}, (2,)))
+    (tmp_path / "s").read_bytes()  # (its pages cached)
+
+    async def main(nowait: bool) -> list:
+        store = AsyncStore(LocalBackend(str(tmp_path)))
+        if not nowait:
+            store._nowait = None  # (every read in a worker thread, as on S3)
+        cache = ShardCache(store)
+        marked, loading = [], cache._fetching.loading
+
+        def counted(key):
+            marked.append(key)
+            return loading(key)
+
+        cache._fetching.loading = counted
+        await cache.index(fmt, "s", (2,))
+        assert await cache.read_chunk(fmt, "s", 1, (2,)) == b"one"
+        assert await cache.read_chunk(fmt, "s", 1, (2,)) == b"one"  # (then a hit)
+        return marked
+
+    assert trio.run(main, True) == []
+    assert len(trio.run(main, False)) == 1

@@ -38,7 +38,7 @@ import trio
 from .backends.base import (AsyncStore, CorruptData, NotFound, ObjectInfo, PreconditionFailed, StoreError,
                             Unavailable, no_request_deadline, request_deadline_at, shared_within_deadline)
 from .singleflight import SingleFlight
-from .together import off_loop
+from .together import HEAVY, off_loop
 
 log = logging.getLogger(__name__)
 
@@ -574,6 +574,17 @@ class ShardCache:
                     return data
                 if not self._current(key, index):
                     continue
+            if ckey not in self._fetching and _decoding(fmt, nbytes) <= HEAVY:
+                # a page-cache hit (local store): read and kept with no await
+                # in between, so no other reader can be fetching it meanwhile,
+                # and the single flight's marks are not needed
+                t0 = time.monotonic()
+                blob = self.store.get_pinned_nowait(key, offset, nbytes, index.info.etag)
+                if blob is not None and len(blob.data) == nbytes:
+                    self._observed(nbytes, time.monotonic() - t0)
+                    data = fmt.decode_chunk(blob.data)
+                    self.chunks.put(ckey, data, len(data) + CHUNK_ENTRY_OVERHEAD)
+                    return data
             while await shared_within_deadline(self._fetching, ckey, key):  # another reader fetches it: share it
                 data = self.chunks.get(ckey)
                 if data is not None:

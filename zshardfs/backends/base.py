@@ -899,6 +899,17 @@ class AsyncStore:
             self._keep_listing(key, listing, generation)
         return exists
 
+    def get_pinned_nowait(self, key: str, start: int, length: int, if_match: str) -> Blob | None:
+        """What :meth:`get` answers without a thread for a ranged read
+        pinned to version ``if_match`` (a page-cache hit through a kept
+        descriptor), synchronously; None where :meth:`get` would take a
+        thread.  For a caller that must not await before using the bytes
+        (ShardCache.read_chunk: no other task then fetches the same chunk)."""
+        if (0 < length <= NOWAIT_MAX and self._nowait is not None
+                and time.monotonic() < _request_deadline.get()):
+            return self._nowait(key, start, length, if_match)
+        return None
+
     async def get(self, key: str, start: int = 0, length: int | None = None, *,
                   suffix: int | None = None, if_match: str | None = None, speculative: bool = False,
                   max_size: int | None = None) -> Blob:
