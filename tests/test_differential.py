@@ -565,3 +565,22 @@ def test_a_writers_temporary_left_by_the_rename_is_taken_by_the_other_writers_te
     out = dt.run("basic", "local", base=tmp_path, seed=0, ops=ops, final=False)
     assert out.ok, out.failure
     assert out.stats["dirmv"] == {"ok": 1}, out.stats  # (moved: the writer below src left its temporary)
+
+
+def test_the_meta_op_of_a_v3_draft_store_leaves_what_zarr_2_18_opens(tmp_path):
+    """The meta op (scripts/difftest.py --meta W) on the zarr2 layout drew the store's entry
+    point ``zarr.json`` too and added ``attributes`` to it, which zarr 2.18 refuses ("Unexpected
+    keys in metadata"), so the final zarr 2.18 read failed on the source and the twin alike, a
+    divergence of the checker (seed 40004, zarr2, local, --meta 10). Its edits, drawn at random
+    and applied to the twin, now leave a store zarr 2.18 opens, with their attributes in the
+    array's document."""
+    env = dt.Env("zarr2", "local", [], tmp_path)
+    env.setup()
+    gen = dt.Gen(env, dt.random.Random(1), {**{k: 0 for k in dt.WEIGHTS}, "meta": 1})
+    ap = dt.Applier(env, env.twin, twin=True)
+    ops = [gen.op() for _ in range(12)]
+    assert {o["op"] for o in ops} == {"meta"}, ops
+    assert [ap.apply(o) for o in ops] == ["ok"] * len(ops), ops
+    assert dt.zarr2_compare(env, env.twin) == []
+    attrs = json.loads((env.twin / "meta/root/arr.array.json").read_bytes())["attributes"]
+    assert set(attrs) & {"a", "b", "c"}, attrs
