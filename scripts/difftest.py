@@ -66,7 +66,7 @@ def main() -> int:
                          "directory, onto a free name, an empty or a full directory, a file, into itself, with "
                          "RENAME_NOREPLACE, a file held open below or writers by path meanwhile (off: 0)")
     ap.add_argument("--meta", type=float, default=None, metavar="W",
-                    help="weight of the metadata document edit (hierarchies: 6 unless told; with --dirmv, "
+                    help="weight of the metadata document edit (hierarchies, zarr2_consolidated: 6 unless told; with --dirmv, "
                          "e.g. 60 draws the group's document saved every way while a member is renamed away)")
     ap.add_argument("--replay", metavar="FILE", help="replay the ops saved in FILE (layout, backend, opts too)")
     ap.add_argument("--minimize", action="store_true", help="on a divergence, find a minimal op sequence")

@@ -41,9 +41,11 @@ The documented differences (docs/SEMANTICS.md, Limits) are emulated on the twin:
     ``rm <id>.index``, renamed ``<id>`` first), never by the other ops: a lone file of a
     pair fails its shard's flush (SEMANTICS, Limits). ``meshbad`` writes an inconsistent
     pair on purpose: the twin answers its fsync with EIO while the pair is inconsistent.
-Metadata ops (Zarr variable grids and hierarchies, ``LAYOUT_WEIGHTS``; :class:`ZarrNames`
-follows a resize): documents edited through the mount (attributes, fill value,
-consolidated members; SEMANTICS 4.9, 4.11, 4.15), zarr-python's consolidation, and
+Metadata ops (Zarr variable grids and hierarchies, zarr 2.18's consolidated store
+``zarr2_consolidated``, ``LAYOUT_WEIGHTS``; :class:`ZarrNames` follows a resize): documents
+edited through the mount (attributes, fill value, consolidated members; zarr 2.18's
+``.zmetadata`` also with the member's own document renamed away meanwhile; SEMANTICS 1,
+4.9, 4.11, 4.15; read through the consolidated metadata at the end), zarr-python's consolidation, and
 resizes (chunks past the new shape deleted first, as zarr-python does; names past the
 shape are then outside the grid). A kill -9 while an
 array is shrunk leaves unknown which of its removed chunks the shards still hold (hidden
@@ -189,6 +191,9 @@ class Names:
     largest: dict = {}
     group_plain: list[str] = []
     members: list[str] = []
+    #: the document holding the consolidated members (a hierarchy's ``zarr.json``, zarr 2.18's
+    #: ``meta/root/consolidated/.zmetadata``), or None
+    consolidated: str | None = None
     plain_chunks: list[str] = []
     plain_trees: list[str] = []
 
@@ -259,12 +264,16 @@ class Names:
         return set()
 
 
+#: where zarr 2.18 consolidates a v3-draft store's metadata
+ZMETADATA = "meta/root/consolidated/.zmetadata"
+
+
 class ZarrNames(Names):
     """The names of a Zarr array (``cases``: the arrays of a hierarchy, each at its own path;
     one array otherwise); a resize changes them."""
 
-    def __init__(self, case: ZarrCase, draft: bool, cases: list[ZarrCase] | None = None):
-        self.case, self.draft = case, draft
+    def __init__(self, case: ZarrCase, draft: bool, cases: list[ZarrCase] | None = None, zmeta: bool = False):
+        self.case, self.draft, self.zmeta = case, draft, zmeta
         self.cases = cases or [case]
         self.largest = {c.path: c.shape for c in self.cases}  # (resize: the largest shape each had)
         self.hier = bool(cases)
@@ -290,6 +299,11 @@ class ZarrNames(Names):
             self.meta += [f"{g}/zarr.json" for g in groups]
             self.group_plain = [f"{g}/notes.md" for g in groups]
             self.members = groups + [c.path for c in cases]
+            self.consolidated = "zarr.json"
+        if self.zmeta:  # zarr 2.18's consolidated metadata: its members are keyed by their documents
+            self.meta.append(ZMETADATA)
+            self.members = ["meta/root.group.json"] + [f"meta/root/{c.path}.array.json" for c in self.cases]
+            self.consolidated = ZMETADATA
         self._finish()
 
     def _add(self, case: ZarrCase):
@@ -417,13 +431,17 @@ class ZarrLayout(Layout):
     grid), or a consolidated hierarchy of groups and arrays (``cases``); ``draft``: the
     v3-draft storage transformer, zarr-python 2.18."""
 
-    def __init__(self, case: ZarrCase, draft: bool = False, cases: list[ZarrCase] | None = None):
-        self.case, self.draft, self.cases = case, draft, cases
-        self.names = ZarrNames(case, draft, cases)
+    def __init__(self, case: ZarrCase, draft: bool = False, cases: list[ZarrCase] | None = None,
+                 zmeta: bool = False):
+        self.case, self.draft, self.cases, self.zmeta = case, draft, cases, zmeta
+        self.names = ZarrNames(case, draft, cases, zmeta)
 
     def build(self, src, twin):
         if self.draft:
             pz.write_zarr2_transformer(self.case, src, twin)
+            if self.zmeta:  # (zarr 2.18 consolidates each: the twin's is what the view shows of the source's)
+                _zarr2_run("zarr.consolidate_metadata(DirectoryStoreV3(sys.argv[1]))", src)
+                _zarr2_run("zarr.consolidate_metadata(DirectoryStoreV3(sys.argv[1]))", twin)
         elif self.cases:
             pz.write_zarr_hierarchy(self.cases, src, twin, consolidated=True, root_attributes={"top": 1})
         else:
@@ -507,6 +525,9 @@ ZARR_CASES: dict[str, ZarrCase] = {
     "be_nocrc_dot_edges": B.with_(shape=(21, 14), index_endian="big", index_crc32c=False, separator="."),
     "zarr2": ZarrCase(shape=(20, 12), chunks=(4, 3), shards=(8, 6), index_crc32c=False, pattern="sparse",
                       separator="/"),
+    # (the same, its metadata consolidated by zarr 2.18: meta/root/consolidated/.zmetadata)
+    "zarr2_consolidated": ZarrCase(shape=(20, 12), chunks=(4, 3), shards=(8, 6), index_crc32c=False,
+                                   pattern="sparse", separator="/"),
     # variable shard grids (ZEP 3 rectangular, rectilinear), shown as the regular inner grid
     # (the twin): edge lists, bare-integer steps, [length, repeat] runs (zarr-python writes
     # [8, 8, 4] as [[8, 2], 4]), shards overhanging the array
@@ -538,6 +559,7 @@ HIERARCHIES: dict[str, list[ZarrCase]] = {
 LAYOUT_WEIGHTS: dict[str, dict[str, float]] = {
     **{k: {"meta": 3, "resize": 3} for k, c in ZARR_CASES.items() if c.grid != "regular"},
     **{k: {"meta": 6, "consolidate": 2, "resize": 3} for k in HIERARCHIES},
+    "zarr2_consolidated": {"meta": 6},
 }
 #: (the mesh ops: precomputed layouts with a mesh directory, filled in below PRECOMPUTED_CASES)
 MESH_WEIGHTS = {"mesh": 12, "meshrm": 3, "meshmv": 3, "meshbad": 2}
@@ -748,7 +770,8 @@ LAYOUT_WEIGHTS.update({k: MESH_WEIGHTS for k, c in PRECOMPUTED_CASES.items() if 
 
 #: every layout the tester runs, by name
 LAYOUTS: dict = {
-    **{name: functools.partial(ZarrLayout, case, name.startswith("zarr2")) for name, case in ZARR_CASES.items()},
+    **{name: functools.partial(ZarrLayout, case, name.startswith("zarr2"), None, name == "zarr2_consolidated")
+       for name, case in ZARR_CASES.items()},
     **{name: functools.partial(ZarrLayout, cases[0], False, cases) for name, cases in HIERARCHIES.items()},
     **{name: functools.partial(PrecomputedLayout, case) for name, case in PRECOMPUTED_CASES.items()},
 }
@@ -1328,13 +1351,24 @@ class Applier:
         doc = json.loads(self.p(rel).read_bytes())
         target = doc
         if op.get("member"):
-            target = ((doc.get("consolidated_metadata") or {}).get("metadata") or {}).get(op["member"])
+            entries = doc.get("metadata") if rel == ZMETADATA else (doc.get("consolidated_metadata") or {}).get("metadata")
+            target = (entries or {}).get(op["member"])
             if target is None:
                 return "no member"
         target.setdefault("attributes", {}).update(op["attrs"])
-        if "fill" in op and target.get("node_type") == "array":
+        if "fill" in op and (target.get("node_type") == "array" or "storage_transformers" in target
+                             or "chunk_memory_layout" in target):  # (v3 or a v3-draft array's)
             target["fill_value"] = op["fill"]
         text = json.dumps(doc, indent=op.get("indent")).encode()
+        if op.get("away"):  # zarr 2.18's member document renamed away while the consolidated one is saved
+            os.rename(self.p(op["member"]), self.p(op["member"] + ".away"))
+            try:
+                return self._save_meta(op, rel, text)
+            finally:
+                os.rename(self.p(op["member"] + ".away"), self.p(op["member"]))
+        return self._save_meta(op, rel, text)
+
+    def _save_meta(self, op, rel: str, text: bytes):
         how = op["how"]
         if how in ("write", "pieces"):
             n = max(1, len(text) // (3 if how == "pieces" else 1))
@@ -2263,8 +2297,10 @@ class Gen:
             o = {"op": "meta", "path": r.choice(docs),
                  "how": r.choice(["write", "pieces", "emptied", "tmprename", "editor", "rmput", "mvback"]),
                  "attrs": {r.choice("abc"): r.choice([0, 1, "x", [1, 2.5], None, {"n": r.randrange(9)}])}}
-            if o["path"] == "zarr.json" and self.n.members and r.random() < 0.5:
+            if o["path"] == self.n.consolidated and self.n.members and r.random() < 0.5:
                 o["member"] = r.choice(self.n.members)
+                if o["path"] == ZMETADATA and not self.weights["faults"] and r.random() < 0.5:
+                    o["away"] = True  # (the member's own document renamed away meanwhile: SEMANTICS 4.18)
             if r.random() < 0.2:
                 o["fill"] = r.randrange(50)
             if o["how"] in ("editor", "rmput") and self._holds_nothing(o["path"].rpartition("/")[0]):
@@ -2448,7 +2484,8 @@ def op_names(op: dict, names: Names, mnt: Path | None = None) -> set[str]:
     mesh op both files of each pair it names and its temporary."""
     kind = op["op"]
     if kind == "meta":
-        return {op["path"] + x for x in ("", ".tmp", "~", ".bak")}
+        away = {op["member"], op["member"] + ".away"} if op.get("away") else set()
+        return {op["path"] + x for x in ("", ".tmp", "~", ".bak")} | away
     if kind == "resize":
         return {f"{op['path']}/zarr.json"}
     if kind == "consolidate":
@@ -3081,14 +3118,34 @@ def peers_compare(env: Env, src: Path, case: ZarrCase, consolidated: bool = True
     return out
 
 
+def _zarr2_run(code: str, *args) -> subprocess.CompletedProcess:
+    """``code`` run by zarr 2.18 (v3-draft sharding on; ``sys``, ``zarr``, ``np`` and
+    ``DirectoryStoreV3`` imported), ``args`` its ``sys.argv[1:]``; it must succeed."""
+    code = ("import sys, zarr, numpy as np\n"
+            "from zarr._storage.v3 import DirectoryStoreV3\n") + code
+    envv = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
+    r = subprocess.run([str(pz.ZARR2_PYTHON), "-c", code, *map(str, args)], capture_output=True, text=True,
+                       env=envv, timeout=120)
+    if r.returncode:
+        raise RuntimeError(f"zarr 2.18 failed: {r.stderr.strip()[-800:]}")
+    return r
+
+
 def zarr2_compare(env: Env, src: Path) -> list[str]:
-    """zarr 2.18 reads the array from the source and from the twin: equal values?  (On copies:
-    opening a store, zarr 2.18 writes its entry point ``zarr.json`` back when it is missing.)"""
+    """zarr 2.18 reads the array from the source and from the twin (also through their
+    consolidated metadata, when the layout has it): equal values?  (On copies: opening a
+    store, zarr 2.18 writes its entry point ``zarr.json`` back when it is missing.)"""
     code = ("import sys, zarr, numpy as np\n"
             "from zarr._storage.v3 import DirectoryStoreV3\n"
             "a = zarr.open_array(DirectoryStoreV3(sys.argv[1]), path=sys.argv[3], mode='r', zarr_version=3)[...]\n"
             "b = zarr.open_array(DirectoryStoreV3(sys.argv[2]), path=sys.argv[3], mode='r', zarr_version=3)[...]\n"
-            "print('EQUAL' if np.array_equal(a, b) else 'DIFF')\n")
+            "assert np.array_equal(a, b), 'DIFF'\n")
+    if env.names.consolidated == ZMETADATA:
+        code += ("c = zarr.open_consolidated(DirectoryStoreV3(sys.argv[1]), zarr_version=3, mode='r')[sys.argv[3]]\n"
+                 "d = zarr.open_consolidated(DirectoryStoreV3(sys.argv[2]), zarr_version=3, mode='r')[sys.argv[3]]\n"
+                 "assert np.array_equal(c[...], d[...]), 'DIFF (consolidated)'\n"
+                 "assert dict(c.attrs) == dict(d.attrs), ('attributes (consolidated)', dict(c.attrs), dict(d.attrs))\n")
+    code += "print('EQUAL')\n"
     envv = {**os.environ, "ZARR_V3_EXPERIMENTAL_API": "1", "ZARR_V3_SHARDING": "1"}
     with tempfile.TemporaryDirectory(dir=env.work) as tmp:
         a, b = Path(tmp) / "source", Path(tmp) / "twin"

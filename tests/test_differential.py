@@ -52,6 +52,7 @@ CASES = [
     ("v2_slash_gzip_edges", "local", 3, 91),  # v2 keys with '/', gzip, partial edge chunks
     ("1d_v2_dot", "local", 3, 150),            # v2 keys with '.', 1-d
     ("zarr2", "local", 1, 95),                # v3-draft storage transformer (zarr-python 2.18)
+    ("zarr2_consolidated", "local", 5, 80),   # its .zmetadata edited, members renamed away meanwhile
     ("basic", "s3", 2, 71),
     ("be_nocrc_dot_edges", "s3", 1, 100),       # big-endian index without crc32c, '.' keys
     # variable shard grids, metadata edits and resizes through the mount
@@ -575,7 +576,7 @@ def test_the_meta_op_of_a_v3_draft_store_leaves_what_zarr_2_18_opens(tmp_path):
     and applied to the twin, now leave a store zarr 2.18 opens, with their attributes in the
     array's document."""
     env = dt.Env("zarr2", "local", [], tmp_path)
-    env.setup()
+    env.case.build(env.src, env.twin)  # (the store and its twin; nothing mounted)
     gen = dt.Gen(env, dt.random.Random(1), {**{k: 0 for k in dt.WEIGHTS}, "meta": 1})
     ap = dt.Applier(env, env.twin, twin=True)
     ops = [gen.op() for _ in range(12)]
@@ -584,3 +585,38 @@ def test_the_meta_op_of_a_v3_draft_store_leaves_what_zarr_2_18_opens(tmp_path):
     assert dt.zarr2_compare(env, env.twin) == []
     attrs = json.loads((env.twin / "meta/root/arr.array.json").read_bytes())["attributes"]
     assert set(attrs) & {"a", "b", "c"}, attrs
+
+
+def test_the_zarr2_consolidated_layout_is_read_through_its_consolidated_metadata(tmp_path):
+    """zarr 2.18's consolidated metadata (``meta/root/consolidated/.zmetadata``, SEMANTICS 1)
+    had no layout in the tester, so no run edited it through the mount (its members' entries,
+    their own documents renamed away meanwhile) nor read the stored store consolidated. The
+    zarr2_consolidated layout (scripts/difftest.py --layout zarr2_consolidated) has it, and its
+    final check reads source and twin through it too: a stored entry that lost its sharding
+    transformer (zarr 2.18 then takes the shards for chunks) is a divergence, as is an
+    attribute the consolidated entry lost; the store as built passes."""
+    if not P.zarr2_available():
+        pytest.fail(f"the zarr 2.18 interpreter {P.ZARR2_PYTHON} is missing")
+    env = dt.Env("zarr2_consolidated", "local", [], tmp_path)
+    env.case.build(env.src, env.twin)  # (the store and its twin; nothing mounted)
+    assert dt.ZMETADATA in env.names.meta and env.names.consolidated == dt.ZMETADATA
+    assert dt.zarr2_compare(env, env.src) == []
+    doc = env.src / dt.ZMETADATA
+    good = json.loads(doc.read_bytes())
+    for change in ("transformer", "attribute"):
+        bad = json.loads(json.dumps(good))
+        entry = bad["metadata"]["meta/root/arr.array.json"]
+        if change == "transformer":
+            del entry["storage_transformers"]
+        else:
+            twin = json.loads((env.twin / dt.ZMETADATA).read_bytes())
+            twin["metadata"]["meta/root/arr.array.json"]["attributes"] = {"k": 1}
+            (env.twin / dt.ZMETADATA).write_text(json.dumps(twin))
+        doc.write_text(json.dumps(bad))
+        out = dt.zarr2_compare(env, env.src)
+        assert len(out) == 1 and out[0].startswith("[final] zarr 2.18 read"), out
+        if change == "attribute":
+            assert "'attributes (consolidated)', {}, {'k': 1}" in out[0], out
+        env.names.consolidated = None  # (read as before: not through the consolidated metadata)
+        assert dt.zarr2_compare(env, env.src) == []
+        env.names.consolidated = dt.ZMETADATA
