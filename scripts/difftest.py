@@ -21,8 +21,9 @@ A run that passes prints PASS and its summary: ops, remounts, kills, stretches o
 faults, ops failed under them, race ops (races; race_held: with a descriptor held;
 race_watch, race_mover: each kind of observation and of the mover's steps), directory
 renames (dirmv: the mount's answers; dirmv_mid: none, hold, conc, kill; dirmv_split: those
-whose writers saw the rename between their writes; dirmv_kill: where a kill -9 during one
-left the directory). A replay of dirmv ops with writers or a kill (like race ops) may take
+whose writers saw the rename between their writes; dirmv_late_tmp: temporaries a writer below
+the old name left that the mount may hold or not, taken as it shows them; dirmv_kill: where a
+kill -9 during one left the directory). A replay of dirmv ops with writers or a kill (like race ops) may take
 another course: their timing is not in the op.
 Exit 0: no divergence; 1: a divergence. Ctrl-C, SIGTERM and SIGHUP end a run as a
 divergence does: its mounts are taken down and its daemons ended, none left behind.

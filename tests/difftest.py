@@ -98,7 +98,9 @@ S3, inside a sharded dataset or a v3-draft store, for chunk directories and prec
 scales, and with something held open below; it is allowed (the twin follows the mount) only
 where something below may live in memory only, or with writers busy below (each of whose
 writes must land, below the old name until the rename and below the new one from it, or be
-ENOENT; each read the file's bytes, or ENOENT as the renames allow). An accepted rename must move the stored metadata documents unchanged (the arrays'
+ENOENT; each read the file's bytes, or ENOENT as the renames allow; a temporary a writer below
+the old name left, which the writer below the new one may have taken or not, is either absent
+or its writer's bytes: :meth:`Applier._late_temporaries`). An accepted rename must move the stored metadata documents unchanged (the arrays'
 ``zarr.json`` still sharded). While a directory is renamed away the names below its new place
 are what they were below the old (:meth:`Names.logical`), and the other ops draw neither place.
 
@@ -1128,6 +1130,7 @@ class Applier:
         self.on_the_way: dict[str, list[bytes]] = {}  # (twin) file -> states an op passed through
         self.under_faults = False  # (mount) network faults are on while it applies the op (Runner.step)
         self.stored_now: dict | None = None  # (twin, dirmv) below a directory one rename moved: all stored
+        self.late_tmp = 0  # (twin, dirmv) temporaries left below src taken as the mount shows them
 
     def p(self, rel):
         return self.root / rel
@@ -1922,7 +1925,36 @@ class Applier:
                 for (path, spec, *rest), r in zip(op["w2"], w2):
                     if r == "ok":
                         self._conc_write(path, spec, rest[1:] == ["tmp"])
+            if good1 and good2 and res == "ok":
+                self._late_temporaries(op, w1, w2)
         return out
+
+    def _late_temporaries(self, op, w1: list, w2: list) -> None:
+        """A temporary a writer below ``src`` left ("rename:ENOENT") may have been made by a
+        create under way at the rename (its path walk met the directory before it moved), which
+        may land after the writer below ``dst`` wrote the same file through a temporary of that
+        name (and took the one there with it): the mount then holds the left temporary, which
+        the twin (writing it first) does not; the twin cannot tell the order. For that path in
+        that situation only, either state is right (none, or the left writer's bytes): the twin
+        takes the mount's (counted: dirmv_late_tmp). Seen as 'x/b/2/2.tmp-w: mount ... twin
+        None' (the reverse of seed 20010's order); test_differential.py::
+        test_a_writers_temporary_made_after_the_other_writer_took_the_old_one_stays"""
+        src, dst = op["src"], op["dst"]
+        through_tmp = {path for (path, _, *rest), r in zip(op["w2"], w2) if r == "ok" and rest[1:] == ["tmp"]}
+        for (path, spec, *_), r in zip(op["w1"], w1):
+            moved = dst + path[len(src):]
+            if r != "rename:ENOENT" or moved not in through_tmp:
+                continue
+            rel = moved + ".tmp-w"
+            m, t = self.env.mnt / rel, self.p(rel)
+            shown = m.read_bytes() if m.is_file() else None
+            own = t.read_bytes() if t.is_file() else None
+            if shown != own and shown in (None, self.env.data.get(spec)):
+                if shown is None:
+                    t.unlink()
+                else:
+                    t.write_bytes(shown)
+                self.late_tmp += 1
 
     def _files_below(self, rel: str) -> dict[str, bytes]:
         return {str(q.relative_to(self.root)): q.read_bytes() for q in self.p(rel).rglob("*") if q.is_file()}
@@ -2982,7 +3014,8 @@ class Runner:
     def count_dirmv(self, op: dict, rm, rt, stored: dict | None = None) -> None:
         """A directory rename: the twin's names follow one it made (:attr:`Names.moved`); the
         run's summary counts the mount's answers (dirmv), the variants (dirmv_mid) and the
-        concurrent ones whose writers saw the rename happen between their writes (dirmv_split)."""
+        concurrent ones whose writers saw the rename happen between their writes (dirmv_split),
+        and the temporaries left below src the twin took as the mount shows them (dirmv_late_tmp)."""
         names = self.env.names
         moves = [rt.get("rename")] + list(rt.get("flips") or []) if isinstance(rt, dict) else []
         if moves.count("ok") % 2 and op["src"] != op["dst"]:
@@ -3020,6 +3053,8 @@ class Runner:
         if op.get("mid") == "conc" and "ok" in moves and isinstance(rm, dict) and \
                 ("ENOENT" in (rm.get("w1") or []) or "ok" in (rm.get("w2") or [])):
             self.stats["dirmv_split"] = self.stats.get("dirmv_split", 0) + 1
+        if self.twin_ap.late_tmp:  # (temporaries left below src that may be there or not: _late_temporaries)
+            self.stats["dirmv_late_tmp"] = self.twin_ap.late_tmp
 
     def checked_step(self, i: int, op: dict) -> list[str]:
         try:

@@ -568,6 +568,47 @@ def test_a_writers_temporary_left_by_the_rename_is_taken_by_the_other_writers_te
     assert out.stats["dirmv"] == {"ok": 1}, out.stats  # (moved: the writer below src left its temporary)
 
 
+@pytest.mark.parametrize("bytes_", ["its own", "others"])
+def test_a_writers_temporary_made_after_the_other_writer_took_the_old_one_stays(bytes_, tmp_path, monkeypatch):
+    """The reverse of the interleaving above: the writer below ``src`` met the directory before
+    it moved and its create of the temporary lands after the rename, in the moved directory,
+    after the writer below ``dst`` wrote the same file through a temporary of that name and
+    renamed it over the file; its rename by the old name is then ENOENT ("rename:ENOENT"), as
+    when the temporary was made before the rename. The mount holds the temporary, where the
+    twin (the left temporary written first, then taken by the other writer's) has none; the
+    twin cannot tell the two orders apart, so either state is right for that path
+    (Applier._late_temporaries; before: 'mv0/b.bin.tmp-w: mount 24:7ed6e6ce59 twin None').
+    Forced here: the writer below ``src`` takes the directory (O_PATH: no open handle, the
+    rename is not refused) before the rename, waits (up to 5 s) for the writer below ``dst``
+    to have renamed its temporary over the file (1.5 s in; the directory moves 1 s in), then
+    creates the temporary through that descriptor. With ``others``, the temporary holds bytes
+    its writer did not write (reversed): still a divergence, the twin takes no state blindly."""
+    late = ("        if '/plain/' in p:\n"
+            "            dd=os.open(os.path.dirname(p),os.O_PATH|os.O_DIRECTORY)\n"
+            "            q,t=p.replace('/plain/','/mv0/'),time.time()\n"
+            "            while not (os.path.isfile(q) and os.path.getsize(q)==1 and not os.path.exists(q+'.tmp-w'))"
+            " and time.time()-t<5: time.sleep(0.01)\n"
+            "            fd=os.open(os.path.basename(p)+'.tmp-w',os.O_WRONLY|os.O_CREAT|os.O_TRUNC,0o644,dir_fd=dd)\n"
+            "            os.close(dd)\n"
+            + ("            d=d[::-1]\n" if bytes_ == "others" else "") +
+            "        else:\n"
+            "            fd=os.open(p+'.tmp-w' if m=='tmp' else p,os.O_WRONLY|os.O_CREAT|os.O_TRUNC,0o644)\n")
+    line = "        fd=os.open(p+'.tmp-w' if m=='tmp' else p,os.O_WRONLY|os.O_CREAT|os.O_TRUNC,0o644)\n"
+    writer = dt.Applier._DIRMV_WRITER.replace(line, late)
+    assert writer != dt.Applier._DIRMV_WRITER
+    monkeypatch.setattr(dt.Applier, "_DIRMV_WRITER", writer)
+    ops = [{"op": "dirmv", "src": "plain", "dst": "mv0", "how": "free", "noreplace": False, "mid": "conc",
+            "w1": [["plain/b.bin", ["rnd", 5, 24], 0, "tmp"]],
+            "w2": [["mv0/b.bin", ["rnd", 6, 1], 1.5, "tmp"]], "delay": 1.0}]
+    out = dt.run("basic", "local", base=tmp_path, seed=0, ops=ops, final=False)
+    if bytes_ == "others":
+        assert not out.ok and "mv0/b.bin.tmp-w: mount 24:" in str(out.failure), out.failure
+        return
+    assert out.ok, out.failure
+    assert out.stats["dirmv"] == {"ok": 1}, out.stats
+    assert out.stats.get("dirmv_late_tmp") == 1, out.stats  # (the mount held the late temporary)
+
+
 def test_the_meta_op_of_a_v3_draft_store_leaves_what_zarr_2_18_opens(tmp_path):
     """The meta op (scripts/difftest.py --meta W) on the zarr2 layout drew the store's entry
     point ``zarr.json`` too and added ``attributes`` to it, which zarr 2.18 refuses ("Unexpected
