@@ -543,6 +543,19 @@ def test_the_read_only_check_mount_leaves_out_options_only_a_read_write_mount_ta
     assert seen == [("metadata_ttl=0", "ro"), ("shard=3", "metadata_ttl=0")], seen
 
 
+def _two_writers_around_a_move(tmp_path, monkeypatch, line: str, instead: str):
+    """Run one dirmv of ``plain`` to ``mv0`` (1 s in) with a writer below each (``b.bin``
+    through a temporary; the one below ``mv0`` 1.5 s in), the writers' script having ``line``
+    replaced by ``instead`` (to force an interleaving)."""
+    writer = dt.Applier._DIRMV_WRITER.replace(line, instead)
+    assert writer != dt.Applier._DIRMV_WRITER
+    monkeypatch.setattr(dt.Applier, "_DIRMV_WRITER", writer)
+    ops = [{"op": "dirmv", "src": "plain", "dst": "mv0", "how": "free", "noreplace": False, "mid": "conc",
+            "w1": [["plain/b.bin", ["rnd", 5, 24], 0, "tmp"]],
+            "w2": [["mv0/b.bin", ["rnd", 6, 1], 1.5, "tmp"]], "delay": 1.0}]
+    return dt.run("basic", "local", base=tmp_path, seed=0, ops=ops, final=False)
+
+
 def test_a_writers_temporary_left_by_the_rename_is_taken_by_the_other_writers_temporary_after_it(tmp_path, monkeypatch):
     """A dirmv writer below ``src`` whose temporary (``tmp``) was made before the directory
     moved and whose rename by the old name then fails ("rename:ENOENT") leaves it in the moved
@@ -556,14 +569,8 @@ def test_a_writers_temporary_left_by_the_rename_is_taken_by_the_other_writers_te
     starts 1.5 s in."""
     wait = ("            t=time.time()\n"
             "            while os.path.isdir(os.path.dirname(p)) and time.time()-t<3: time.sleep(0.01)\n")
-    writer = dt.Applier._DIRMV_WRITER.replace("            os.rename(p+'.tmp-w',p)\n",
-                                              wait + "            os.rename(p+'.tmp-w',p)\n")
-    assert writer != dt.Applier._DIRMV_WRITER
-    monkeypatch.setattr(dt.Applier, "_DIRMV_WRITER", writer)
-    ops = [{"op": "dirmv", "src": "plain", "dst": "mv0", "how": "free", "noreplace": False, "mid": "conc",
-            "w1": [["plain/b.bin", ["rnd", 5, 24], 0, "tmp"]],
-            "w2": [["mv0/b.bin", ["rnd", 6, 1], 1.5, "tmp"]], "delay": 1.0}]
-    out = dt.run("basic", "local", base=tmp_path, seed=0, ops=ops, final=False)
+    line = "            os.rename(p+'.tmp-w',p)\n"
+    out = _two_writers_around_a_move(tmp_path, monkeypatch, line, wait + line)
     assert out.ok, out.failure
     assert out.stats["dirmv"] == {"ok": 1}, out.stats  # (moved: the writer below src left its temporary)
 
@@ -594,13 +601,7 @@ def test_a_writers_temporary_made_after_the_other_writer_took_the_old_one_stays(
             "        else:\n"
             "            fd=os.open(p+'.tmp-w' if m=='tmp' else p,os.O_WRONLY|os.O_CREAT|os.O_TRUNC,0o644)\n")
     line = "        fd=os.open(p+'.tmp-w' if m=='tmp' else p,os.O_WRONLY|os.O_CREAT|os.O_TRUNC,0o644)\n"
-    writer = dt.Applier._DIRMV_WRITER.replace(line, late)
-    assert writer != dt.Applier._DIRMV_WRITER
-    monkeypatch.setattr(dt.Applier, "_DIRMV_WRITER", writer)
-    ops = [{"op": "dirmv", "src": "plain", "dst": "mv0", "how": "free", "noreplace": False, "mid": "conc",
-            "w1": [["plain/b.bin", ["rnd", 5, 24], 0, "tmp"]],
-            "w2": [["mv0/b.bin", ["rnd", 6, 1], 1.5, "tmp"]], "delay": 1.0}]
-    out = dt.run("basic", "local", base=tmp_path, seed=0, ops=ops, final=False)
+    out = _two_writers_around_a_move(tmp_path, monkeypatch, line, late)
     if bytes_ == "others":
         assert not out.ok and "mv0/b.bin.tmp-w: mount 24:" in str(out.failure), out.failure
         return
