@@ -612,6 +612,12 @@ class Operations(pyfuse3.Operations):
                     return await self._getattr(inode)
                 if fresh is not None and entry is not None:
                     node = entry.node = fresh
+            elif node.target is None and node.link is None:
+                # a version this mount stored since the node was learnt: a
+                # truncate's (or close's) store whose own answer, asked of
+                # storage after it, is still out; the node's size is older
+                # than the buffer's the stats before answered
+                node = self.view.newest_own(node)
         return self._attrs(inode, node)
 
     # -- directories --------------------------------------------------------
