@@ -19,7 +19,7 @@ import pytest
 import zarr
 
 from tests.test_write import Store, seed_array, write_file, zs
-from tests.util import assert_below_as_a_scan
+from tests.util import assert_below_as_a_scan, event_loop_cpu
 
 
 def _tree(root: Path) -> dict[str, tuple[int, bytes]]:
@@ -1040,13 +1040,14 @@ def test_a_listing_answered_after_many_renames_costs_what_any_listing_does(tmp_p
 
     async def rest_of(fh, off: int) -> float:
         """The rest of the listing from ``off``; its CPU seconds."""
-        t = time.process_time()
-        while True:
-            before, room[0] = len(replied), 100
-            await ops.readdir(fh, off, None)
-            off += len(replied) - before
-            if len(replied) == before:
-                return time.process_time() - t
+        with event_loop_cpu() as spent:
+            while True:
+                before, room[0] = len(replied), 100
+                await ops.readdir(fh, off, None)
+                off += len(replied) - before
+                if len(replied) == before:
+                    break
+        return spent.seconds
 
     async def main():
         p = (await ops.lookup(pyfuse3.ROOT_INODE, b"P")).st_ino
@@ -1634,9 +1635,9 @@ def test_a_directory_s_rename_costs_what_is_below_it_not_every_inode(tmp_path, m
         """CPU seconds of the rename of ``top`` to h + its suffix; checks the inodes moved."""
         held = await _look_up_below(ops, top, names)
         new = "h" + top[1:]
-        t = time.process_time()
-        await ops.rename(pyfuse3.ROOT_INODE, top.encode(), pyfuse3.ROOT_INODE, new.encode(), 0, None)
-        spent = time.process_time() - t
+        with event_loop_cpu() as cpu:
+            await ops.rename(pyfuse3.ROOT_INODE, top.encode(), pyfuse3.ROOT_INODE, new.encode(), 0, None)
+        spent = cpu.seconds
         for path, ino in held.items():
             moved = new + path[len(top):]
             assert ops.by_path.get(path) is None and ops.by_path.get(moved) == ino, path
@@ -1675,24 +1676,24 @@ def test_a_directory_s_rename_costs_what_is_below_it_not_every_forgotten_path(tm
         """CPU seconds of 20 renames of ``top`` to h + its suffix and back."""
         held = await _look_up_below(ops, top, names)
         new = "h" + top[1:]
-        t = time.process_time()
-        for i in range(20):
-            a, b = (top, new) if i % 2 == 0 else (new, top)
-            await ops.rename(pyfuse3.ROOT_INODE, a.encode(), pyfuse3.ROOT_INODE, b.encode(), 0, None)
-        spent = time.process_time() - t
+        with event_loop_cpu() as cpu:
+            for i in range(20):
+                a, b = (top, new) if i % 2 == 0 else (new, top)
+                await ops.rename(pyfuse3.ROOT_INODE, a.encode(), pyfuse3.ROOT_INODE, b.encode(), 0, None)
+        spent = cpu.seconds
         for path, ino in held.items():
             assert ops.by_path.get(path) == ino, path
         return spent
 
     async def main():
-        alone = await renames("g1")
+        alone = min([await renames("g1") for _ in range(3)])  # (best of three: a noisy machine's lulls)
         gone = [ops._number_of(f"g2/d{i}/gone") for i in range(3)]  # (forgotten below g2)
         others = [f"other/d{i // 1000}/f{i}" for i in range(fuse_ops.REMEMBERED_INODES - len(gone))]
         for path in others:
             ops._number_of(path)
         assert len(ops._forgotten) == fuse_ops.REMEMBERED_INODES and len(set(gone)) == 3
-        many = await renames("g2")
-        assert many < 2 * alone + 0.02, (many, alone)
+        many = min([await renames("g2") for _ in range(3)])
+        assert many < 2 * alone + 0.02, (many, alone)  # (before: about 0.2 s more: 10 ms a rename)
         assert not [p for p in ops._forgotten if p.startswith("g2/")], "forgotten below g2 kept"
         assert list(ops._forgotten) == others  # (in their order: the oldest go first)
         assert ops._forgotten.below("g2") == [] and len(ops._forgotten.below("other")) == len(others)
