@@ -2995,9 +2995,13 @@ def test_an_entry_notification_waiting_for_the_kernel_never_holds_up_a_rename_s(
             ino[path] = (await ops.lookup(ino.get(parent, pyfuse3.ROOT_INODE), leaf.encode())).st_ino
         held_open = (await ops.open(ino["b.txt"], os.O_RDONLY, None)).fh  # (its rename tells the kernel)
         chunk = ops.inodes[ino["arr/c/0/1"]].node.target
-        view.removed_here["arr"] = {(chunk.shard_key, chunk.chunk_id)}  # (as a shrink does)
+
+        async def removing():  # (a request whose work removed a chunk, as a shrink's does: it forgets it at its end)
+            view.removed_here[trio.lowlevel.current_task()] = {"arr": {(chunk.shard_key, chunk.chunk_id)}}
+            await ops.getattr(pyfuse3.ROOT_INODE, None)
+
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ops.getattr, pyfuse3.ROOT_INODE, None)  # (any request: it forgets them at its end)
+            nursery.start_soon(removing)
             await trio.to_thread.run_sync(entered.wait, 10)
             with trio.fail_after(10):  # (before: for ever)
                 await ops.rename(pyfuse3.ROOT_INODE, b"a.txt", pyfuse3.ROOT_INODE, b"b.txt", 0, None)
@@ -3134,7 +3138,9 @@ def test_only_the_inodes_a_request_names_keep_its_forgotten_chunks_queued(tmp_pa
 
         async def forgets(request, *args):
             now.clear(), queued.clear()
-            view.removed_here[chunk.dataset.root] = {(chunk.target.shard_key, chunk.target.chunk_id)}
+            # (as the request's own work would: the task serving it removed them)
+            view.removed_here[trio.lowlevel.current_task()] = {
+                chunk.dataset.root: {(chunk.target.shard_key, chunk.target.chunk_id)}}
             await request(*args)
             return now[:], queued[:]
 
@@ -3201,6 +3207,53 @@ def test_a_request_ending_while_another_shrinks_an_array_is_not_held_up(moto_ser
         for rel in ("c0/3", "c2/2", "c3/0", "c3/3"):  # (outside (5, 3) in chunks of 2)
             assert not os.path.exists(arr / rel), rel
         assert os.path.isfile(arr / "c2/0")
+
+
+def test_two_arrays_recreated_at_once_are_not_held_up_by_each_other(moto_server, s3_bucket, mount, tmp_path):
+    """Two arrays each emptied (zarr.json and every chunk file removed
+    through the mount, as a store deleting keys does) and given a new
+    zarr.json at once, each by renaming a temporary onto it: each rename's
+    request makes the kernel forget the entries of its array's old chunk
+    directories (View.datasets_gone), which it holds (``x/c``), before it
+    answers.  The first rename to end took the other's set too, and the
+    other's entry ``y/c`` is in ``y``, whose lock the kernel holds for the
+    other rename, still at work (its PUT held back): the first waited 2 s
+    for it.  Each forgets only its own set now: the first is answered at
+    once, and after both, no old chunk directory of either is seen."""
+    from tests.s3server import TcpProxy
+
+    _, bucket = s3_bucket
+    store = Store("s3", server=moto_server, bucket=bucket)
+    for name in ("x", "y"):
+        seed_array(store, tmp_path, name, (8, 8), (2, 2), (4, 4), "<i4", data=np.ones((8, 8), "<i4"))
+    with TcpProxy(moto_server.port) as proxy:
+        m = mount(store.source, "attr_timeout=60", extra=["--endpoint-url", proxy.endpoint_url])
+        docs = {}
+        for name in ("x", "y"):
+            for i in range(4):
+                for j in range(4):
+                    assert os.path.isfile(m / f"{name}/c/{i}/{j}")  # (the kernel holds every chunk's entry)
+            docs[name] = (m / f"{name}/zarr.json").read_bytes()
+            os.unlink(m / f"{name}/zarr.json")
+            for i in range(4):
+                for j in range(4):
+                    os.unlink(m / f"{name}/c/{i}/{j}")
+            assert os.path.isdir(m / f"{name}/c/0")  # (the kernel still holds the chunk directories)
+            (m / f"{name}/zarr.json.tmp").write_bytes(docs[name])
+        proxy.hold(lambda first: first.startswith(f"PUT /{bucket}/{PREFIX}/y/zarr.json ".encode()))
+        with ThreadPoolExecutor(1) as pool:
+            other = pool.submit(os.replace, m / "y/zarr.json.tmp", m / "y/zarr.json")
+            assert proxy.holding.wait(10), "the other rename did not store its document"
+            started = time.monotonic()
+            os.replace(m / "x/zarr.json.tmp", m / "x/zarr.json")
+            took = time.monotonic() - started
+            proxy.go()
+            other.result(timeout=30)
+        assert took < 1.0, f"the first rename took {took:.2f} s"  # (before: 2.07 s)
+        assert [name for name in ("x", "y") if os.path.exists(m / f"{name}/c/0")] == []
+        for name in ("x", "y"):
+            assert (m / f"{name}/zarr.json").read_bytes() == docs[name]
+        assert "Traceback" not in m.log_text()
 
 
 def test_zarr2_arrays_made_in_a_shard_mount_are_stored_as_written_and_said(store, mount, tmp_path):

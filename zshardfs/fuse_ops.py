@@ -1168,17 +1168,22 @@ class Operations(pyfuse3.Operations):
         happened (a related request holding a lock for longer), the rest
         queued.
 
-        Only the request whose work removed them does so (View.removed_by;
-        anyone, if none is known): another request ending meanwhile may hold
-        locks not among its arguments (an rmdir's victim, a directory moved
-        to another, a LOOKUP a rename makes while holding both directories),
-        and its answer waited 2 s for its own lock."""
-        by = self.view.removed_by
-        if by and trio.lowlevel.current_task() not in by:
-            return  # (left to them: each invalidates before its answer)
-        self.view.removed_by = set()
-        removed, self.view.removed_here = self.view.removed_here, {}
-        datasets, self.view.datasets_gone = self.view.datasets_gone, set()
+        Only the request whose work removed them does so, and only those
+        (both tables are by task: the pyfuse3 worker serving the request).
+        Another request ending meanwhile may hold locks not among its
+        arguments (an rmdir's victim, a directory moved to another, a LOOKUP
+        a rename makes while holding both directories), and its answer
+        waited 2 s for its own lock; and another remover's entries may lie
+        in a directory the kernel holds for that remover, still at work (a
+        rename onto ``y/zarr.json`` holds ``y``, where its ``y/c`` is): the
+        first to end waited 2 s for it.  (What the final stores at a stop
+        or unmount remove, outside any request, is not forgotten: the mount
+        ends with them.)"""
+        task = trio.lowlevel.current_task()
+        removed = self.view.removed_here.pop(task, None) or {}
+        datasets = self.view.datasets_gone.pop(task, None) or set()
+        if not removed and not datasets:
+            return  # (another's: each invalidates its own before its answer)
         inodes, handles = _HELD_ARGS.get(request, ((), ()))
         held = {args[i] for i in inodes if i < len(args)}
         held |= {h.inode for i in handles if i < len(args)

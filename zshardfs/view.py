@@ -418,20 +418,20 @@ class View:
         self._previous_bytes = 0
         self._previous_in: dict[str, set[str]] = {}  # dir key -> its keys in previous_documents
         # chunks this mount removed by itself, not by a request naming them
-        # (_prune_outside): dataset root -> {(shard key, chunk id)}.  The
-        # kernel may hold their entries (a reader looked them up): Operations
-        # makes it forget them after the request, looking below the roots
-        # (see Operations._forget_removed_here)
-        self.removed_here: dict[str, set[tuple[str, int]]] = {}
+        # (_prune_outside), by the task whose work removed them (the pyfuse3
+        # worker serving the request): task -> dataset root -> {(shard key,
+        # chunk id)}.  The kernel may hold their entries (a reader looked
+        # them up): Operations makes it forget them after that request,
+        # looking below the roots (see Operations._forget_removed_here).
+        # Each request forgets its own only: another's entries may lie in a
+        # directory whose lock the kernel holds for that other request, still
+        # at work (its invalidation waited 2 s for it)
+        self.removed_here: dict[trio.lowlevel.Task, dict[str, set[tuple[str, int]]]] = {}
         # (dataset root, version) of the datasets whose document this mount
         # removed and whose last chunk went before a new document took its
-        # place (_removed_document): the entries the kernel holds of their
-        # chunk files and directories are forgotten likewise
-        self.datasets_gone: set[tuple[str, tuple]] = set()
-        # the tasks (a request's) whose work added to the two above: only
-        # they forget them, at their end (another request ending meanwhile
-        # may hold a lock their invalidation needs: an rmdir's victim)
-        self.removed_by: set[trio.lowlevel.Task] = set()
+        # place (_removed_document), by task likewise: the entries the kernel
+        # holds of their chunk files and directories are forgotten likewise
+        self.datasets_gone: dict[trio.lowlevel.Task, set[tuple[str, tuple]]] = {}
         # (S3) info key -> (etag, the directories it names): see _info_dirs
         self._info_dirs_kept: OrderedDict[str, tuple[str, frozenset[str]]] = OrderedDict()
 
@@ -1811,9 +1811,10 @@ class View:
         for t in gone:
             self.writeback.delete(t.shard_key, before.shard_format, t.shard_ctx, t.chunk_id, before.shard_home)
             self._chunk_changed(t)
-        if gone and sum(map(len, self.removed_here.values())) < 1 << 20:  # (else they time out, attr_timeout)
-            self.removed_here.setdefault(before.root, set()).update((t.shard_key, t.chunk_id) for t in gone)
-            self.removed_by.add(trio.lowlevel.current_task())
+        if gone and sum(len(ids) for by_root in self.removed_here.values()
+                        for ids in by_root.values()) < 1 << 20:  # (else they time out, attr_timeout)
+            self.removed_here.setdefault(trio.lowlevel.current_task(), {}).setdefault(before.root, set()).update(
+                (t.shard_key, t.chunk_id) for t in gone)
         if gone:
             log.info("%s: shape shrank: %d chunks outside it removed", dir_key, len(gone))
 
@@ -1867,8 +1868,7 @@ class View:
         # store keeps: the kernel, which may hold them, is told to forget them)
         gone = {(d, self.orphans[d][0].version) for d in dirs if d in self.orphans and self.orphans[d][0].version}
         if gone:
-            self.datasets_gone.update(gone)
-            self.removed_by.add(trio.lowlevel.current_task())
+            self.datasets_gone.setdefault(trio.lowlevel.current_task(), set()).update(gone)
         self._forget_removed(key)  # ...which is new
         return None
 
