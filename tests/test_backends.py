@@ -2193,3 +2193,29 @@ def test_a_chunk_read_from_the_page_cache_makes_no_single_flight_mark(tmp_path):
 
     assert trio.run(main, True) == []
     assert len(trio.run(main, False)) == 1
+
+
+def test_a_kept_descriptor_answers_nowait_reads_of_its_version_only(tmp_path):
+    """A pinned read keeps its descriptor; a nowait read through it answers
+    with that version's etag and size (and is counted) until the file is
+    rewritten in place (the same inode: only its mtime and size tell), then
+    leaves it to the slow path, which fails the pin."""
+    b = LocalBackend(str(tmp_path))
+    v1 = b.put("s/shard", b"0123456789")
+    assert b.get("s/shard", 2, 4, if_match=v1.etag).data == b"2345"  # (keeps its descriptor)
+    before = dict(b.counters)
+    blob = b.get_nowait("s/shard", 2, 4, v1.etag)
+    assert blob.data == b"2345" and (blob.info.key, blob.info.etag, blob.info.size) == ("s/shard", v1.etag, 10)
+    assert b.counters["get_range"] == before.get("get_range", 0) + 1
+    assert b.counters["bytes_read"] == before.get("bytes_read", 0) + 4
+    assert b.get_nowait("s/shard", 0, 10, v1.etag).data == b"0123456789"
+    assert b.counters["get"] == before.get("get", 0) + 1
+    ino = os.stat(tmp_path / "s/shard").st_ino
+    with open(tmp_path / "s/shard", "r+b") as f:  # same inode, same size, another mtime
+        f.write(b"abcdefghij")
+    os.utime(tmp_path / "s/shard", ns=(v1.mtime_ns + 10**9, v1.mtime_ns + 10**9))
+    assert os.stat(tmp_path / "s/shard").st_ino == ino
+    assert b.get_nowait("s/shard", 2, 4, v1.etag) is None
+    assert b.table_sizes()["kept_fds"] == 0
+    with pytest.raises(PreconditionFailed):
+        b.get("s/shard", 2, 4, if_match=v1.etag)

@@ -1137,9 +1137,17 @@ def bump(counters: Counter, name: str, n: int = 1) -> None:
         counters[name] += n
 
 
+def bump_read(counters: Counter, name: str, nbytes: int) -> None:
+    """:func:`bump` of ``name`` and of ``bytes_read`` by ``nbytes``, under one
+    taking of the lock (every read counts both)."""
+    with _lock:
+        counters[name] += 1
+        counters["bytes_read"] += nbytes
+
+
 __all__ = [
     "AccessDenied", "AsyncStore", "Backend", "Blob", "COUNTER_NAMES", "CorruptData",
     "Listing", "NotFound", "ObjectInfo", "PreconditionFailed", "StoreError",
-    "Unavailable", "bump", "call_deadline", "end_request", "held_by_deadline", "join_key", "no_request_deadline",
+    "Unavailable", "bump", "bump_read", "call_deadline", "end_request", "held_by_deadline", "join_key", "no_request_deadline",
     "pause_within_deadline", "request_deadline_at", "shared_within_deadline", "waited_within_deadline",
 ]

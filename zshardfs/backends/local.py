@@ -53,7 +53,7 @@ from contextlib import contextmanager
 
 from ..logonce import log_once
 from .base import (AccessDenied, Blob, CorruptData, DirectoryAtKey, Listing, NotFound, ObjectInfo,
-                   PreconditionFailed, StoreError, TooLarge, bump, join_key)
+                   PreconditionFailed, StoreError, TooLarge, bump, bump_read, join_key)
 
 log = logging.getLogger(__name__)
 
@@ -440,7 +440,9 @@ class LocalBackend:
         self.symlinks = confine  # links reported as links (-o follow_symlinks: followed, never shown)
         self.url = self.root
         self.counters: Counter = Counter()
-        # (key, etag) -> [fd, when the path last showed that version]
+        # (key, etag) -> [fd, when the path last showed that version, its
+        # (st_ino, st_mtime_ns, st_size): what the etag is made of, the
+        # ObjectInfo its nowait reads answer with]
         self._fds: OrderedDict[tuple[str, str], list] = OrderedDict()
         self._fd_lock = threading.Lock()
         self._swept: OrderedDict[str, None] = OrderedDict()
@@ -489,7 +491,7 @@ class LocalBackend:
     def _let_go_of_kept_fds(self, exc: OSError) -> bool:
         """Close every descriptor kept for nowait reads; True if there were any."""
         with self._fd_lock:
-            gone = [fd for fd, _ in self._fds.values()]
+            gone = [kept[0] for kept in self._fds.values()]
             self._fds.clear()
         for fd in gone:
             os.close(fd)
@@ -752,7 +754,7 @@ class LocalBackend:
             if length is None:
                 length = max(0, st.st_size - start)
             data = os.pread(fd, length, start) if length > 0 else b""
-            keep = self._keep_fd(key, info.etag, fd)
+            keep = self._keep_fd(key, info.etag, fd, st)
         except OSError as exc:
             raise self._fail(key, exc) from None
         finally:
@@ -762,11 +764,10 @@ class LocalBackend:
 
     def _count_read(self, info: ObjectInfo, start: int, data: bytes, suffix) -> Blob:
         ranged = suffix is not None or start > 0 or len(data) < info.size
-        bump(self.counters, "get_range" if ranged else "get")
-        bump(self.counters, "bytes_read", len(data))
+        bump_read(self.counters, "get_range" if ranged else "get", len(data))
         return Blob(data, info)
 
-    def _keep_fd(self, key: str, etag: str, fd: int) -> bool:
+    def _keep_fd(self, key: str, etag: str, fd: int, st: os.stat_result) -> bool:
         """Keep ``fd`` of this version for later nowait reads (LRU-bounded).
         Other versions of ``key`` are let go: a replaced file's descriptor
         would hold its disk space."""
@@ -778,7 +779,8 @@ class LocalBackend:
             gone = [self._fds.pop(k)[0] for k in [k for k in self._fds if k[0] == key]]
             cap = self._fd_cache_size()
             if cap > 0:
-                self._fds[(key, etag)] = [fd, time.monotonic()]
+                self._fds[(key, etag)] = [fd, time.monotonic(), (st.st_ino, st.st_mtime_ns, st.st_size),
+                                          ObjectInfo(key, st.st_size, etag, 0)]
             while len(self._fds) > cap:
                 gone.append(self._fds.popitem(last=False)[1][0])
         for old in gone:  # (closing the last link of a big file frees its blocks: not under the lock)
@@ -826,9 +828,10 @@ class LocalBackend:
             kept = self._fds.get((key, if_match))
             if kept is None or time.monotonic() - kept[1] > self.NOWAIT_TRUST:
                 return None
-            fd = kept[0]
+            fd, _, made_of, info = kept
             try:  # rewritten in place (same inode): no longer that version
-                if self._info(key, os.fstat(fd)).etag != if_match:
+                st = os.fstat(fd)
+                if (st.st_ino, st.st_mtime_ns, st.st_size) != made_of:  # (what _info's etag is made of)
                     del self._fds[(key, if_match)]
                     os.close(fd)
                     return None
@@ -842,9 +845,10 @@ class LocalBackend:
                 return None
         if n != length:
             return None  # partly cached, or past the end: the slow path decides
-        etag_size = int(if_match.rsplit("-", 1)[1], 16)
-        info = ObjectInfo(key, etag_size, if_match, 0)
-        return self._count_read(info, start, bytes(buf), None)
+        # (a random chunk's read through the mount is this: each step here
+        # costs a few us of the event loop's time, docs/PERFORMANCE.md)
+        bump_read(self.counters, "get_range" if start > 0 or length < info.size else "get", length)
+        return Blob(bytes(buf), info)
 
     def _get_current_nowait(self, key: str, start: int, length: int | None, suffix: int | None) -> Blob | None:
         """:meth:`get` of the current version of ``key`` (a shard index's
@@ -880,7 +884,7 @@ class LocalBackend:
                 if os.preadv(fd, [buf], start, os.RWF_NOWAIT) != length:
                     return None  # partly cached, or past the end: the slow path decides
                 data = bytes(buf)
-            keep = self._keep_fd(key, info.etag, fd)
+            keep = self._keep_fd(key, info.etag, fd, st)
         except (OSError, AttributeError):  # (BlockingIOError: not all cached; no RWF_NOWAIT)
             return None
         finally:
@@ -1478,8 +1482,8 @@ class LocalBackend:
 
     def close(self) -> None:
         with self._fd_lock:
-            for fd, _ in self._fds.values():
-                os.close(fd)
+            for kept in self._fds.values():
+                os.close(kept[0])
             self._fds.clear()
             for fd in [self._root_fd, *self._old_root_fds] if self._root_fd is not None else self._old_root_fds:
                 os.close(fd)
