@@ -70,6 +70,9 @@ class ShardIndex(Protocol):
     info: ObjectInfo  # the shard object's version (etag, size, mtime)
     nbytes: int  # memory it costs, for the cache budget
 
+    #: True: ``locate_now`` answers what ``locate`` would, without awaiting
+    sync_locate: bool
+
     async def locate(self, chunk_id: int) -> tuple[int, int] | None:
         """(offset, nbytes) of a stored chunk in the shard, or None."""
 
@@ -292,6 +295,10 @@ class _Cached:
     checked: float = field(default_factory=time.monotonic)
 
 
+#: index_now's answer when the cache alone cannot answer (index() must)
+NOT_CACHED = object()
+
+
 def _parsed_as(fmt: ShardFormat, shard_ctx: Any) -> Any:
     """What an index parsed by ``fmt`` for ``shard_ctx`` depends on."""
     return getattr(fmt, "parses_as", None), shard_ctx
@@ -387,6 +394,9 @@ class ShardCache:
         does not validate them again one by one when their loads outlasted
         the TTL: on a slow link, a HEAD per shard in a row)."""
         while True:
+            found = self.index_now(fmt, key, shard_ctx, expired_ok=expired_ok, checked_since=checked_since)
+            if found is not NOT_CACHED:
+                return found
             # hits and misses count answers, not callers: a caller that waits
             # for another's load is neither
             cached: _Cached | None = self.indexes.peek(key)
@@ -426,6 +436,22 @@ class ShardCache:
                     if len(self._unread) > SCAN_SHARDS:
                         self._unread.popitem(last=False)
             return index
+
+    def index_now(self, fmt: ShardFormat, key: str, shard_ctx: Any = None, *, expired_ok: bool = False,
+                  checked_since: float | None = None) -> ShardIndex | None | object:
+        """What :meth:`index` answers from the cache alone, with no I/O and
+        no await: the cached index (None: the shard is known to be absent),
+        counted as a hit; NOT_CACHED when :meth:`index` must look further
+        (not cached, parsed under another format, or due for validation).
+        Every lookup and read of a chunk asks first: a coroutine fewer each."""
+        cached: _Cached | None = self.indexes.peek(key)
+        if cached is None or cached.parsed_as != _parsed_as(fmt, shard_ctx):
+            return NOT_CACHED
+        if (time.monotonic() - cached.checked < self.index_ttl or (expired_ok and cached.index is not None)
+                or (checked_since is not None and cached.checked >= checked_since)):
+            self.indexes.touch(key)
+            return cached.index
+        return NOT_CACHED
 
     @contextlib.asynccontextmanager
     async def _index_room(self, fmt: ShardFormat, shard_ctx: Any, key: str):
@@ -529,9 +555,12 @@ class ShardCache:
                 self._read_ahead()
         scan = None
         for attempt in range(3):
-            index = await self.index(fmt, key, shard_ctx, expired_ok=True)
+            index = self.index_now(fmt, key, shard_ctx, expired_ok=True)
+            if index is NOT_CACHED:
+                index = await self.index(fmt, key, shard_ctx, expired_ok=True)
             try:
-                where = await index.locate(chunk_id) if index is not None else None
+                where = (None if index is None else index.locate_now(chunk_id) if getattr(index, "sync_locate", False)
+                         else await index.locate(chunk_id))
             except CorruptData:
                 if not self._expired(key):
                     raise

@@ -677,7 +677,8 @@ class View:
 
     async def lookup(self, parent: Node, name: str) -> Node | None:
         """The child ``name`` of directory ``parent``, or None."""
-        parent = await self._fresh(parent)
+        if parent.created < self._documents_changed_at:  # (else _fresh answers it as it is: no coroutine)
+            parent = await self._fresh(parent)
         path = _prefix(parent.path) + name if name and "/" not in name else join_key(parent.path, name)
         buf = self.buffers.get(path)
         if buf is not None:

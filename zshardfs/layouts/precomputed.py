@@ -202,6 +202,8 @@ def _decoded_bytes(raw: bytes, encoding: str) -> int:
 class PrecomputedShardIndex:
     """One version of one shard: its fixed index, and access to its minishards."""
 
+    sync_locate = False  # (ShardIndex: a minishard may have to be read)
+
     def __init__(self, fmt: "PrecomputedShardFormat", store: AsyncStore, info: ObjectInfo, table: np.ndarray,
                  shard: int | None):
         self.fmt, self.store, self.info, self.table, self.shard = fmt, store, info, table, shard

@@ -20,7 +20,7 @@ import trio
 
 from ..backends.base import AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo
 from ..logonce import log_once, report_damage
-from ..shards import EMPTY
+from ..shards import EMPTY, NOT_CACHED
 from ..together import off_loop, outcomes
 from .base import ChunkEntry, ChunkTarget, Dataset, DirEntry, Entry, LayoutContext, parse_index_name
 from .grids import ShardGrid, linear_index, unravel_index
@@ -47,6 +47,8 @@ class ZarrShardIndex:
     @property
     def nbytes(self) -> int:
         return self.table.nbytes + 2 * len(self.table)  # the table, and the two masks listings add
+
+    sync_locate = True  # (ShardIndex: read_chunk calls locate_now)
 
     async def locate(self, chunk_id: int) -> tuple[int, int] | None:
         return self.locate_now(chunk_id)
@@ -401,7 +403,9 @@ class GridDataset(Dataset):
         shard, pos = self.grid.locate(coords)
         extent = self.grid.shard_extent(shard)
         key = self._key(self.keys.format(shard))
-        index = await self.ctx.shards.index(self.shard_format, key, extent)
+        index = self.ctx.shards.index_now(self.shard_format, key, extent)
+        if index is NOT_CACHED:
+            index = await self.ctx.shards.index(self.shard_format, key, extent)
         if index is None:
             return None
         cid = linear_index(pos, extent)
