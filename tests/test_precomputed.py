@@ -997,7 +997,12 @@ def test_compressing_a_shard_does_not_stop_the_mount_answering(tmp_path, mount):
     took = time.monotonic() - t0
     assert sync.returncode == 0
     assert took > 0.5, f"the sync took {took:.2f} s: too little work to tell"
-    assert max(waits) < 0.4, (max(waits), took)
+    # the longest wait against the sync's own time, which a slow or busy
+    # machine stretches alike: gzip on the loop blocked it for most of the
+    # sync (4.6 s of 6.0 s, 5.4 s of 6.4 s); beside it, idle 0.14-0.22 s of
+    # 4.4-6.8 s, two busy loops beside the test 0.49 s of 6.9 s and 0.50 s
+    # of 8.9 s (the old bound, 0.4 s, failed there)
+    assert max(waits) < took / 4, (max(waits), took)
     assert peers.read_kvstore(tmp_path / "kv", info["sharding"])[5][:16] == (m.path / "5").read_bytes()[:16]
 
 
