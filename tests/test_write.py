@@ -3202,7 +3202,13 @@ def test_a_request_ending_while_another_shrinks_an_array_is_not_held_up(moto_ser
             took = time.monotonic() - started
             proxy.go()
             shrunk.result(timeout=30)
-        assert took < 1.0, f"{meanwhile} took {took:.2f} s"  # (before: 2.0 s; after: 0.04 s, 0.18 s)
+        # the defect's wait is the 2 s cap on invalidating (fuse_ops'
+        # _forget_removed_here: trio.move_on_after(2.0)) after the request's
+        # own work: at least 2 s however fast the machine (before: 2.05 s,
+        # 2.26 s).  The work alone: 0.04 s, 0.18 s idle; 0.08-0.23 s and
+        # 0.34-1.15 s with two busy loops beside the test (the old bound,
+        # 1.0 s, failed there)
+        assert took < 1.9, f"{meanwhile} took {took:.2f} s"
         assert "shape shrank: 10 chunks outside it removed" in m.log_text()
         for rel in ("c0/3", "c2/2", "c3/0", "c3/3"):  # (outside (5, 3) in chunks of 2)
             assert not os.path.exists(arr / rel), rel
