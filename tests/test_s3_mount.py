@@ -1925,16 +1925,28 @@ def test_rsync_into_an_s3_mount_reads_nothing_back(moto_server, s3_bucket, mount
     LIST for every name looked up within the next ``metadata_ttl``, instead
     of a HEAD and a LIST (is it a directory?) for each name that is not
     there (fourteen requests per file in all, with short TTLs)."""
+    # metadata_ttl is also how long the mount keeps the bytes it stored for
+    # a rename to copy (Store.written): rsync renames a temporary a few
+    # requests after its close, which a busy machine spreads out.  With
+    # 0.2 s, two busy loops beside the test made one rename of 12 come
+    # later and read its temporary back (a GET: failed 1 run of 3); 0.5 s
+    # leaves room.  The copy is made in two halves, the second begun past
+    # metadata_ttl, so that names are looked up in a stale listing however
+    # fast the machine.
     _, bucket = s3_bucket
-    src = tmp_path / "src"
-    src.mkdir()
+    ttl = 0.5
     files = {f"f{i:02d}": os.urandom(3000 + i) for i in range(12)}
-    for name, data in files.items():
-        (src / name).write_bytes(data)
-    m = mount(f"s3://{bucket}/{PREFIX}", "metadata_ttl=0.2", extra=["--endpoint-url", moto_server.endpoint_url])
+    for i, (name, data) in enumerate(files.items()):
+        (tmp_path / f"src{i % 2}").mkdir(exist_ok=True)
+        (tmp_path / f"src{i % 2}" / name).write_bytes(data)
+    m = mount(f"s3://{bucket}/{PREFIX}", f"metadata_ttl={ttl:g}", extra=["--endpoint-url", moto_server.endpoint_url])
     (m.path / "d").mkdir()
     mark, started = moto_server.mark(), time.monotonic()
-    subprocess.run(["rsync", "-a", f"{src}/", f"{m.path / 'd'}/"], check=True, capture_output=True, timeout=120)
+    for half in ("src0", "src1"):
+        if half == "src1":
+            time.sleep(ttl + 0.1)
+        subprocess.run(["rsync", "-a", f"{tmp_path / half}/", f"{m.path / 'd'}/"], check=True, capture_output=True,
+                       timeout=120)
     took = time.monotonic() - started
     # (the metadata probes of d/ and of the root, zarr.json and info, and a
     # LIST or two, are a few requests for the whole copy)
@@ -1943,7 +1955,7 @@ def test_rsync_into_an_s3_mount_reads_nothing_back(moto_server, s3_bucket, mount
     assert not [r for r in got if r[0] == "GET"], got
     assert not [r for r in got if r[0] == "HEAD" and r[2] == 404], got  # (every name not there: from a listing)
     assert len([r for r in got if r[0] != "LIST"]) <= 5 * len(files), got
-    assert len([r for r in got if r[0] == "LIST"]) <= took / 0.2 + 4, (took, got)  # (one per metadata_ttl)
+    assert len([r for r in got if r[0] == "LIST"]) <= took / ttl + 4, (took, got)  # (one per metadata_ttl)
     for name, data in files.items():
         assert moto_server.s3.get_object(Bucket=bucket, Key=f"{PREFIX}/d/{name}")["Body"].read() == data
         assert (m.path / "d" / name).read_bytes() == data
