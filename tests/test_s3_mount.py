@@ -1654,7 +1654,11 @@ def test_parallel_readers_overlap(mount, moto_server, bucket, array, slow_endpoi
     assert sum(shard_gets(reqs).values()) == 24  # an index and a chunk each
     print(f"\nserial {t_serial:.2f}s, parallel {t_parallel:.2f}s, {proxy.max_inflight} requests in flight at most")
     assert t_serial >= 12 * 2 * proxy.delay
-    assert t_parallel < t_serial / 3, (t_serial, t_parallel)
+    # reads served one at a time (max_connections=1): parallel 2.30 s, serial
+    # 2.29 s; overlapped, with two busy loops beside the test: 0.56 s of
+    # 3.23 s, 1.08 s of 3.37 s, 1.81 s of 4.42 s (the old bound, a third,
+    # failed there); how many requests overlap (below) is what load leaves alone
+    assert t_parallel < t_serial / 2, (t_serial, t_parallel)
     assert 4 <= proxy.max_inflight <= 8
 
 
