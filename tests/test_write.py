@@ -2004,6 +2004,39 @@ def test_mv_of_a_sharded_array_within_the_mount_renames_it_locally_and_copies_it
     assert not any(k.startswith("arr/") for k in store.keys())
 
 
+
+@pytest.mark.parametrize("shard", [None, "2"])
+def test_mv_t_of_a_sharded_array_moves_it_file_by_file(store, mount, tmp_path, shard):
+    """``mv -T`` of a sharded array (below a group) to a new name, where the
+    directory's rename is EXDEV (S3: SEMANTICS Limits): GNU mv 9.1 makes the
+    new directory, then renames each file into it, ``zarr.json`` too.  That
+    rename stores the document at the new name in the form the view shows
+    (as a copy would), where its stored form, a new sharded array with none
+    of its shards there, is refused.  Before, it was EPERM (one ERROR line):
+    ``mv`` failed half done, the chunks at the new name as plain files of a
+    plain directory, the old array left with no chunk
+    (scripts/fuzz_dir_renames.py --s3, seed 1 step 0)."""
+    data = np.arange(16 * 16, dtype="<i4").reshape(16, 16) + 1
+    group = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
+    store.put("g/zarr.json", group)
+    seed_array(store, tmp_path, "g/arr", (16, 16), (4, 4), (8, 8), "<i4", data=data)
+    m = mount(store.source, "flush_delay=60", *([f"shard={shard}"] if shard else []), extra=store.extra)
+    before = {p.relative_to(m / "g/arr").as_posix(): p.read_bytes() for p in (m / "g/arr").rglob("*") if p.is_file()}
+    out = subprocess.run(["mv", "-T", str(m / "g/arr"), str(m / "moved")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert not (m / "g/arr").exists()
+    after = {p.relative_to(m / "moved").as_posix(): p.read_bytes() for p in (m / "moved").rglob("*") if p.is_file()}
+    assert after == before
+    np.testing.assert_array_equal(zarr.open_array(str(m / "moved"), mode="r")[...], data)
+    zs("sync", m.path)
+    assert " ERROR " not in m.log_text(), m.log_text()[-2000:]
+    m.umount()
+    root = store.local_copy(tmp_path / "copy")
+    np.testing.assert_array_equal(zarr.open_array(str(root / "moved"), mode="r")[...], data)
+    assert not any(k.startswith("g/arr/") for k in store.keys())
+
+
 # ---------------------------------------------------------------------------
 # back-pressure
 

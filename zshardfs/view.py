@@ -132,6 +132,11 @@ class FileBuffer:
     # the stored file it is a copy of (a rename's source): its first store
     # onto a free key takes that file's mode and owner (local stores)
     like: str | None = None
+    # a dataset's stored document a rename copied here: the form the view
+    # showed it in, stored instead where the stored form is refused (a new
+    # sharded array, none of its shards below: ``mv -T`` on S3 moves
+    # ``zarr.json`` into a directory of its own); cleared by its first store
+    view_form: bytes | None = None
 
     def changed(self) -> None:
         self.dirty = True
@@ -585,6 +590,20 @@ class View:
         if blob.info.etag != info.etag:
             return await self._document(blob.info)
         return new
+
+    @staticmethod
+    async def _shown_form(key: str, data: bytes) -> bytes | None:
+        """The bytes the view shows for the document ``data`` stored at
+        ``key`` (None: shown as stored)."""
+        for layout in LAYOUTS:
+            if layout.is_document(key):
+                try:
+                    new = await off_loop(functools.partial(layout.rewrite_document, key, data), len(data))
+                except METADATA_ERRORS:
+                    new = None
+                if new is not None:
+                    return new
+        return None
 
     async def _stored_file(self, path: str, info: ObjectInfo) -> Node:
         try:
@@ -1668,15 +1687,28 @@ class View:
                 # documents, what the directory already holds) offers an
                 # async variant
                 accept = getattr(layout, "accept_document_async", None)
-                try:
+
+                async def judge(doc: bytes, layout=layout, accept=accept, stored=stored,
+                                a_stored_document=a_stored_document):
                     if accept is not None:
-                        accepted = await accept(self.ctx, buf.key, data, stored,
-                                                self.shard_option, self._pending_children,
-                                                previous=None if a_stored_document
-                                                else self.previous_documents.get(buf.key))
-                    else:
-                        accepted = await off_loop(functools.partial(layout.accept_document, buf.key, data, stored,
-                                                                    self.shard_option), len(data))
+                        return await accept(self.ctx, buf.key, doc, stored, self.shard_option,
+                                            self._pending_children,
+                                            previous=None if a_stored_document
+                                            else self.previous_documents.get(buf.key))
+                    return await off_loop(functools.partial(layout.accept_document, buf.key, doc, stored,
+                                                            self.shard_option), len(doc))
+                try:
+                    try:
+                        accepted = await judge(data)
+                    except ValueError:
+                        shown = buf.view_form
+                        if shown is None or shown == data or buf.version != version:
+                            raise
+                        # a renamed document whose stored form is refused here:
+                        # what the view showed, as a copy would have written
+                        accepted = await judge(shown)
+                        data = written = shown
+                        buf.data[:] = shown
                 except ValueError as exc:
                     self._refuse(buf, str(exc))
                 except METADATA_ERRORS as exc:
@@ -1718,7 +1750,7 @@ class View:
             await self._store_removals_first(buf.key, stored)
         info = await self.writeback.superseding(buf.key, functools.partial(self.store.put, buf.key, data,
                                                                            like=buf.like))
-        buf.like = None
+        buf.like = buf.view_form = None
         self.shards.forget(buf.key)
         if self._is_dataset_document(buf.key):
             self._document_changed(buf.key)
@@ -2533,6 +2565,9 @@ class View:
                 # a stored file moved to a free name: its copy there is that
                 # file (its mode and owner), as rename(2) keeps them
                 handle.buffer.like = node.key
+            if handle.buffer is not None and buf is None and node.key is not None and not node.is_chunk \
+                    and self._is_dataset_document(node.key) and self._is_dataset_document(handle.buffer.key):
+                handle.buffer.view_form = await self._shown_form(node.key, data)
             # (not held while its new name is itself being renamed: the
             # renames of a->b and b->a at once would wait for each other)
             await self.write(handle, 0, data, held_by_renames=False)
