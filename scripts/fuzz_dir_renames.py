@@ -13,7 +13,18 @@ directory through renames), in the mount and in the twin alike; the rename
 may then be EXDEV (something below is under way), and the two must still
 agree.
 
-    .venv/bin/python scripts/fuzz_dir_renames.py --seeds 1-5 --steps 150 [--busy]
+``--s3``: the store is in a bucket of moto's stand-alone server
+(tests/s3server.py), mounted with ``-o shard=2``.  A directory's rename is
+EXDEV there (SEMANTICS, Limits), so each rename the mount refuses so is
+done as ``mv -T`` does it: copies through the mount, then removes (onto an
+empty directory, which it removes first; onto a full one it changes
+nothing); the mount must then equal the twin, to which the rename is
+applied as one rename(2), and the copied arrays are stored sharded.  S3
+keeps no empty directory: one made through the mount lives in its memory
+only, so after each remount the twin loses those with no file below; the
+store's ``empty`` is made through the mount after its first mount.
+
+    .venv/bin/python scripts/fuzz_dir_renames.py --seeds 1-5 --steps 150 [--busy | --s3]
 """
 
 from __future__ import annotations
@@ -34,6 +45,8 @@ import numpy as np
 import zarr
 
 ZSHARDFS = [sys.executable, "-m", "zshardfs.cli"]
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # (tests.s3server, for --s3)
 
 
 def tree(root: Path) -> dict[str, bytes | None]:
@@ -204,8 +217,54 @@ def inside_array(rel: str, arrays: list[str]) -> bool:
     return any(rel.startswith(a + "/") for a in arrays)
 
 
-def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = False) -> int:
-    """Failures of one seed; ``counts``: the renames' answers, by errno name."""
+def empty_dirs(root: Path) -> list[str]:
+    """Directories below ``root`` with no file below them, deepest first."""
+    t = tree(root)
+    full = set()
+    for p, v in t.items():
+        if v is not None:
+            parts = p.split("/")
+            full.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    return sorted((p for p, v in t.items() if v is None and p not in full), key=lambda p: -p.count("/"))
+
+
+def mv(src: Path, dst: Path) -> tuple[str, str]:
+    """``mv -T src dst`` (rename(2), else copy and remove): "ok", the errno
+    name its (last) message gives, or "mv failed"; and its messages."""
+    out = subprocess.run(["mv", "-T", str(src), str(dst)], capture_output=True, text=True, timeout=600)
+    msg = out.stderr.strip()
+    if out.returncode == 0:
+        return "ok", msg
+    for code in (errno.ENOTEMPTY, errno.EINVAL, errno.ENOENT, errno.EIO, errno.EEXIST, errno.ENOTDIR,
+                 errno.EPERM, errno.EACCES, errno.EXDEV):
+        if msg.endswith(os.strerror(code)):
+            return errno.errorcode[code], msg
+    if "subdirectory of itself" in msg:
+        return "EINVAL", msg
+    return "mv failed", msg
+
+
+def vanished(msg: str, src: Path, arrays: list[str]) -> bool:
+    """Did ``mv`` stop (ENOENT) only at an in-grid chunk directory of an
+    array below ``src``, leaving nothing but directories there?  An empty
+    chunk directory's rmdir leaves it found (SEMANTICS Limits: chunk
+    directories are looked up leniently); ``mv -T`` of the array lists it,
+    and once the array's zarr.json and last chunk are moved it is gone."""
+    lines = msg.splitlines()
+    if len(lines) != 1 or "cannot stat '" not in lines[0]:
+        return False
+    gone = Path(lines[0].split("cannot stat '", 1)[1].split("'", 1)[0])
+    mnt = src.parent
+    while not os.path.ismount(mnt):
+        mnt = mnt.parent
+    rel = gone.relative_to(mnt).as_posix()
+    return (rel.startswith(src.relative_to(mnt).as_posix() + "/") and inside_array(rel, arrays)
+            and all(v is None for v in tree(src).values()))
+
+
+def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = False, s3=None) -> int:
+    """Failures of one seed; ``counts``: the renames' answers, by errno name.
+    ``s3``: a running tests.s3server.MotoServer to keep the store in."""
     rng = random.Random(seed)
     store, mnt, twin = base / "store", base / "mnt", base / "twin"
     for p in (store, mnt):
@@ -220,10 +279,19 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = 
                               fill_value=0)
         a[...] = np.arange(256, dtype="<i4").reshape(16, 16) * (i + 1)
     log = base / "log"
+    source, opts, bucket = [str(store)], f"flush_delay=5,log_file={log}", None
+    if s3 is not None:
+        bucket = s3.create_bucket()
+        s3.put_many(bucket, {f"pfx/{p.relative_to(store).as_posix()}": p.read_bytes()
+                             for p in store.rglob("*") if p.is_file()})
+        source, opts = [f"s3://{bucket}/pfx", "--endpoint-url", s3.endpoint_url], opts + ",shard=2"
 
     def mount() -> None:
-        subprocess.run([*ZSHARDFS, "mount", str(store), str(mnt), "-o", f"flush_delay=5,log_file={log}"],
+        subprocess.run([*ZSHARDFS, "mount", source[0], str(mnt), "-o", opts, *source[1:]],
                        check=True, capture_output=True, timeout=120)
+        if s3 is not None:  # (S3 keeps no empty directory: those made through the mount are gone)
+            for d in empty_dirs(twin) if twin.exists() else ():
+                (twin / d).rmdir()
 
     def umount() -> None:
         subprocess.run([*ZSHARDFS, "umount", str(mnt)], check=True, capture_output=True, timeout=120)
@@ -232,6 +300,8 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = 
     failures = 0
     other = None
     try:
+        if s3 is not None:
+            (mnt / "empty").mkdir()
         shutil.copytree(mnt, twin)
         if busy:
             other = Busy(random.Random(seed * 7919), mnt, twin, ["g1", "g1/sub", "g2"],
@@ -250,11 +320,27 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = 
                 parent = rng.choice(outer_parents if rng.random() < 0.85 else parents)
                 dst = os.path.join(parent, rng.choice(["n1", "n2", "empty", "x"])) if rng.random() < 0.8 \
                     else rng.choice(dirs)
+                said = []  # (--s3: what mv said)
+
                 def rename() -> str:
                     try:
                         os.rename(mnt / src, mnt / dst)
                         return "ok"
                     except OSError as exc:
+                        if exc.errno == errno.EXDEV and s3 is not None:
+                            counts["copied"] = counts.get("copied", 0) + 1
+                            answer, msg = mv(mnt / src, mnt / dst)  # (copies, then removes)
+                            said.append(msg)
+                            if answer == "ENOENT" and vanished(msg, mnt / src, arrays):
+                                counts["mv ENOENT at a chunk directory rmdir left (Limits)"] = \
+                                    counts.get("mv ENOENT at a chunk directory rmdir left (Limits)", 0) + 1
+                                for dirpath, _, _ in os.walk(mnt / src, topdown=False):
+                                    try:  # (mv's job: what is left, only directories)
+                                        os.rmdir(dirpath)
+                                    except FileNotFoundError:
+                                        pass  # (such a directory again)
+                                return "ok"
+                            return answer
                         return errno.errorcode[exc.errno]
                 got = other.during(rename) if other is not None else rename()
                 for failure in other.failures if other is not None else ():
@@ -272,8 +358,12 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = 
                     twin_got = errno.errorcode[exc.errno]
                 # (or, --busy, wherever a request of the other thread was under way below)
                 exdev = inside_array(src, arrays) or inside_array(dst, arrays) or other is not None
-                if got != twin_got and not (exdev and got == "EXDEV"):
-                    print(f"seed {seed} step {step}: rename {src} -> {dst}: mount {got}, twin {twin_got}")
+                # (--s3: mv's copy fails at once where it would make a directory
+                # named as no part of a chunk key inside an array: ENOENT, 4.1)
+                refused = ("EXDEV", "ENOENT") if s3 is not None else ("EXDEV",)
+                if got != twin_got and not (exdev and got in refused):
+                    print(f"seed {seed} step {step}: rename {src} -> {dst}: mount {got}, twin {twin_got}"
+                          + (f" (mv: {said[0][-600:]})" if said and said[0] else ""))
                     failures += 1
                 if got != "ok" and twin_got == "ok":
                     os.rename(twin / dst, twin / src)  # (undone: the mount did not rename)
@@ -288,7 +378,7 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = 
                 i, j = rng.randrange(4), rng.randrange(4)
                 data = np.full((4, 4), rng.randrange(1000), "<i4").tobytes()
                 for root in (mnt, twin):
-                    (root / arr / f"c/{i}").mkdir(exist_ok=True)
+                    (root / arr / f"c/{i}").mkdir(parents=True, exist_ok=True)  # (--s3: c may be moved away)
                     (root / arr / f"c/{i}/{j}").write_bytes(data)
                 print(f"  {step}: write {arr}/c/{i}/{j}") if os.environ.get("VERBOSE") else None
             elif x < 0.9:
@@ -315,12 +405,20 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = 
             print(f"seed {seed}: trees differ after a remount: {differences(a, b)}")
             failures += 1
         for arr in arrays_in(twin):
-            doc = json.loads((store / arr / "zarr.json").read_text())
+            try:
+                doc = json.loads((store / arr / "zarr.json").read_text() if s3 is None else
+                                 s3.s3.get_object(Bucket=bucket, Key=f"pfx/{arr}/zarr.json")["Body"].read())
+            except (FileNotFoundError, s3.s3.exceptions.NoSuchKey if s3 is not None else FileNotFoundError):
+                print(f"seed {seed}: {arr}/zarr.json not stored")
+                failures += 1
+                continue
             if doc["codecs"][0]["name"] != "sharding_indexed":
                 print(f"seed {seed}: {arr} stored unsharded")
                 failures += 1
     finally:
         subprocess.run([*ZSHARDFS, "umount", str(mnt)], capture_output=True, timeout=120)
+        if bucket is not None:
+            s3.delete_bucket(bucket)
     text = log.read_text() if log.exists() else ""
     if "Traceback" in text or " ERROR " in text:
         print(f"seed {seed}: the daemon's log has errors:\n{text[-2000:]}")
@@ -333,16 +431,31 @@ def main() -> int:
     ap.add_argument("--seeds", default="1-3")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--busy", action="store_true", help="ops of another thread during the renames")
+    ap.add_argument("--s3", action="store_true",
+                    help="the store in a bucket of moto's stand-alone server; renames refused EXDEV done as mv does")
     args = ap.parse_args()
+    if args.s3 and args.busy:
+        ap.error("--busy is for local stores (on S3 a copied directory leaves the descriptors held on it behind)")
     lo, _, hi = args.seeds.partition("-")
     total = 0
-    for seed in range(int(lo), int(hi or lo) + 1):
-        counts: dict[str, int] = {}
-        with tempfile.TemporaryDirectory(prefix="zshardfs-dirfuzz-") as tmp:
-            failures = run(seed, args.steps, Path(tmp), counts, args.busy)
-        print(f"seed {seed}: {'ok' if not failures else f'{failures} failures'}; renames: "
-              + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-        total += failures
+    s3 = None
+    with tempfile.TemporaryDirectory(prefix="zshardfs-dirfuzz-s3-") as s3tmp:
+        if args.s3:
+            from tests.s3server import MotoServer, set_dummy_credentials
+            set_dummy_credentials()  # (for this process's client and the daemons)
+            s3 = MotoServer(Path(s3tmp) / "moto.log")
+            s3.start()
+        try:
+            for seed in range(int(lo), int(hi or lo) + 1):
+                counts: dict[str, int] = {}
+                with tempfile.TemporaryDirectory(prefix="zshardfs-dirfuzz-") as tmp:
+                    failures = run(seed, args.steps, Path(tmp), counts, args.busy, s3)
+                print(f"seed {seed}: {'ok' if not failures else f'{failures} failures'}; renames: "
+                      + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), flush=True)
+                total += failures
+        finally:
+            if s3 is not None:
+                s3.stop()
     return 1 if total else 0
 
 
