@@ -251,15 +251,31 @@ def vanished(msg: str, src: Path, arrays: list[str]) -> bool:
     directories are looked up leniently); ``mv -T`` of the array lists it,
     and once the array's zarr.json and last chunk are moved it is gone."""
     lines = msg.splitlines()
-    if len(lines) != 1 or "cannot stat '" not in lines[0]:
+    if not lines or not all("cannot stat '" in line and line.endswith(os.strerror(errno.ENOENT)) for line in lines):
         return False
-    gone = Path(lines[0].split("cannot stat '", 1)[1].split("'", 1)[0])
     mnt = src.parent
     while not os.path.ismount(mnt):
         mnt = mnt.parent
-    rel = gone.relative_to(mnt).as_posix()
-    return (rel.startswith(src.relative_to(mnt).as_posix() + "/") and inside_array(rel, arrays)
-            and all(v is None for v in tree(src).values()))
+    for line in lines:
+        rel = Path(line.split("cannot stat '", 1)[1].split("'", 1)[0]).relative_to(mnt).as_posix()
+        if not (rel.startswith(src.relative_to(mnt).as_posix() + "/") and inside_array(rel, arrays)):
+            return False
+    return all(v is None for v in tree(src).values())
+
+
+def remade(msg: str, src: Path, dst: Path, arrays: list[str]) -> bool:
+    """Did ``mv`` stop (EEXIST) only at making, below ``dst``, a chunk
+    directory of an array (its own, now at ``dst``) that its rmdir left
+    found (Limits, see ``vanished``)?"""
+    lines = msg.splitlines()
+    if len(lines) != 1 or "cannot create directory '" not in lines[0]:
+        return False
+    made = Path(lines[0].split("cannot create directory '", 1)[1].split("'", 1)[0])
+    mnt = src.parent
+    while not os.path.ismount(mnt):
+        mnt = mnt.parent
+    rel = made.relative_to(dst).as_posix()
+    return made.is_dir() and inside_array(os.path.join(src.relative_to(mnt).as_posix(), rel), arrays)
 
 
 def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = False, s3=None) -> int:
@@ -339,6 +355,22 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = 
                                         os.rmdir(dirpath)
                                     except FileNotFoundError:
                                         pass  # (such a directory again)
+                                return "ok"
+                            if answer == "EEXIST" and remade(msg, mnt / src, mnt / dst, arrays):
+                                # (Limits, as above: mkdir of such a directory, found after its
+                                # rmdir, is EEXIST; mv stops there: the rest moved by hand)
+                                counts["mv EEXIST at a chunk directory rmdir left (Limits)"] = \
+                                    counts.get("mv EEXIST at a chunk directory rmdir left (Limits)", 0) + 1
+                                for dirpath, _, files in os.walk(mnt / src):
+                                    rel = os.path.relpath(dirpath, mnt / src)
+                                    os.makedirs(mnt / dst / rel, exist_ok=True)
+                                    for f in files:
+                                        os.rename(os.path.join(dirpath, f), mnt / dst / rel / f)
+                                for dirpath, _, _ in os.walk(mnt / src, topdown=False):
+                                    try:
+                                        os.rmdir(dirpath)
+                                    except FileNotFoundError:
+                                        pass
                                 return "ok"
                             return answer
                         return errno.errorcode[exc.errno]
