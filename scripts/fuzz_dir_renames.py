@@ -403,6 +403,17 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = 
                         (twin / dst).mkdir()  # (the empty directory it replaced)
                 elif got == "ok" and twin_got != "ok":
                     break
+                elif got == "ok" and said:
+                    # (--s3: mv copied the chunk directories the mount lists, also
+                    # those left found after their rmdir or holding no chunk,
+                    # Limits: copied out of their array they are plain, empty
+                    # directories, which a directory store never had)
+                    had = tree(twin / dst)
+                    for p in empty_dirs(mnt / dst):  # (deepest first)
+                        if p not in had and inside_array(os.path.join(src, p), arrays):
+                            counts["mv copied an empty chunk directory (Limits)"] = \
+                                counts.get("mv copied an empty chunk directory (Limits)", 0) + 1
+                            os.rmdir(mnt / dst / p)
                 counts[got] = counts.get(got, 0) + 1
                 print(f"  {step}: mv {src} {dst}: {got}") if os.environ.get("VERBOSE") else None
             elif x < 0.8 and arrays:
