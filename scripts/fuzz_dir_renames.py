@@ -22,7 +22,11 @@ nothing); the mount must then equal the twin, to which the rename is
 applied as one rename(2), and the copied arrays are stored sharded.  S3
 keeps no empty directory: one made through the mount lives in its memory
 only, so after each remount the twin loses those with no file below; the
-store's ``empty`` is made through the mount after its first mount.
+store's ``empty`` is made through the mount after its first mount.  An
+in-grid chunk directory is found after its rmdir, and listed when it holds
+no chunk (SEMANTICS Limits): mv copies it out as an empty directory, stops
+at it with ENOENT once its array's zarr.json and last chunk moved, or with
+EEXIST at its mkdir; each is counted, and what mv left undone is done.
 
     .venv/bin/python scripts/fuzz_dir_renames.py --seeds 1-5 --steps 150 [--busy | --s3]
 """
