@@ -2037,6 +2037,26 @@ def test_mv_t_of_a_sharded_array_moves_it_file_by_file(store, mount, tmp_path, s
     assert not any(k.startswith("g/arr/") for k in store.keys())
 
 
+def test_a_directory_made_where_an_array_was_moved_away_holds_nothing(store, mount, tmp_path):
+    """``mv -T`` of an array (on S3 a copy: its files renamed one by one,
+    then its directories removed), then ``mkdir`` at its old name: the new
+    directory holds nothing, as on a directory store.  Before, the array
+    probed there (cached for metadata_ttl) outlived the rmdir: ``c`` was
+    found in the new, empty directory (stat answered, mkdir was EEXIST), so
+    a second ``mv -T`` to that name failed half done
+    (scripts/fuzz_dir_renames.py --s3, seed 60036 step 13)."""
+    store.put("g/zarr.json", json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode())
+    seed_array(store, tmp_path, "g/arr", (16, 16), (4, 4), (8, 8), "<i4", data=np.ones((16, 16), "<i4"))
+    m = mount(store.source, "flush_delay=60", "shard=2", extra=store.extra)
+    out = subprocess.run(["mv", "-T", str(m / "g/arr"), str(m / "g/moved")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    os.mkdir(m / "g/arr")
+    assert not (m / "g/arr/c").exists()
+    os.mkdir(m / "g/arr/c")  # (EEXIST before)
+    assert os.listdir(m / "g/arr") == ["c"]
+
+
 # ---------------------------------------------------------------------------
 # back-pressure
 

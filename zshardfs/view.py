@@ -2251,6 +2251,10 @@ class View:
         self.emptied.pop(node.path, None)
         self._keep_emptied(parent)
         self.written_dirs.discard(node.path)
+        # (a directory made there again is no array the probe found in it)
+        self.datasets.pop(node.path)
+        if node.key is not None and node.key != node.path:
+            self.datasets.pop(node.key)
         if node.dataset is not None and node.dataset.root in self.born_here:
             if len(self.removed_dirs) > 65536:  # (bounded: forgetting one only lets storage answer)
                 self.removed_dirs.clear()
