@@ -93,16 +93,22 @@ def _arenas(pid: int) -> int:
     one arena grows into a second heap when the first is full (as under a
     burst of writes on a loaded machine), so heaps are not arenas: each heap
     starts with its ``heap_info``, whose first word points to its arena, and
-    the arenas are the distinct pointers."""
-    owners = set()
+    the arenas are the distinct pointers.  An arena's struct lies in its
+    first heap, just after the ``heap_info``: a pointer counts only where it
+    points into a heap whose own first word is that pointer, so another
+    anonymous mapping that happens to start 64 MiB-aligned (first word 0, or
+    anything) is not taken for an arena (CI counted one once: 2 against 1)."""
+    heap_size = 64 << 20
+    first_words = {}
     with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
         for line in maps:
             fields = line.split()
             start = int(fields[0].split("-")[0], 16)
-            if len(fields) == 5 and fields[1] == "rw-p" and start % (64 << 20) == 0:
+            if len(fields) == 5 and fields[1] == "rw-p" and start % heap_size == 0:
                 mem.seek(start)
-                owners.add(int.from_bytes(mem.read(8), sys.byteorder))
-    return len(owners)
+                first_words[start] = int.from_bytes(mem.read(8), sys.byteorder)
+    return len({ptr for ptr in first_words.values()
+                if first_words.get(ptr - ptr % heap_size) == ptr and 0 < ptr % heap_size < 4096})
 
 
 def test_the_daemon_keeps_few_malloc_arenas(tmp_path, mount, monkeypatch):
