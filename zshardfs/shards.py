@@ -407,11 +407,7 @@ class ShardCache:
                 self.forget(key)
                 self.chunks.pop_where(lambda k: k[0] == key)
                 cached = None
-            if cached is not None:
-                if (time.monotonic() - cached.checked < self.index_ttl or (expired_ok and cached.index is not None)
-                        or (checked_since is not None and cached.checked >= checked_since)):
-                    self.indexes.touch(key)
-                    return cached.index
+            if cached is not None:  # (due for validation: index_now answered a fresh one)
                 if await self._still_valid(key, cached):
                     cached.checked = time.monotonic()
                     self.indexes.touch(key)
