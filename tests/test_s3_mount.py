@@ -1502,6 +1502,76 @@ def test_mount_errors(moto_server, iam_server, tmp_path):
         print(f"\n{what}: {line}")
 
 
+class _NoS3Server:
+    """An HTTP server that is no S3 endpoint: every GET and HEAD gets one
+    fixed answer (a web server, a console port, an http-to-https redirect)."""
+
+    def __init__(self, status: int, body: bytes, headers: dict[str, str]):
+        import http.server
+
+        outer = self
+        self.requests = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                outer.requests += 1
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            do_HEAD = do_GET
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("answer", ["redirect", "html page", "404 without an S3 error"])
+def test_an_endpoint_that_is_no_s3_server_is_one_clear_line(tmp_path, answer):
+    """``--endpoint-url`` naming a server that is no S3 endpoint fails the
+    mount in one line that says so, after a few requests.  Before: an
+    http-to-https redirect (301 without the ``x-amz-bucket-region`` header
+    of S3's own) sent botocore's region redirector into a HEAD of the bucket
+    per redirect, recursively: about 330 requests, then "cannot mount on MNT:
+    maximum recursion depth exceeded" (a RecursionError taken for libfuse's
+    failure); a web page answering 200 (a console port) mounted as an empty
+    store; a bare 404 said only that the bucket does not exist."""
+    status, body, headers, needles = {
+        "redirect": (301, b"", {"Location": "https://127.0.0.1:1/bkt/"},
+                     ("redirect (HTTP 301 to https://127.0.0.1:1/bkt/)", "--endpoint-url")),
+        "html page": (200, b"<html><body>console</body></html>", {"Content-Type": "text/html"},
+                      ("did not answer a listing as S3 does", "text/html", "--endpoint-url")),
+        "404 without an S3 error": (404, b"", {}, ("does not exist", "no S3 endpoint", "--endpoint-url")),
+    }[answer]
+    server = _NoS3Server(status, body, headers)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        t0 = time.monotonic()
+        result = run_mount("s3://bkt/prefix", mnt, "ro", extra=["--endpoint-url", server.endpoint_url], check=False)
+        mounted = os.path.ismount(mnt)
+        if mounted:
+            subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
+        assert not mounted, "mounted a server that is no S3 endpoint"
+        line = one_line_failure(result, server.endpoint_url, *needles)
+        assert time.monotonic() - t0 < 15
+        assert server.requests <= 6, server.requests
+        print(f"\n{answer}: {line} ({server.requests} requests)")
+    finally:
+        server.close()
+
+
 def test_open_while_the_server_hangs_fails_the_read_not_the_open(mount, moto_server, bucket, array):
     """With ``open_fill`` on (the default) the open itself fetches a small
     chunk's bytes: if the server hangs, the open still succeeds within the

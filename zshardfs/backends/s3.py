@@ -262,6 +262,7 @@ class S3Backend:
         # ResponseMetadata when a response arrived).
         client.meta.events.register("before-send.s3", self._count_attempt)
         client.meta.events.register("before-parse.s3", _short_body)
+        client.meta.events.register("before-call.s3.HeadBucket", _no_redirect_of_a_region_lookup)
         return client
 
     def _count_attempt(self, request=None, **kwargs):
@@ -568,7 +569,20 @@ class S3Backend:
             if code == "NoSuchBucket" or (status == 404 and code in ("", "404", "NotFound")):
                 hint = ("" if _BUCKET_NAME.fullmatch(self.bucket) else
                         " (nor is it a valid S3 bucket name: 3-63 lower-case letters, digits, dots, hyphens)")
+                if code != "NoSuchBucket" and self.endpoint_url:
+                    # (S3 answers a listing of a missing bucket with NoSuchBucket;
+                    # a bare 404 is as likely a web server, or a wrong port)
+                    hint += (", or there is no S3 endpoint at that address (it answered 404 without an S3 "
+                             "error code): check --endpoint-url")
                 raise NotFound(f"The S3 bucket {self.bucket!r} does not exist at {self._where}{hint}.") from None
+            if status in (301, 302, 303, 307, 308):
+                location = _answer_headers(exc).get("location")
+                raise StoreError(
+                    f"The {self._where} answered a listing of {self.url} with a redirect (HTTP {status}"
+                    f"{' to ' + _shown(location) if location else ''}{', ' + code if code not in ('', str(status)) else ''}"
+                    f"): give the address it redirects to as --endpoint-url"
+                    f"{', or the bucket' + chr(39) + 's region as --region' if not location else ''}."
+                ) from None
             if status == 403 or code in _DENIED_CODES:
                 raise AccessDenied(
                     f"Access to {self.url} was denied ({code or status}): check the AWS credentials, "
@@ -578,7 +592,8 @@ class S3Backend:
                 raise StoreError(f"{self.bucket!r} is not a valid S3 bucket name.") from None
             if status >= 500 or code in _UNAVAILABLE_CODES:
                 raise Unavailable(f"The {self._where} answered with a server error ({code or status}).") from None
-            raise StoreError(f"Reading {self.url} failed with {code or 'HTTP'} {status}.") from None
+            raise StoreError(f"Reading {self.url} failed with HTTP {status}"
+                             f"{' (' + code + ')' if code not in ('', str(status)) else ''}.") from None
         except _CREDENTIAL_ERRORS:
             bump(self.counters, "errors")
             raise AccessDenied(
@@ -598,6 +613,13 @@ class S3Backend:
             raise StoreError(f"Checking {self.url} failed ({type(exc).__name__}).") from None
         finally:
             client.close()
+        if "KeyCount" not in resp and "Name" not in resp:  # (every ListObjectsV2 answer of S3 names its bucket)
+            kind = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("content-type")
+            raise StoreError(
+                f"The {self._where} did not answer a listing as S3 does (HTTP "
+                f"{resp.get('ResponseMetadata', {}).get('HTTPStatusCode', 200)} without a ListBucketResult"
+                f"{', ' + _shown(kind, 60) if kind else ''}): is it an S3 endpoint? check --endpoint-url."
+            )
         self.client  # built now, while the mount is being set up, not by the first request (15 ms)
         return resp.get("KeyCount", 0) > 0
 
@@ -653,6 +675,30 @@ def _short_body(response_dict=None, customized_response_dict=None, operation_mod
     if isinstance(body, bytes) and length is not None and (not length.isdigit() or len(body) < int(length)):
         response_dict["body"] = b""
         customized_response_dict[_SHORT] = True
+
+
+def _no_redirect_of_a_region_lookup(context=None, **kwargs):
+    """botocore's S3 region redirector answers a redirect (301, 302, 307)
+    that carries no ``x-amz-bucket-region`` header with a HEAD of the bucket
+    to learn its region, and that HEAD, redirected too, with another, until
+    Python's recursion limit: an endpoint that is no S3 server (an
+    http-to-https redirect) cost about 330 requests and a RecursionError.
+    The redirector takes a request marked redirected for one it must not
+    redirect again; the HEAD still reads the region S3 puts in its answer
+    (AWS's own wrong-region redirects keep working), and the zshardfs calls
+    themselves (never a HeadBucket) are redirected as before."""
+    if context is not None:
+        context.setdefault("s3_redirect", {})["redirected"] = True
+
+
+def _answer_headers(exc: bce.ClientError) -> dict:
+    return exc.response.get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}
+
+
+def _shown(text: str, limit: int = 200) -> str:
+    """A value a server sent (a Location header), fit for one line."""
+    text = "".join(c for c in redact_url(str(text)) if c.isprintable())
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _status(exc: bce.ClientError) -> tuple[int, str]:
