@@ -1400,6 +1400,27 @@ def test_mount_help_names_every_option_it_accepts():
     assert "x-*" in result.stdout and "comment=" in result.stdout
 
 
+def test_every_bound_an_option_enforces_is_named_in_its_help():
+    """A number option refused for being too small or too large says its
+    bound; ``zshardfs mount --help`` names that bound too (index_cache's 64K
+    minimum was said only once refused)."""
+    from zshardfs.config import OPTIONS, MountConfig, OptionError, parse_options
+    number = r"\d+(?:\.\d+)?[KMGT]?"
+    missing, refused = [], 0
+    for name, (_, parser, text) in OPTIONS.items():
+        if parser in (None, str):
+            continue
+        for value in ("0", "999999999999"):
+            try:
+                parse_options(MountConfig(source="s", mountpoint="m"), [f"rw,{name}={value}"])
+            except OptionError as exc:
+                refused += 1
+                bounds = re.findall(number, str(exc).split(":", 1)[1])
+                missing += [f"{name}: {b}" for b in bounds if b not in re.findall(number, text)]
+    assert refused >= 7  # (index_cache, max_connections, timeout and shard refuse some)
+    assert not missing, missing
+
+
 def test_fsck_takes_a_mounts_options_and_says_which_change_nothing(store, tmp_path):
     """fsck takes the same ``-o`` as mount, so a mount's OPTIONS can be given
     as they are; those about serving, logging and writing change nothing

@@ -159,7 +159,8 @@ OPTIONS = {
     "follow_symlinks": ("follow_symlinks", None, "local sources: follow symbolic links that lead out of the source "
                                                  "(only for sources no one else can write into)"),
     "index_cache": ("index_cache", parse_size,
-                    "bytes of parsed shard indexes (and listings made of them) kept in memory (default 64M)"),
+                    "bytes of parsed shard indexes (and listings made of them) kept in memory, at least 64K "
+                    "(default 64M)"),
     "chunk_cache": ("chunk_cache", parse_size, "bytes of chunk data kept in memory (default 64M)"),
     "metadata_ttl": ("metadata_ttl", parse_seconds, "seconds a metadata document/probe/listing is trusted, 0 to inf "
                      "(default 1)"),
