@@ -1572,6 +1572,34 @@ def test_an_endpoint_that_is_no_s3_server_is_one_clear_line(tmp_path, answer):
         server.close()
 
 
+def test_a_source_prefix_naming_an_object_is_refused_and_an_empty_one_is_said(mount, moto_server, bucket, tmp_path):
+    """The S3 form of a source that is a file, ``s3://b/data/arr/zarr.json``
+    (a prefix that names an object, nothing below it), is refused in one line
+    naming the prefix the object lies in, read-only or not; a read-only mount
+    of a prefix holding nothing (a typo, ``s3://b/dat``) mounts, and its log
+    says in one warning line that the view is empty.  Before, both mounted
+    an empty view without a word."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    endpoint = ["--endpoint-url", moto_server.endpoint_url]
+    for opts in (("ro",), ()):
+        result = run_mount(f"s3://{bucket}/{PREFIX}/arr/zarr.json", mnt, *opts, extra=endpoint, check=False)
+        mounted = os.path.ismount(mnt)
+        if mounted:
+            subprocess.run([*ZSHARDFS, "umount", str(mnt)], check=False)
+        assert not mounted, opts
+        one_line_failure(result, "is an object, not a prefix", f"s3://{bucket}/{PREFIX}/arr)")
+    typo = mount(f"s3://{bucket}/{PREFIX[:-1]}", "ro", extra=endpoint)
+    assert os.listdir(typo.path) == []
+    warnings = [ln for ln in typo.log.read_text().splitlines() if " WARNING " in ln or " ERROR " in ln]
+    assert len(warnings) == 1 and f"s3://{bucket}/{PREFIX[:-1]} holds no object" in warnings[0], warnings
+    right = mount(f"s3://{bucket}/{PREFIX}", "ro", extra=endpoint)
+    assert os.listdir(right.path) == ["arr"]
+    new = mount(f"s3://{bucket}/new-store", extra=endpoint)  # (read-write: a new store's prefix, nothing said)
+    assert [ln for ln in [*right.log.read_text().splitlines(), *new.log.read_text().splitlines()]
+            if " WARNING " in ln or " ERROR " in ln] == []
+
+
 def test_open_while_the_server_hangs_fails_the_read_not_the_open(mount, moto_server, bucket, array):
     """With ``open_fill`` on (the default) the open itself fetches a small
     chunk's bytes: if the server hangs, the open still succeeds within the

@@ -95,7 +95,10 @@ def open_backend(cfg: MountConfig):
                             max_attempts=3,
                             # (calls given up at their deadline, as many again, run without a slot)
                             max_pool_connections=max(10, 2 * cfg.max_connections))
-        backend.check()
+        if not backend.check() and cfg.read_only and cfg.mountpoint:  # (fsck counts the files itself)
+            # (a local source that does not exist is refused; S3 has no
+            # directories, and a prefix holding nothing is a new store's)
+            log.warning("%s holds no object: the read-only view is empty (is the prefix right?)", cfg.source)
         return backend
     if "://" in cfg.source:
         raise ConfigError(f"source {cfg.source!r}: only local paths and s3:// URLs are supported")

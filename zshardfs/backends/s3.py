@@ -563,6 +563,11 @@ class S3Backend:
         bump(self.counters, "list")
         try:
             resp = client.list_objects_v2(Bucket=self.bucket, Prefix=self._dir(""), MaxKeys=1)
+            found = resp.get("KeyCount", 0) > 0 or bool(resp.get("Contents"))
+            # (nothing below the prefix: is it an object's key, the S3 form of
+            # a source that is a file? one HEAD more, only for an empty store)
+            is_object = not found and bool(self.prefix) and ("KeyCount" in resp or "Name" in resp) \
+                and self._is_object(client, self._obj(""))
         except bce.ClientError as exc:
             status, code = _status(exc)
             bump(self.counters, "errors")
@@ -620,8 +625,20 @@ class S3Backend:
                 f"{resp.get('ResponseMetadata', {}).get('HTTPStatusCode', 200)} without a ListBucketResult"
                 f"{', ' + _shown(kind, 60) if kind else ''}): is it an S3 endpoint? check --endpoint-url."
             )
+        if is_object:
+            parent = self.prefix.rpartition("/")[0]
+            raise NotFound(f"{self.url} is an object, not a prefix of objects: give the prefix of the store "
+                           f"(the object's own is s3://{self.bucket}{'/' + parent if parent else ''}).")
         self.client  # built now, while the mount is being set up, not by the first request (15 ms)
-        return resp.get("KeyCount", 0) > 0
+        return found
+
+    def _is_object(self, client, key: str) -> bool:
+        """Does the object ``key`` exist (for check(): any failure is no)?"""
+        try:
+            client.head_object(Bucket=self.bucket, Key=key)
+        except (bce.ClientError, bce.BotoCoreError, OSError):
+            return False
+        return True
 
     def make_dir(self, key: str) -> None:
         """S3 has no directories: a prefix exists once an object is below it."""
