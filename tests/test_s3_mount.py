@@ -1600,6 +1600,29 @@ def test_a_source_prefix_naming_an_object_is_refused_and_an_empty_one_is_said(mo
             if " WARNING " in ln or " ERROR " in ln] == []
 
 
+def test_a_bucket_deleted_under_the_mount_is_one_log_line(mount, moto_server, bucket, array):
+    """A bucket deleted while mounted: every name is ENOENT and listings are
+    empty (storage answers that nothing is there), the daemon stays up, and
+    its log says why in one ERROR line, however many requests meet it (before:
+    not a word; the mount looked like an empty store)."""
+    m = s3_mount(mount, moto_server, bucket, "metadata_ttl=0.2", "index_ttl=0.2", "attr_timeout=0.2")
+    root = m.path / "arr"
+    victims = sorted(array.chunks)[:5]
+    for rel in victims:
+        assert read_file(root / rel) == array.chunks[rel]
+    moto_server.delete_bucket(bucket)
+    time.sleep(0.5)  # (past every TTL)
+    for _ in range(2):
+        for rel in victims:
+            with pytest.raises(FileNotFoundError):
+                read_file(root / rel)
+        assert os.listdir(m.path) == []
+        time.sleep(0.3)
+    lines = [ln for ln in m.log.read_text().splitlines() if " WARNING " in ln or " ERROR " in ln]
+    assert len(lines) == 1 and f"bucket {bucket!r} does not exist" in lines[0], lines
+    assert "Traceback" not in m.log.read_text()
+
+
 def test_open_while_the_server_hangs_fails_the_read_not_the_open(mount, moto_server, bucket, array):
     """With ``open_fill`` on (the default) the open itself fetches a small
     chunk's bytes: if the server hangs, the open still succeeds within the

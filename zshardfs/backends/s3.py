@@ -24,6 +24,7 @@ can reach a log through them.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import threading
@@ -42,6 +43,7 @@ from botocore.config import Config
 
 from .. import __version__
 from ..config import redact_url, valid_endpoint_url
+from ..logonce import log_once
 from .base import (
     AccessDenied,
     Blob,
@@ -55,6 +57,8 @@ from .base import (
     bump,
     call_deadline,
 )
+
+log = logging.getLogger(__name__)
 
 # check() must answer within seconds even if the endpoint is a black hole.
 CHECK_CONNECT_TIMEOUT = 2.0
@@ -366,6 +370,12 @@ class S3Backend:
                 return NotFound(f"{where}: not found", key)
             bump(self.counters, "errors")
             if code == "NoSuchBucket":
+                # (the mount checked it at the start: deleted since. Every name
+                # is then ENOENT and every listing empty, which alone would
+                # look like an empty store: said once a minute, not per request)
+                log_once(log, logging.ERROR, f"{self.url}: the bucket {self.bucket!r} does not exist (deleted "
+                         f"since the mount began?): every name of the view is answered ENOENT",
+                         tag=f"no bucket {self.bucket}")
                 return NotFound(f"{self.url}: bucket {self.bucket!r} does not exist", key)
             if status == 403 or code in _DENIED_CODES:
                 return AccessDenied(f"{where}: access denied ({what})", key)
