@@ -1623,6 +1623,23 @@ def test_a_bucket_deleted_under_the_mount_is_one_log_line(mount, moto_server, bu
     assert "Traceback" not in m.log.read_text()
 
 
+def test_a_failed_listing_of_the_root_names_it(mount, moto_server, bucket):
+    """The log line of a storage call that failed names what it asked for;
+    for the store's root (key "") it said ``list :``, naming nothing."""
+    m = s3_mount(mount, moto_server, bucket, "timeout=2", "metadata_ttl=0")
+    state = moto_server.snapshot([bucket])
+    try:
+        moto_server.pause()
+        with pytest.raises(OSError) as info:
+            os.listdir(m.path)
+        assert info.value.errno == errno.EIO
+    finally:
+        moto_server.ensure_running()
+        moto_server.restore(state)
+    lines = [ln for ln in m.log.read_text().splitlines() if " ERROR " in ln]
+    assert lines and all(": list /: " in ln for ln in lines), lines
+
+
 def test_open_while_the_server_hangs_fails_the_read_not_the_open(mount, moto_server, bucket, array):
     """With ``open_fill`` on (the default) the open itself fetches a small
     chunk's bytes: if the server hangs, the open still succeeds within the

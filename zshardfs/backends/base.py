@@ -618,7 +618,8 @@ class AsyncStore:
         what = (getattr(fn, "__name__", ""), args[0] if args else None)
         # (the key in the words: the line names what failed, and failures of
         # other keys are lines of their own, not repeats log_once drops)
-        where = f"{self.url}: {what[0]} {what[1]}" if what[1] is not None else f"{self.url}: {what[0]}"
+        # (the store's root, key "": "/", not an empty word)
+        where = f"{self.url}: {what[0]} {what[1] or '/'}" if what[1] is not None else f"{self.url}: {what[0]}"
         deadline = request_deadline_now()
         if trio.current_time() >= deadline:  # (never asked: nothing to wait for or mark)
             bump(self.backend.counters, "errors")
