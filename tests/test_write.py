@@ -1082,27 +1082,39 @@ def test_chunk_directories_behave_like_a_directory_store(store, mount, tmp_path)
     assert len(got) == 12 and not any(i == 0 for i, _ in got)
 
 
-def test_an_in_grid_chunk_directory_removed_is_still_there_limit(store, mount, tmp_path):
-    """Limits (intermediate chunk directories are looked up leniently): an
-    empty in-grid chunk directory of a stored array is removed by rmdir
-    (as on a directory store), yet it is still found afterwards -- stat
-    answers, mkdir is EEXIST and a file made in it is stored as its chunk
-    -- where a directory store answers ENOENT: whether it is there is
-    derived from the shard grid, not from a listing (that would cost every
-    shard index of a row per lookup), and nothing remembers the rmdir.  In
-    an array created through this mount the rmdir holds (ENOENT until made
-    again), as the mount knows all that is below it."""
+def test_an_in_grid_chunk_directory_removed_stays_removed_while_empty(store, mount, tmp_path):
+    """An empty in-grid chunk directory of a stored array (looked up
+    leniently, Limits: it exists as soon as it is inside the grid) removed
+    by rmdir is gone, as on a directory store, to stat, listings and a file
+    made in it (ENOENT), until mkdir makes it again or something is stored
+    below it (another client's chunk: found again).  Before, it was still
+    found after its rmdir and mkdir was EEXIST (the kernel's LOOKUP before
+    the MKDIR found it), so ``mv -T`` of an array on S3 stopped half done
+    (scripts/fuzz_dir_renames.py --s3, seeds 60002, 60007, 60012, 60052,
+    60062).  In an array created through this mount the same holds."""
     data = np.zeros((8, 8), "<i4")
     data[:4, :4] = 1  # (one shard of four stored: c/2 and c/3 hold no chunk)
     seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
     m = mount(store.source, "flush_delay=60", "shard=2", extra=store.extra)
     c = m / "arr" / "c"
+    assert (c / "3").is_dir()  # (found leniently)
     os.rmdir(c / "3")  # empty: removable
-    assert (c / "3").is_dir()  # (a directory store: gone)
-    with pytest.raises(FileExistsError):
-        os.mkdir(c / "3")
+    assert not (c / "3").exists()  # (still there before)
+    assert "3" not in os.listdir(c)
     new = np.full((2, 2), 7, "<i4").tobytes()
-    (c / "3" / "1").write_bytes(new)  # (a directory store: ENOENT)
+    with pytest.raises(FileNotFoundError):
+        (c / "3" / "1").write_bytes(new)
+    os.mkdir(c / "3")  # (EEXIST before)
+    (c / "3" / "1").write_bytes(new)
+    os.rmdir(c / "2")
+    assert not (c / "2").exists()
+    # another client stores a chunk below the removed directory: found again
+    other = np.zeros((8, 8), "<i4")
+    other[:4, :4] = 1
+    other[4:6, 4:6] = 5  # (chunk (2, 2): shard (1, 1))
+    seed_array(store, tmp_path / "other", "arr", (8, 8), (2, 2), (4, 4), "<i4", data=other)
+    time.sleep(1.5)  # (metadata_ttl: the new shard is listed)
+    assert (c / "2" / "2").read_bytes() == np.full((2, 2), 5, "<i4").tobytes()
     zarr.create_array(store=str(m / "made"), shape=(8, 8), chunks=(2, 2), dtype="<i4")  # (-o shard: (4, 4))
     os.makedirs(m / "made/c/3")
     os.rmdir(m / "made/c/3")
@@ -1114,6 +1126,39 @@ def test_an_in_grid_chunk_directory_removed_is_still_there_limit(store, mount, t
     m.umount()
     assert stored_chunks(store, "arr", (2, 2))[(3, 1)] == new
     assert stored_chunks(store, "made", (2, 2)) == {(3, 1): new}
+
+
+def test_mv_t_of_an_array_holding_a_plain_directory(store, mount, tmp_path):
+    """``mv -T`` of a sharded array whose directory holds a plain directory
+    (a name outside the grid) besides ``c``: GNU mv 9.1 renames each file
+    into the new directory, ``zarr.json`` before ``c``; the new directory,
+    holding a stored directory already, is then an array whose ``c`` is
+    found leniently, so mv's renameat2(RENAME_NOREPLACE) of ``c`` is EEXIST
+    and mv removes the ``c`` it found and makes it again.  Before, that
+    mkdir was EEXIST (the rmdir was not remembered: the kernel's LOOKUP
+    found ``c`` again): mv exited 1, the array split between the two names
+    (scripts/fuzz_dir_renames.py --s3, seed 60052 step 35)."""
+    data = np.arange(16 * 16, dtype="<i4").reshape(16, 16) + 1
+    store.put("g/zarr.json", json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode())
+    seed_array(store, tmp_path, "g/arr", (16, 16), (4, 4), (8, 8), "<i4", data=data)
+    store.put("g/arr/x/notes", b"kept")
+    m = mount(store.source, "flush_delay=60", "shard=2", extra=store.extra)
+    before = {p.relative_to(m / "g/arr").as_posix(): p.read_bytes() for p in (m / "g/arr").rglob("*") if p.is_file()}
+    out = subprocess.run(["mv", "-T", str(m / "g/arr"), str(m / "g/moved")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert not (m / "g/arr").exists()
+    after = {p.relative_to(m / "g/moved").as_posix(): p.read_bytes() for p in (m / "g/moved").rglob("*")
+             if p.is_file()}
+    assert after == before
+    np.testing.assert_array_equal(zarr.open_array(str(m / "g/moved"), mode="r")[...], data)
+    zs("sync", m.path)
+    assert " ERROR " not in m.log_text(), m.log_text()[-2000:]
+    m.umount()
+    root = store.local_copy(tmp_path / "copy")
+    np.testing.assert_array_equal(zarr.open_array(str(root / "g/moved"), mode="r")[...], data)
+    assert (root / "g/moved/x/notes").read_bytes() == b"kept"
+    assert not any(k.startswith("g/arr/") for k in store.keys())
 
 
 def test_never_renamed_files_inside_an_array(store, mount, tmp_path):

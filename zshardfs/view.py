@@ -657,7 +657,10 @@ class View:
         (Inlined in :meth:`listdir`'s loop over a dataset's directory.)"""
         if isinstance(entry, ChunkEntry) and self.writeback.stored_since(entry.shard_key, mark):
             return await self._dataset_child(path, dataset, rel)
-        return self._virtual(path, dataset, rel, entry)
+        node = self._virtual(path, dataset, rel, entry)
+        if self.removed_dirs and node is not None and node.is_dir and await self._removed_and_empty(node):
+            return None  # (as lookup answers)
+        return node
 
     def _virtual(self, path: str, dataset: Dataset, rel: tuple[str, ...], entry) -> Node | None:
         if isinstance(entry, DirEntry):
@@ -679,8 +682,28 @@ class View:
             if (dataset.root in self.born_here and path not in self.written_dirs
                     and (path in self.removed_dirs or not await self._listed(dataset, rel))):
                 return None  # (made here: as in a directory store, not there until made or stored)
-            return Node(path, True, 0, entry.mtime_ns or self._made_at.get(path, self.started_ns), dataset=dataset, rel=rel)
+            node = Node(path, True, 0, entry.mtime_ns or self._made_at.get(path, self.started_ns), dataset=dataset,
+                        rel=rel)
+            if self.removed_dirs and await self._removed_and_empty(node):
+                return None
+            return node
         return self._chunk_node(path, dataset, rel, entry, target)
+
+    async def _removed_and_empty(self, node: Node) -> bool:
+        """Is ``node``, a chunk directory of a dataset not made here, one
+        this mount removed (rmdir) and still empty?  Then it is gone, as in
+        a directory store, to lookups and listings alike, until made again
+        (mkdir) or something is stored below it (another client's chunks:
+        then found again, and forgotten as removed).  Else a chunk directory
+        found leniently (Limits) was found again right after its rmdir:
+        ``mv -T``'s rmdir-then-mkdir of one was EEXIST (the kernel's LOOKUP
+        before the mkdir found it), and the move stopped half done."""
+        if node.path not in self.removed_dirs or node.dataset.root in self.born_here:
+            return False
+        if await self._empty(node):
+            return True
+        self.removed_dirs.discard(node.path)
+        return False
 
     @staticmethod
     async def _listed(dataset: Dataset, rel: tuple) -> bool:
@@ -969,6 +992,9 @@ class View:
                         child = await self._dataset_child(prefix + name, dataset, rel + (name,))
                     else:
                         child = virtual(prefix + name, dataset, rel + (name,), entry)
+                        if (self.removed_dirs and child is not None and child.is_dir
+                                and await self._removed_and_empty(child)):
+                            child = None  # (as lookup answers)
                     if child is not None:
                         if child.path in buffers:
                             held.add(child.name)
@@ -2155,8 +2181,17 @@ class View:
             if dataset is None or not dataset.claims((name,)):
                 await self.store.make_dir(join_key(parent.key, name))
                 stored = self.store.keeps_empty_dirs
-        self._made_dir(parent.path, name, stored)
-        self.removed_dirs.discard(join_key(parent.path, name))
+        path = join_key(parent.path, name)
+        if path in self.removed_dirs and dataset is not None and dataset.root not in self.born_here:
+            # a chunk directory this mount removed, of a stored array: made
+            # again, found as before (leniently, Limits), so not remembered
+            # as made (that memory would grow with each one, unbounded)
+            self.removed_dirs.discard(path)
+            if await self.lookup(parent, name) is None:
+                self._made_dir(parent.path, name, stored)
+        else:
+            self._made_dir(parent.path, name, stored)
+            self.removed_dirs.discard(path)
         self._made_in(parent.path)
         if dataset is not None and dataset.root in self.born_here:
             self.born_here[dataset.root] = time.monotonic()  # (a copy into it goes on: not quiet)
@@ -2255,7 +2290,7 @@ class View:
         self.datasets.pop(node.path)
         if node.key is not None and node.key != node.path:
             self.datasets.pop(node.key)
-        if node.dataset is not None and node.dataset.root in self.born_here:
+        if node.dataset is not None:  # (a chunk directory: see _dataset_child)
             if len(self.removed_dirs) > 65536:  # (bounded: forgetting one only lets storage answer)
                 self.removed_dirs.clear()
             self.removed_dirs.add(node.path)
