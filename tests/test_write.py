@@ -1095,7 +1095,14 @@ def test_an_in_grid_chunk_directory_removed_stays_removed_while_empty(store, mou
     data = np.zeros((8, 8), "<i4")
     data[:4, :4] = 1  # (one shard of four stored: c/2 and c/3 hold no chunk)
     seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    rows = np.zeros((8, 8), "<i4")
+    rows[6:, :2] = 9  # (chunk (3, 0) only: row 2 of shard (1, 0) holds no chunk)
+    seed_array(store, tmp_path, "rows", (8, 8), (2, 2), (4, 4), "<i4", data=rows)
     m = mount(store.source, "flush_delay=60", "shard=2", extra=store.extra)
+    assert sorted(os.listdir(m / "rows/c")) == ["2", "3"]  # (2: listed, empty, Limits)
+    os.rmdir(m / "rows/c/2")
+    assert sorted(os.listdir(m / "rows/c")) == ["3"]  # (as lookup answers)
+    assert not (m / "rows/c/2").exists()
     c = m / "arr" / "c"
     assert (c / "3").is_dir()  # (found leniently)
     os.rmdir(c / "3")  # empty: removable
