@@ -19,7 +19,7 @@ import pytest
 import zarr
 
 from tests.test_write import Store, seed_array, write_file, zs
-from tests.util import assert_below_as_a_scan, event_loop_cpu
+from tests.util import assert_below_as_a_scan, event_loop_cpu, wait_for
 
 
 def _tree(root: Path) -> dict[str, tuple[int, bytes]]:
@@ -768,6 +768,50 @@ def test_random_directory_renames_on_s3_agree_with_a_directory_store():
     copied = sum(int(n) for n in re.findall(r"renames:.*\bcopied (\d+)", out.stdout))
     renamed = sum(int(n) for n in re.findall(r"renames:.*\bok (\d+)$", out.stdout, re.M))
     assert copied >= 10 and renamed >= 10, out.stdout  # (mv did copy: 29 and 21 for these seeds)
+
+
+def _children(pid: int) -> set[int]:
+    """Processes whose parent is ``pid``."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.add(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def test_the_s3_fuzzer_ended_by_sigterm_leaves_no_mount_or_server(tmp_path):
+    """scripts/fuzz_dir_renames.py --s3 ended by SIGTERM (a timeout's kill, a
+    CI job cancelled) ends as Ctrl-C does: its mount is taken down, moto's
+    server stopped, its temporary directories removed.  Before, it died at
+    once and left them all behind."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, str(root / "scripts/fuzz_dir_renames.py"), "--s3", "--seeds", "1",
+                             "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=root,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
+
+    def mounts() -> list[str]:
+        return [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+                if line.split()[1].startswith(str(tmp_path))]
+    try:
+        assert wait_for(mounts, timeout=120, interval=0.1), "no mount within 120 s"
+        time.sleep(1)
+        children = _children(proc.pid)
+        assert children, "no moto server"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for m in mounts():
+            subprocess.run(["fusermount3", "-uz", m], capture_output=True)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stdout.read()[-3000:]
+    assert not mounts()
+    assert wait_for(lambda: not any(Path(f"/proc/{c}").exists() for c in children), timeout=30), children
+    assert not list(tmp_path.iterdir())
 
 
 def test_an_array_made_through_the_mount_looks_the_same_once_moved(tmp_path, mount):
