@@ -1089,6 +1089,57 @@ def test_an_index_larger_than_the_index_cache_is_read_once(big_store, mount):
     assert m.stats()["index_cache"]["misses"] == 3  # one kept beside at a time
 
 
+def test_an_index_cache_of_1k_evicts_and_reads_and_writes_stay_right(tmp_path, mount):
+    """``index_cache=1K`` (the smallest: it was 64K, which no small array's
+    indexes fill, so the randomized tester never evicted one) holds three of
+    these eight shards' indexes (328 bytes each as counted): reading every
+    chunk in rounds loads each index again in each round, listings share the
+    budget, writes through the mount land, and nothing exceeds the budget."""
+    arr = tmp_path / "arr"
+    n, per = 8, 4
+    write_array_doc(arr, array_doc([4 * per * n], [4 * per], [4]))
+    want = {}
+    for s in range(n):
+        chunks = {c: bytes([s, c, 1, 2]) for c in range(per)}
+        write_shard(arr, (s,), (per,), chunks)
+        want.update({s * per + c: v for c, v in chunks.items()})
+    m = mount(tmp_path, "rw", "index_cache=1K", "index_ttl=inf", "attr_timeout=0")
+
+    def check_all():
+        for i, data in want.items():
+            assert (m / f"arr/c/{i}").read_bytes() == data, i
+            cache = m.stats()["index_cache"]
+            assert cache["max_bytes"] == 1024 and 0 < cache["bytes"] <= 1024, cache
+            assert cache["beside_bytes"] == 0 and cache["entries"] <= 3, cache
+        assert sorted(os.listdir(m / "arr/c")) == sorted(str(i) for i in want)
+
+    check_all()
+    check_all()
+    assert m.stats()["index_cache"]["misses"] >= 2 * n  # (index_ttl=inf: every load after the first is an eviction's)
+    for s in range(n):  # a chunk of every shard replaced, one of every other added past the stored ones
+        i = s * per + (s % per)
+        want[i] = b"new%d" % s
+        (m / f"arr/c/{i}").write_bytes(want[i])
+        check_all()
+    subprocess.run([*ZSHARDFS, "sync", str(m.path)], check=True, capture_output=True, timeout=60)
+    check_all()
+    m.umount()
+    m2 = mount(tmp_path, "ro", "index_cache=1K")
+    assert {i: (m2 / f"arr/c/{i}").read_bytes() for i in want} == want
+
+
+def test_an_index_cache_below_1k_is_refused(tmp_path):
+    """The smallest index cache is 1K: a smaller one is a clear message
+    (one line, no traceback), no mount."""
+    write_array_doc(tmp_path / "arr", array_doc([8], [4], [2]))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run([*ZSHARDFS, "mount", str(tmp_path), str(mnt), "-o", "index_cache=1000"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and not os.path.ismount(mnt)
+    assert "index_cache: must be at least 1K" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_a_daemon_at_its_open_file_limit_keeps_serving(tmp_path, mount):
     """The descriptors a local mount keeps open for fast reads (one per shard
     read lately) never take what requests need: with ``ulimit -n`` of 48

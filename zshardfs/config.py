@@ -109,6 +109,11 @@ def parse_int(text: str, name: str, minimum: int = 1, maximum: int | None = None
 MAX_CONNECTIONS = 1024
 #: inner chunks per shard and dimension ``-o shard=K`` may ask for
 MAX_SHARD_FACTOR = 4096
+#: the smallest ``-o index_cache``: an index larger than the budget is still
+#: used, kept beside it (one at a time, shards.ByteLRU), so any budget is
+#: correct; a smaller one would only evict at once. Small budgets let tests
+#: (scripts/difftest.py -o index_cache=1K) evict the indexes of small arrays.
+MIN_INDEX_CACHE = 1 << 10
 
 
 def parse_connections(text: str, name: str) -> int:
@@ -159,7 +164,7 @@ OPTIONS = {
     "follow_symlinks": ("follow_symlinks", None, "local sources: follow symbolic links that lead out of the source "
                                                  "(only for sources no one else can write into)"),
     "index_cache": ("index_cache", parse_size,
-                    "bytes of parsed shard indexes (and listings made of them) kept in memory, at least 64K "
+                    "bytes of parsed shard indexes (and listings made of them) kept in memory, at least 1K "
                     "(default 64M)"),
     "chunk_cache": ("chunk_cache", parse_size, "bytes of chunk data kept in memory (default 64M)"),
     "metadata_ttl": ("metadata_ttl", parse_seconds, "seconds a metadata document/probe/listing is trusted, 0 to inf "
@@ -251,8 +256,8 @@ def parse_options(cfg: MountConfig, opts: list[str]) -> MountConfig:
         raise OptionError("option shard: only makes sense on a read-write mount (add -o rw)")
     if cfg.follow_symlinks and "://" in cfg.source:
         raise OptionError("option follow_symlinks: only for local sources")
-    if cfg.index_cache < 1 << 16:
-        raise OptionError("option index_cache: at least 64K is needed to hold one index")
+    if cfg.index_cache < MIN_INDEX_CACHE:
+        raise OptionError(f"option index_cache: must be at least {MIN_INDEX_CACHE >> 10}K")
     return cfg
 
 
