@@ -14,6 +14,11 @@ run more seeds and steps here after changing the write path.
   .venv/bin/python scripts/difftest.py --seed 7 --layout basic --steps 200 [--backend s3 [--faults 3]]
   .venv/bin/python scripts/difftest.py --replay repro.json [--minimize]
 
+With ``-o flush_delay=2,index_cache=1K`` (the smallest index cache) the shard indexes of
+these small arrays are evicted all the time, while chunks are written, read, listed and
+replaced: the summary then counts the index loads and evictions of the mounts unmounted
+(``index_cache``; a daemon killed takes its counts with it).
+
 On a divergence it prints what differed and the op list, saves it as
 repro-LAYOUT-BACKEND-SEED.json in --base (which --replay reads: the same ops, no
 generator), and with --minimize the smallest subsequence that still diverges.

@@ -800,6 +800,8 @@ class Env:
         self.mount_count = 0
         #: mount point -> pid of the daemon this run started there last (teardown ends each)
         self.daemons: dict[Path, int | None] = {}
+        #: (with -o index_cache=) index loads and evictions of the mounts unmounted so far
+        self.index_cache = {"loads": 0, "evicted": 0}
 
     # -- setup
     def setup(self, server=None):
@@ -853,10 +855,22 @@ class Env:
         return pid
 
     def umount(self) -> str:
+        if any(o.startswith("index_cache=") for o in self.opts) and os.path.ismount(self.mnt):
+            self.count_index_cache()
         r = subprocess.run([*ZS, "umount", str(self.mnt)], capture_output=True, text=True, timeout=180)
         if r.returncode:
             return f"umount rc={r.returncode} {r.stderr.strip()}"
         return "ok"
+
+    def count_index_cache(self) -> None:
+        """Add the mount's index loads and evictions so far to ``index_cache`` (asked before
+        each unmount where ``-o index_cache=`` is given: a run with a small one shows that
+        indexes were evicted; a daemon killed takes its counts with it)."""
+        r = subprocess.run([*ZS, "stats", "--json", str(self.mnt)], capture_output=True, text=True, timeout=60)
+        if r.returncode == 0:
+            c = json.loads(r.stdout)["index_cache"]
+            self.index_cache["loads"] += c["misses"]
+            self.index_cache["evicted"] += c.get("evicted", 0)
 
     def kill9(self):
         os.kill(self.pid, signal.SIGKILL)
@@ -3288,6 +3302,8 @@ def run(layout: str, backend: str = "local", *, base: Path, seed: int = 0, steps
                 failure = (len(done), f)
         if env.proxy is not None and env.proxy.fault_counts:
             runner.stats["injected"] = dict(env.proxy.fault_counts)
+        if any(o.startswith("index_cache=") for o in opts):
+            runner.stats["index_cache"] = dict(env.index_cache)
         log = env.daemon_log()
         if failure is None and "Traceback" in log:
             failure = (len(done), ["daemon log has a traceback:\n" + log[log.index("Traceback"):][:3000]])

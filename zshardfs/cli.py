@@ -887,7 +887,7 @@ def cmd_stats(args) -> int:
           f"given_up_running={calls.get('given_up_running', 0)} (calls given up at their deadline, still running)")
     for name in ("index_cache", "chunk_cache"):
         c = stats[name]
-        print(f"{name:<11} hits={c['hits']} misses={c['misses']} entries={c['entries']} "
+        print(f"{name:<11} hits={c['hits']} misses={c['misses']} evicted={c.get('evicted', 0)} entries={c['entries']} "
               f"bytes={c['bytes']}/{c['max_bytes']}"
               + (f" (+{c['beside_bytes']} kept beside: larger than the budget)" if c.get("beside_bytes") else ""))
     print(f"inodes      {stats['inodes']}")

@@ -126,6 +126,7 @@ class ByteLRU:
         self._beside: tuple[Any, Any, int] | None = None  # (key, value, nbytes)
         self.hits = 0
         self.misses = 0
+        self.evicted = 0  # entries dropped for room (not popped): ``zshardfs stats``
 
     def _oversized(self, key):
         beside = self._beside
@@ -174,6 +175,7 @@ class ByteLRU:
         while self.bytes > self.max_bytes:
             _, (_, n) = self._d.popitem(last=False)
             self.bytes -= n
+            self.evicted += 1
 
     def __contains__(self, key) -> bool:
         item = self._d.get(key)
