@@ -1406,3 +1406,58 @@ def test_a_listing_begun_before_a_writers_close_gives_the_size_it_wrote(tmp_path
 
     trio.run(main)
     assert (tmp_path / "plain" / "a.bin").stat().st_size == 200
+
+
+def test_a_reader_waiting_for_read_ahead_while_its_index_is_evicted_reads_its_chunk(tmp_path):
+    """A scan's reader waits (at most its patience) for the chunk read-ahead
+    is fetching; if that does not come, it read the chunk itself unless the
+    shard's index was no longer the cached one, taken for "the shard was
+    replaced": it loaded the index again and retried, and after three tries
+    failed with "shard keeps changing while being read" (EIO).  An index
+    evicted for room (``index_cache``, here 1K: three of these indexes fit,
+    and other readers cycle through four other shards) is no replacement:
+    the reader reads its chunk itself, pinned to the version it has (a
+    replaced shard fails that read, and the reader then loads the index)."""
+    from tests.handmade_zarr import array_doc, write_array_doc, write_shard
+    from tests.test_request_deadline import Gated
+    from zshardfs.backends.base import AsyncStore
+    from zshardfs.shards import ShardCache
+
+    arr = tmp_path / "arr"
+    write_array_doc(arr, array_doc([80], [16], [4]))
+    for s in range(5):
+        write_shard(arr, (s,), (4,), {c: bytes([s, c]) * 2 for c in range(4)})
+    backend = Gated(str(tmp_path))
+    view = build_view(MountConfig(source=str(tmp_path), mountpoint=str(tmp_path) + "-mnt"), backend)
+    store = AsyncStore(backend, timeout=4.0)
+
+    async def main():
+        targets = [(await view.resolve(f"arr/c/{4 * s}")).target for s in range(5)]
+        fmt = (await view.resolve("arr/c/0")).dataset.shard_format
+        cache = ShardCache(store, index_cache_bytes=1024, prefetch=True)
+        cache._patience = 0.3  # (three waits end well before read-ahead gives its GET up: 2 s)
+        key, ctx = targets[0].shard_key, targets[0].shard_ctx
+        done = False
+
+        async def evict():  # other readers: the indexes of four other shards, in turn
+            while not done:
+                for t in targets[1:]:
+                    await cache.index(fmt, t.shard_key, t.shard_ctx)
+                await trio.sleep(0.01)
+
+        async with trio.open_nursery() as nursery:
+            cache.start(nursery)
+            with store.request_deadline():
+                assert await cache.read_chunk(fmt, key, 0, ctx) == bytes([0, 0]) * 2
+            backend.hold("get", key)  # read-ahead's GET (the next read continues a scan) gets no answer
+            nursery.start_soon(evict)
+            try:
+                with store.request_deadline():
+                    assert await cache.read_chunk(fmt, key, 1, ctx) == bytes([0, 1]) * 2
+                assert cache.indexes.evicted > 0 and cache.prefetches == 1
+            finally:
+                done = True
+                backend.go.set()
+                cache.start(None)
+
+    trio.run(main)

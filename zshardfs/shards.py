@@ -834,10 +834,16 @@ class ShardCache:
         return self.chunks.get(ckey)
 
     def _current(self, key: str, index: ShardIndex) -> bool:
-        """Is ``index`` still the cached index of ``key`` (not forgotten
-        because a read found the shard changed)?"""
+        """May a reader go on with ``index`` after waiting for read-ahead:
+        no other index of ``key`` is cached?  None cached is not "replaced":
+        an index evicted for room (a small ``index_cache``) says nothing of
+        the shard, nor does one forgotten because read-ahead found it
+        changed, since the reader's own read is pinned to ``index``'s version
+        (a replaced shard fails it, and the reader loads the index again).
+        Taking no index for a replacement, a reader whose index was evicted
+        during each of its three waits failed with "shard keeps changing"."""
         cached: _Cached | None = self.indexes.peek(key)
-        return cached is not None and cached.index is index
+        return cached is None or cached.index is index
 
     async def _timed(self, key: str, start: int, length: int, etag: str):
         """A pinned GET of chunk data whose throughput feeds the estimate
