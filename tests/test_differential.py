@@ -94,7 +94,7 @@ RACE_CASES = [
 RACE_WEIGHT = 12
 
 
-def _run(layout, backend, seed, steps, tmp_path, request, weights=None):
+def _run(layout, backend, seed, steps, tmp_path, request, weights=None, opts=None):
     """One run that must pass, remounting and killing the daemon at least once."""
     if layout.startswith("zarr2") and not P.zarr2_available():
         pytest.fail(f"the zarr 2.18 interpreter {P.ZARR2_PYTHON} is missing")
@@ -102,7 +102,7 @@ def _run(layout, backend, seed, steps, tmp_path, request, weights=None):
     if backend == "s3":
         server = request.getfixturevalue("moto_server")
         server.ensure_running()
-    out = dt.run(layout, backend, base=tmp_path, seed=seed, steps=steps, server=server, weights=weights)
+    out = dt.run(layout, backend, base=tmp_path, seed=seed, steps=steps, server=server, weights=weights, opts=opts)
     if not out.ok:
         repro = tmp_path / f"repro-{layout}-{backend}-{seed}.json"
         repro.write_text(json.dumps(out.repro(), indent=1))
@@ -121,6 +121,25 @@ def test_random_operations_match_a_directory_store(layout, backend, seed, steps,
     and at the end zarr-python and tensorstore (zarr 2.18; precomputed: tensorstore) read the
     sharded source as the twin."""
     _run(layout, backend, seed, steps, tmp_path, request)
+
+
+#: runs with the smallest index cache (-o index_cache=1K), which these small arrays' indexes
+#: overflow: indexes (precomputed: minishard indexes too) and the listings made of them are
+#: evicted all the time while chunks are written, read, listed, replaced and shrunk away (the
+#: default 64M, and the 64K minimum before, never evicted one): (layout, backend, seed, steps)
+EVICT_CASES = [
+    ("basic", "local", 50109, 51),
+    ("pc_murmur_gzip_preshift", "s3", 50109, 45),
+]
+
+
+@pytest.mark.parametrize("layout,backend,seed,steps", EVICT_CASES,
+                         ids=[f"{layout}-{backend}-{seed}" for layout, backend, seed, _ in EVICT_CASES])
+def test_random_operations_with_shard_indexes_evicted(layout, backend, seed, steps, tmp_path, request):
+    """As above, with ``index_cache=1K``: every answer is the same when each index is loaded
+    again and again (asserted: the mounts evicted some)."""
+    out = _run(layout, backend, seed, steps, tmp_path, request, opts=[*dt.DEFAULT_OPTS, "index_cache=1K"])
+    assert out.stats["index_cache"]["evicted"] > 0, out.summary()
 
 
 @pytest.mark.parametrize("layout,backend,seed,steps", RACE_CASES,
