@@ -815,6 +815,59 @@ def test_flush_failure_eio_keeps_data(store, mount, tmp_path):
     m.umount()
 
 
+def _point_past_the_end(store: Store, key: str, n: int, entry: int) -> bytes:
+    """Shard ``key`` (``n`` chunks, index at the end with its crc32c) with
+    index entry ``entry`` pointed past the end of the file, the checksum
+    recomputed (the index itself is valid); returns the damaged bytes."""
+    raw = store.get(key)
+    isize = n * 16 + 4
+    table = np.frombuffer(raw[-isize:-4], "<u8").reshape(n, 2).copy()
+    table[entry] = (len(raw) + 100, 8)
+    index = table.astype("<u8").tobytes()
+    damaged = raw[:-isize] + index + crc32c.crc32c(index).to_bytes(4, "little")
+    store.put(key, damaged)
+    return damaged
+
+
+def test_a_change_of_a_shard_that_cannot_be_rewritten_is_refused_at_once(store, mount, tmp_path):
+    """A write into a shard whose index points past its end (a rewrite
+    would lose that chunk: the flush refuses it) was accepted, then EIO at
+    fsync, kept and retried for ever: ``zshardfs umount`` refused for ever.
+    Now the open (O_TRUNC, create, truncate, unlink, a rename onto or away)
+    is EIO at once with the shard's one damage line, nothing is kept, the
+    umount succeeds; and the check costs undamaged shards no request."""
+    data = np.arange(64, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    damaged = _point_past_the_end(store, "arr/c/0/0", 4, 1)  # chunk (0, 1) of shard (0, 0)
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    c = m / "arr" / "c"
+    os.stat(c / "1/1")  # (as a writer's lookup does: the shard's index is known)
+    for what, act in (("O_TRUNC", lambda: os.open(c / "1/1", os.O_WRONLY | os.O_TRUNC)),
+                      ("O_RDWR", lambda: os.open(c / "1/0", os.O_RDWR)),
+                      ("truncate", lambda: os.truncate(c / "0/0", 0)),
+                      ("unlink", lambda: os.unlink(c / "1/0")),
+                      ("rename onto", lambda: os.rename(c / "2/2", c / "1/1")),
+                      ("rename away", lambda: os.rename(c / "1/1", c / "3/3"))):
+        with pytest.raises(OSError) as info:
+            fd = act()
+            os.close(fd) if isinstance(fd, int) else None
+        assert info.value.errno == errno.EIO, what
+    assert m.stats()["writeback"]["dirty_bytes"] == 0
+    lines = [line for line in m.log_text().splitlines() if "damaged data" in line]
+    assert len(lines) == 1 and "arr/c/0/0" in lines[0] and "past the end" in lines[0], lines
+    # another shard's write lands, and costs no request beyond the open's (its index is known)
+    os.stat(c / "2/3")
+    before = xstats(m)["requests"]
+    write_file(c / "2/3", raw_chunk(23))
+    after = xstats(m)["requests"]
+    assert [after[k] - before[k] for k in ("get", "get_range", "list", "put")] == [0, 0, 0, 0], (before, after)
+    zs("umount", m.path)  # (refused for ever before: the write was kept)
+    m.mounted = False
+    assert store.get("arr/c/0/0") == damaged
+    got = read_shard(store.get("arr/c/1/1"), 4)  # (chunks (2, 2) and (2, 3) are its 0 and 1)
+    assert got[1] == raw_chunk(23) and got[0] == data[4:6, 4:6].tobytes()
+
+
 # ---------------------------------------------------------------------------
 # metadata documents
 

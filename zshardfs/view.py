@@ -1341,6 +1341,8 @@ class View:
             if t.capacity is None:
                 t = node.target = node.dataset.target(node.rel) or t
             self._check_chunk_writable(node)
+            await self.writeback.refuse_if_damaged(t.shard_key, node.dataset.shard_format, t.shard_ctx,
+                                                   (t.chunk_id,), f"a write of {node.path}")
             initial = b""
             for _ in range(8) if not truncate else ():
                 # a write of this mount that lands while the content is read
@@ -2065,6 +2067,8 @@ class View:
         """``moving``: a rename's unlink of its source, whose open handles
         move to the new name (see rename) instead of being detached."""
         node = await self._file_to_change(parent, name, errno.EISDIR)
+        if node.is_chunk and not moving:  # (a rename's source: refused before it began, see _rename)
+            await self._refuse_removal_if_damaged(node, "an unlink")
         detached, was_dirty = [], False
         async with self._no_store_of(node.path):
             # a store of it lands first, then this delete (else its PUT would
@@ -2548,9 +2552,18 @@ class View:
         while (renaming := self._renaming.get(handle.node.path)) is not None:
             await waited_within_deadline(renaming, handle.node.path, "a rename of it")
 
+    async def _refuse_removal_if_damaged(self, node: Node, what: str) -> None:
+        t = node.target
+        linked = getattr(node.dataset.shard_format, "deleted_with", None)
+        await self.writeback.refuse_if_damaged(t.shard_key, node.dataset.shard_format, t.shard_ctx,
+                                               linked(t.chunk_id) if linked else (t.chunk_id,),
+                                               f"{what} of {node.path}")
+
     async def _rename(self, parent: Node, name: str, new_parent: Node, new_name: str,
                       noreplace: bool = False) -> None:
         node = await self._file_to_change(parent, name, errno.EXDEV)
+        if node.is_chunk:  # (its removal would be kept for ever: refused before the new name is written)
+            await self._refuse_removal_if_damaged(node, "a rename")
         if node.link is not None:
             await self._rename_link(node, new_parent, new_name, noreplace)
             return

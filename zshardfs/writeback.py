@@ -50,7 +50,7 @@ import trio
 from .backends.base import (AsyncStore, CorruptData, NotFound, PreconditionFailed, StoreError, held_by_deadline,
                             pause_within_deadline)
 from .logonce import log_once, report_damage
-from .shards import MAX_CHUNK_BYTES, MAX_REWRITE_BYTES, ShardCache, ShardFormat
+from .shards import MAX_CHUNK_BYTES, MAX_REWRITE_BYTES, NOT_CACHED, ShardCache, ShardFormat
 from .together import off_loop
 
 log = logging.getLogger(__name__)
@@ -331,6 +331,47 @@ class WriteBack:
         self._count(chunk)
         self.touch(shard)
         return chunk
+
+    async def refuse_if_damaged(self, key: str, fmt: ShardFormat, ctx: Any, chunk_ids, what: str) -> None:
+        """Refuse at once (CorruptData: EIO, the shard's one ``damaged data``
+        line) a change of chunks ``chunk_ids`` of shard ``key`` (an open for
+        writing, a create, a truncate, a rename onto or away from it, an
+        unlink) whose flush would be refused: the shard's index, as this
+        mount knows it, declares chunks the rewrite would have to keep and
+        cannot (past the end, too large, overlapping; what the flush's
+        ``_check_kept`` refuses).  Else the change was accepted, kept in
+        memory and retried for ever, and ``zshardfs umount`` refused for
+        ever.  Judged from the cached index only (no storage request): once
+        per index version for a shard that is whole, per change for a
+        damaged one (validated first if its index is older than the TTL: one
+        HEAD); a shard not cached, or damaged after it was judged, is left to
+        the flush (EIO at fsync, kept, retried)."""
+        index = self.shards.index_now(fmt, key, ctx, expired_ok=True)
+        if index is NOT_CACHED or index is None:
+            return
+        verdict = await _rewrite_verdict(index)
+        if verdict is None:
+            return
+        current = await self.shards.index(fmt, key, ctx)  # (a damaged one past its TTL: validated, one HEAD)
+        if current is not index:  # (replaced meanwhile, repaired perhaps: judged anew)
+            verdict = await _rewrite_verdict(current) if current is not None else None
+            if verdict is None:
+                return
+            index = current
+        exc, entries = verdict
+        if entries is not None:  # (whose entries the rewrite keeps matters: those changed go)
+            changed = set(chunk_ids)
+            shard = self.dirty.get(key)
+            if shard is not None:
+                changed.update(shard.chunks)
+            try:
+                await off_loop(lambda: _check_kept(key, index.info, [e for e in entries if e[2] not in changed]),
+                               32 * len(entries))
+                return
+            except CorruptData as kept_exc:
+                exc = kept_exc
+        raise CorruptData(f"{exc} ({what} refused: the shard cannot be rewritten without losing chunks)",
+                          exc.key or key)
 
     def close_chunk(self, key: str, chunk_id: int, chunk: DirtyChunk) -> None:
         chunk.writers = max(0, chunk.writers - 1)
@@ -655,6 +696,39 @@ class WriteBack:
             await self._flush_many(self._due(time.monotonic()))  # (failures logged by flush; kept, retried)
             with trio.move_on_after(min(self.idle_delay, 0.5) if self.dirty else 3600):
                 await self._wake.wait()
+
+
+_UNJUDGED = object()
+
+
+async def _rewrite_verdict(index) -> tuple[CorruptData, list[tuple[int, int, int]] | None] | None:
+    """Would a rewrite of ``index``'s shard be refused?  None: no; else the
+    refusal, and the sorted ``(offset, nbytes, id)`` entries when it depends
+    on which of them the rewrite keeps (None: any rewrite is refused).
+    Judged once per index (one version of one shard), kept on it."""
+    verdict = getattr(index, "_rewrite_verdict", _UNJUDGED)
+    if verdict is not _UNJUDGED:
+        return verdict
+    if getattr(getattr(index, "fmt", None), "multilod", False):
+        return None  # (its fragments' manifests would be read: requests the write did not need; left to the flush)
+    try:
+        entries = await index.entries()
+    except CorruptData as exc:
+        verdict = (exc, None)
+    except StoreError:
+        return None  # (not judged: the flush will)
+    else:
+        entries = await off_loop(lambda: sorted((off, n, cid) for cid, off, n in entries), 32 * len(entries))
+        try:
+            _check_kept(index.info.key, index.info, entries)
+            verdict = None
+        except CorruptData as exc:
+            verdict = (exc, entries)
+    try:
+        index._rewrite_verdict = verdict
+    except AttributeError:
+        pass
+    return verdict
 
 
 def _check_kept(key: str, info, entries: list[tuple[int, int, int]]) -> None:
