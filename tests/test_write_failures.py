@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import pytest
 import zarr
@@ -553,6 +554,44 @@ def test_a_refused_sync_or_umount_logs_one_line_that_says_what_failed(tmp_path, 
     m.umount()
     data[0:2, 0:2] = 0x09090909
     data[4:6, 4:6] = 0x08080808
+    np.testing.assert_array_equal(zarr.open_array(str(store / "arr"), mode="r")[...], data)
+
+
+def _point_past_the_end(shard: Path, n: int, entry: int) -> bytes:
+    """Point index entry ``entry`` of ``shard`` (``n`` chunks, index at the
+    end with its crc32c) past the end of the file, the checksum recomputed;
+    returns the bytes it had."""
+    raw = shard.read_bytes()
+    isize = n * 16 + 4
+    table = np.frombuffer(raw[-isize:-4], "<u8").reshape(n, 2).copy()
+    table[entry] = (len(raw) + 100, 8)
+    index = table.astype("<u8").tobytes()
+    shard.write_bytes(raw[:-isize] + index + crc32c.crc32c(index).to_bytes(4, "little"))
+    return raw
+
+
+def test_a_umount_refused_for_a_shard_damaged_under_a_write_names_it_and_the_way_out(tmp_path, mount):
+    """A shard another client damages (an index entry past its end) after a
+    write into it was accepted: the flush is refused (EIO at fsync, kept,
+    retried) and so is ``zshardfs umount``, which said only 'Input/output
+    error'.  Its message now names the shard and both ways out: repair or
+    remove it (the retry stores), or ``umount -z`` and two SIGTERMs (lost)."""
+    store, data = _seeded(tmp_path)
+    m = mount(store, "flush_delay=60")
+    (m / "arr/c/0/0").write_bytes(b"\x09" * 16)
+    good = _point_past_the_end(store / "arr/c/0/0", 4, 1)
+    try:
+        refused = zs("umount", m.path, check=False)
+        assert refused.returncode != 0 and os.path.ismount(m.path), refused.stderr
+        said = " ".join(refused.stderr.split())
+        assert "damaged shard(s) arr/c/0/0" in said, said
+        assert "repairing or removing the shard" in said, said
+        assert f"'zshardfs umount -z {m.path}' then stopping the daemon (SIGTERM twice) discards" in said, said
+    finally:
+        (store / "arr/c/0/0").write_bytes(good)  # repaired: the retry stores
+    must(lambda: zs("umount", m.path, check=False).returncode == 0, 30, "the umount after the repair")
+    m.mounted = False
+    data[0:2, 0:2] = 0x09090909
     np.testing.assert_array_equal(zarr.open_array(str(store / "arr"), mode="r")[...], data)
 
 

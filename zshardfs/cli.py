@@ -654,6 +654,23 @@ def _sync(mnt: str) -> str | None:
     return None
 
 
+def _damaged_way_out(mnt: str) -> str:
+    """After a refused sync: the shards it held writes for that no retry
+    stores (damaged in storage, see SEMANTICS Limits), and the ways out;
+    "" if none."""
+    try:
+        damaged = json.loads(_control(mnt, "user.zshardfs.stats"))["writeback"].get("damaged_shards") or []
+    except (ConfigError, ValueError, KeyError, TypeError):
+        return ""
+    if not damaged:
+        return ""
+    q = shlex.quote(mnt)
+    return (f"; no retry can store the writes held for the damaged shard(s) {', '.join(damaged)} "
+            f"(damage in storage a rewrite cannot keep, see the daemon's log): repairing or removing the shard "
+            f"in storage lets the next retry store them (then 'zshardfs umount {q}' again), or "
+            f"'zshardfs umount -z {q}' then stopping the daemon (SIGTERM twice) discards what it holds")
+
+
 def _not_owner(mnt: str, what: str) -> str | None:
     """Why the caller may not ``what`` (sync, unmount) the zshardfs mount
     ``mnt``, or None: only its owner (``user_id=`` in /proc/mounts) and
@@ -830,7 +847,7 @@ def cmd_umount(args) -> int:
             return _fail(f"the daemon of {mnt} died during the final sync ({problem}); its mount is removed, "
                          f"and {lost}")
         if problem:
-            return _fail(problem + "; not unmounted, the data is still held by the daemon")
+            return _fail(problem + "; not unmounted, the data is still held by the daemon" + _damaged_way_out(mnt))
         if not args.lazy:
             # the daemon then ends also when a copy of the mount in another mount
             # namespace would keep it serving (see daemon.Mount._watch_unmount)

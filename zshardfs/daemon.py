@@ -317,7 +317,9 @@ class Mount:
                         "tracked": sum(map(len, self.view.writers.values()))
                         + sum(map(len, self.view.readers.values()))},
             "writeback": {"dirty_shards": len(self.writeback.dirty), "dirty_bytes": self.writeback.dirty_bytes,
-                          "flushes": self.writeback.flushes, "flush_errors": self.writeback.flush_errors},
+                          "flushes": self.writeback.flushes, "flush_errors": self.writeback.flush_errors,
+                          # (first 10: zshardfs umount names them, and the way out)
+                          "damaged_shards": self.writeback.damaged()[:10]},
             # the collector's permanent generation (see gcpolicy)
             "gc": {"frozen_objects": gc.get_freeze_count(), "full_collections": gc.get_stats()[2]["collections"]},
             "rss_bytes": rss_bytes(),

@@ -287,6 +287,11 @@ class WriteBack:
             total += sums[0]
         assert self._dirty_bytes == total, (self._dirty_bytes, total)
 
+    def damaged(self) -> list[str]:
+        """Dirty shards whose last flush was refused for damage in storage
+        (no retry stores them until the shard is repaired or removed)."""
+        return [k for k, s in self.dirty.items() if isinstance(s.error, CorruptData)]
+
     def unstored(self) -> tuple[int, int]:
         """(chunks, shards) held in memory only."""
         chunks = sum(1 for s in self.dirty.values() for c in s.chunks.values() if c.clean != c.version)
