@@ -1007,27 +1007,33 @@ def test_compressing_a_shard_does_not_stop_the_mount_answering(tmp_path, mount):
 
 
 def test_a_chunk_made_and_removed_in_a_damaged_shard_leaves_nothing_to_store(tmp_path, mount):
-    """A new id written into a shard with a damaged minishard index cannot
-    be stored (fsync: EIO, the shard is not rewritten without the damaged
-    part); unlinking it again undoes it, so sync and unmount succeed and the
-    shard stays as it was."""
+    """A new id written into a shard whose minishard index another client
+    damages while it is open cannot be stored (fsync: EIO, the shard is not
+    rewritten without the damaged part); unlinking it again undoes it, so
+    sync and unmount succeed and the shard stays as it was.  Once the
+    damage is known, a write into that shard is EIO at the open (SEMANTICS
+    Limits), and nothing is held."""
     sharding = {"@type": "neuroglancer_uint64_sharded_v1", "preshift_bits": 0, "hash": "identity",
                 "minishard_bits": 1, "shard_bits": 0, "minishard_index_encoding": "raw", "data_encoding": "raw"}
     (tmp_path / "kv").mkdir()
     (tmp_path / "kv" / "info").write_text(json.dumps({"@type": "neuroglancer_skeletons", "sharding": sharding}))
     data = bytearray(encode_shard({k: b"x" * (10 + k) for k in range(6)}, ShardingSpec.from_json(sharding)))
-    data[8:16] = (int.from_bytes(data[8:16], "little") - 8).to_bytes(8, "little")  # minishard 0's index: damaged
     (tmp_path / "kv" / "0.shard").write_bytes(bytes(data))
-    m = mount(tmp_path)
+    data[8:16] = (int.from_bytes(data[8:16], "little") - 8).to_bytes(8, "little")  # minishard 0's index: damaged
+    m = mount(tmp_path, "flush_delay=60")
     new = m.path / "kv" / "101"  # minishard 1: intact
     with open(new, "wb") as f:
         f.write(b"oops")
+        (tmp_path / "kv" / "0.shard").write_bytes(bytes(data))  # damaged by another client meanwhile
         with pytest.raises(OSError) as info:
             os.fsync(f.fileno())
         assert info.value.errno == errno.EIO
     os.unlink(new)
     assert sorted(os.listdir(m.path / "kv")) == ["1", "3", "5", "info"]
     subprocess.run([*ZSHARDFS, "sync", str(m.path)], check=True, capture_output=True, timeout=60)
+    with pytest.raises(OSError) as info:  # the damage known now: refused at once
+        open(m.path / "kv" / "103", "wb")
+    assert info.value.errno == errno.EIO
     m.umount()
     assert (tmp_path / "kv" / "0.shard").read_bytes() == bytes(data)
 

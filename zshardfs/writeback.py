@@ -723,12 +723,15 @@ async def _rewrite_verdict(index) -> tuple[CorruptData, list[tuple[int, int, int
     except StoreError:
         return None  # (not judged: the flush will)
     else:
-        entries = await off_loop(lambda: sorted((off, n, cid) for cid, off, n in entries), 32 * len(entries))
-        try:
-            _check_kept(index.info.key, index.info, entries)
-            verdict = None
-        except CorruptData as exc:
-            verdict = (exc, entries)
+        def judge(found=entries):
+            ordered = sorted((off, n, cid) for cid, off, n in found)
+            try:
+                _check_kept(index.info.key, index.info, ordered)
+                return None
+            except CorruptData as exc:
+                return exc, ordered
+
+        verdict = await off_loop(judge, 32 * len(entries))  # (as the flush's: a big index is not judged on the loop)
     try:
         index._rewrite_verdict = verdict
     except AttributeError:
