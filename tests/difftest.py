@@ -792,6 +792,10 @@ class Env:
         self.mnt = work / "mnt"
         self.log = log
         self.names = self.case.names
+        #: (twin) in-grid chunk directories of stored arrays removed by rmdir through the
+        #: mount and not made again: the mount remembers them (gone while empty, SEMANTICS
+        #: Limits) until it ends, so every mount starts without them (:meth:`mount`)
+        self.removed_chunkdirs: set[str] = set()
         if backend == "s3":
             self.names.on_s3()
         self.server = None
@@ -837,6 +841,7 @@ class Env:
         extra = [] if self.backend == "local" else ["--endpoint-url", self.proxy.endpoint_url]
         if mnt is None:
             self.mount_count += 1
+            self.removed_chunkdirs.clear()  # (a new daemon: it remembers no rmdir)
         where = mnt or self.mnt
         try:
             mine = [o for o in self.opts if not ("ro" in opts and o.startswith("shard="))]  # (refused on ro)
@@ -1158,11 +1163,29 @@ class Applier:
             return "ENOENT" if creating else None
         if (k == "chunk" and self.names.lenient_parents) or k == "chunktmp" or \
                 (self.names.in_chunk_tree(rel) and k != "chunkdir"):
+            if self._below_removed_chunkdir(rel, self_too=False):
+                return "ENOENT" if creating else None
             parent = self.p(rel).parent
             parent.mkdir(parents=True, exist_ok=True)
         if k == "chunkdir":
+            if self._below_removed_chunkdir(rel, self_too=False):
+                return "ENOENT" if creating else None
             self.p(rel).parent.mkdir(parents=True, exist_ok=True)
         return None
+
+    def _below_removed_chunkdir(self, rel: str, self_too: bool = True) -> bool:
+        """(twin) Is ``rel`` (or, ``self_too``, ``rel`` itself) below a chunk directory
+        removed by rmdir and not made again (:attr:`Env.removed_chunkdirs`), one the twin
+        has not made again either?  The mount answers ENOENT there, as a directory store."""
+        gone = self.env.removed_chunkdirs
+        if not gone:
+            return False
+        path = rel if self_too else rel.rpartition("/")[0]
+        while path:
+            if path in gone and not self.p(path).is_dir():
+                return True
+            path = path.rpartition("/")[0]
+        return False
 
     def apply(self, op: dict):
         kind = op["op"]
@@ -1251,6 +1274,12 @@ class Applier:
         if self.twin:
             k = self.names.kind(rel)
             if k == "chunkdir":
+                if self._below_removed_chunkdir(rel, self_too=False):
+                    return "ENOENT"
+                if self._below_removed_chunkdir(rel):  # (removed by rmdir: made again)
+                    self.env.removed_chunkdirs.discard(rel)
+                    self.p(rel).mkdir(parents=True, exist_ok=True)
+                    return "ok"
                 self.p(rel).mkdir(parents=True, exist_ok=True)
                 return "EEXIST"  # lenient lookup: an in-grid chunk directory always exists
             if k == "outdir":
@@ -1265,9 +1294,12 @@ class Applier:
             return "ENOENT"
         if self.twin and self.names.kind(rel) == "chunkdir":
             p = self.p(rel)
+            if self._below_removed_chunkdir(rel):
+                return "ENOENT"  # (removed already: the mount remembers its rmdir)
             if p.exists() and any(q.is_file() for q in p.rglob("*")):
                 return "ENOTEMPTY"
             shutil.rmtree(p, ignore_errors=True)
+            self.env.removed_chunkdirs.add(rel)
             return "ok"
         os.rmdir(self.p(rel))
         return "ok"
@@ -3032,6 +3064,9 @@ class Runner:
         and the temporaries left below src the twin took as the mount shows them (dirmv_late_tmp)."""
         names = self.env.names
         moves = [rt.get("rename")] + list(rt.get("flips") or []) if isinstance(rt, dict) else []
+        if moves.count("ok") and op["src"] != op["dst"]:  # (the mount forgets the rmdirs below both names)
+            self.env.removed_chunkdirs = {p for p in self.env.removed_chunkdirs if not any(
+                p == d or p.startswith(d + "/") for d in (op["src"], op["dst"]))}
         if moves.count("ok") % 2 and op["src"] != op["dst"]:
             old, new = op["src"], op["dst"]
             below = sorted(rel for rel in set(self.durable) | set(self.versions) if rel.startswith(old + "/"))
