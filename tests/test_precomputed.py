@@ -854,6 +854,12 @@ def _damage(tree: Path, volumes) -> dict:
     malformed = tree / "malformed"
     shutil.copytree(tree / "kv_murmur_gzip", malformed)
     (malformed / "info").write_text('{"@type": "neuroglancer_skeletons", "sharding": ')
+    # 5. a volume whose ``scales`` is an object, not a list: shown as stored, one warning
+    bad_scales = tree / "bad_scales"
+    shutil.copytree(tree / "img_u8_identity_raw", bad_scales)
+    doc = json.loads((bad_scales / "info").read_bytes())
+    doc["scales"] = {str(n): s for n, s in enumerate(doc["scales"])}
+    (bad_scales / "info").write_text(json.dumps(doc))
     return damaged
 
 
@@ -922,14 +928,17 @@ def test_damaged_input(source, mount, peers_tree, tmp_path, gap):
     k0, k1 = raw["scales"][0]["key"], raw["scales"][1]["key"]
     assert tree_diff(m.path / "bad_scale" / k0, twins.unsharded / k0) == []
     assert sorted(os.listdir(m.path / "bad_scale" / k1)) == sorted(os.listdir(tree / "bad_scale" / k1))
-    for name in ("bad_kv", "malformed"):
+    for name in ("bad_kv", "malformed", "bad_scales"):
         assert (m.path / name / "info").read_bytes() == (tree / name / "info").read_bytes()
         assert sorted(os.listdir(m.path / name)) == sorted(os.listdir(tree / name))
+    for k in (k0, k1):  # the scales' shard files, as stored
+        assert tree_diff(m.path / "bad_scales" / k, tree / "bad_scales" / k) == []
     (m.path / "bad_kv" / "info").read_bytes()
     os.listdir(m.path / "bad_scale" / k1)
     lines = m.log_text().splitlines()
-    for name in ("bad_scale", "bad_kv", "malformed"):
+    for name in ("bad_scale", "bad_kv", "malformed", "bad_scales"):
         assert sum(f"{name}/info" in line for line in lines) == 1, lines
+    assert [line for line in lines if "bad_scales/info: scales is dict, not a list" in line], lines
 
 
 def _fsck(src: str, *args: str, extra: list[str] = ()) -> dict:
@@ -962,14 +971,14 @@ def test_fsck_reads_what_the_indexes_cannot_tell(source, peers_tree, tmp_path):
     key, cid = damaged["isize0"]  # its trailer says 0: decoded when it is sized, so a listing finds it
     isize0 = f"{case}/{key}/{spec0.shard_key(spec0.shard_and_minishard(cid)[0])}: chunk {cid}: damaged gzip trailer"
     for problems in (listed["problems"], read["problems"]):
-        for needle in ("bad_scale/info", "bad_kv/info", "malformed/info", minishard, isize0):
+        for needle in ("bad_scale/info", "bad_kv/info", "malformed/info", "bad_scales/info", minishard, isize0):
             assert sum(needle in p for p in problems) == 1, (needle, problems)
         assert any(truncated in p and "past the end" in p for p in problems), problems
     assert not [p for p in read["problems"] if p.startswith(("img_u8_identity_raw/", "kv_"))], read["problems"]
     # what reading adds are errors; the unusable info files are not (shown as stored)
     assert read["errors"] - listed["errors"] == len(read["problems"]) - len(listed["problems"]) >= 2, read
     # damage is an error, the unusable info files (shown as stored) are not
-    assert listed["errors"] == len(listed["problems"]) - 3, listed
+    assert listed["errors"] == len(listed["problems"]) - 4, listed
     assert read["bytes_read"] > 0 and read["files"] == listed["files"]
 
 

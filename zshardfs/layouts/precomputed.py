@@ -879,6 +879,12 @@ def _first_nested(keys: list[tuple[str, str]]) -> dict[str, str | None]:
 def parse_info(doc: dict, what: str) -> list[Part]:
     """The parts of ``doc`` shown unsharded; the others are logged once."""
     parts = []
+    scales = doc.get("scales")
+    if scales is not None and not isinstance(scales, list):
+        warn_once(log, f"{what}: scales is {type(scales).__name__}, not a list: its scales are shown as stored")
+    elif isinstance(scales, list) and not all(isinstance(s, dict) for s in scales):
+        n = next(n for n, s in enumerate(scales) if not isinstance(s, dict))
+        warn_once(log, f"{what}: scales[{n}] is not an object: it is shown as stored")
     candidates = list(_candidates(doc))
     nested = _first_nested([(where, key) for _, key, where, _ in candidates if isinstance(key, str)])
     for holder, key, where, naming in candidates:
