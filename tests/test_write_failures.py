@@ -754,7 +754,9 @@ def test_a_source_gone_while_mounted_is_not_made_anew(how, tmp_path, small_fs, m
         with pytest.raises(OSError) as info:  # a directory not listed before: EIO, not an empty listing
             os.listdir(m / "other")
         assert info.value.errno == errno.EIO
-        assert "nothing is looked up there" in m.log_text() or "nothing is listed there" in m.log_text(), \
+        # (the lookup of "other" reads its probe's documents again once
+        # metadata_ttl has passed, as under load: then the line says "read")
+        assert any(f"nothing is {doing} there" in m.log_text() for doing in ("looked up", "listed", "read")), \
             m.log_text()[-3000:]
     finally:
         _abandon(m)
