@@ -868,6 +868,67 @@ def test_a_change_of_a_shard_that_cannot_be_rewritten_is_refused_at_once(store, 
     assert got[1] == raw_chunk(23) and got[0] == data[4:6, 4:6].tobytes()
 
 
+def test_a_damaged_chunk_is_repaired_by_removing_or_overwriting_it(store, mount, tmp_path):
+    """A chunk whose own index entry points past the end of its shard was EIO
+    at its lookup, so ``rm`` of it and ``cp good.bin`` onto it failed before
+    they reached the view, though a rewrite that drops or replaces exactly
+    that entry loses nothing.  Now it is found (size 0, not listed; reading
+    it, an open for writing that keeps its bytes, a truncate or a rename of
+    it are EIO), and its unlink
+    or an ``O_TRUNC`` write of it is stored: the shard reads clean, its other
+    chunks byte for byte.  A change of another chunk of such a shard is
+    still refused (the rewrite would have to keep the damaged entry)."""
+    data = np.arange(1, 65, dtype="<i4").reshape(8, 8)
+    seed_array(store, tmp_path, "arr", (8, 8), (2, 2), (4, 4), "<i4", data=data)
+    _point_past_the_end(store, "arr/c/0/0", 4, 1)  # chunk (0, 1) of shard (0, 0)
+    _point_past_the_end(store, "arr/c/1/1", 4, 3)  # chunk (3, 3) of shard (1, 1)
+    untouched = {k: store.get(k) for k in ("arr/c/0/1", "arr/c/1/0")}
+    m = mount(store.source, "flush_delay=60", extra=store.extra)
+    c = m / "arr" / "c"
+    for bad in ("0/1", "3/3"):
+        assert os.stat(c / bad).st_size == 0, bad  # (was EIO: rm and cp stopped there)
+        for what, act in (("read", lambda: (c / bad).read_bytes()),
+                          ("O_RDWR", lambda: os.close(os.open(c / bad, os.O_RDWR))),
+                          ("O_APPEND", lambda: os.close(os.open(c / bad, os.O_WRONLY | os.O_APPEND))),
+                          ("truncate", lambda: os.truncate(c / bad, 0)),
+                          ("rename away", lambda: os.rename(c / bad, c / "2/0"))):
+            with pytest.raises(OSError) as info:
+                act()
+            assert info.value.errno == errno.EIO, (bad, what)
+    assert sorted(os.listdir(c / "0")) == ["0", "2", "3"] and sorted(os.listdir(c / "3")) == ["0", "1", "2"]
+    for what, act in (("another chunk's write", lambda: write_file(c / "1/1", raw_chunk(5))),
+                      ("another chunk's unlink", lambda: os.unlink(c / "2/2"))):
+        with pytest.raises(OSError) as info:
+            act()
+        assert info.value.errno == errno.EIO, what
+    assert m.stats()["writeback"]["dirty_bytes"] == 0
+    good = tmp_path / "good.bin"
+    good.write_bytes(raw_chunk(33))
+    subprocess.run(["rm", str(c / "0/1")], check=True, capture_output=True)
+    subprocess.run(["cp", str(good), str(c / "3/3")], check=True, capture_output=True)
+    assert not (c / "0/1").exists() and (c / "3/3").read_bytes() == raw_chunk(33)
+    write_file(c / "1/1", raw_chunk(11))  # (the damaged entry is dropped by the same rewrite: no longer refused)
+    zs("sync", m.path)
+    assert m.stats()["writeback"]["dirty_bytes"] == 0
+    assert sorted(os.listdir(c / "0")) == ["0", "2", "3"] and sorted(os.listdir(c / "3")) == ["0", "1", "2", "3"]
+    lines = [line for line in m.log_text().splitlines() if "damaged data" in line]
+    assert len(lines) == 2 and all("past the end" in line for line in lines), lines
+    zs("umount", m.path)
+    m.mounted = False
+    expected = data.copy()
+    expected[0:2, 2:4] = 0
+    expected[6:8, 6:8] = 33
+    expected[2:4, 2:4] = 11
+    a = zarr.open_array(str(store.local_copy(tmp_path / "copy") / "arr"), mode="r")
+    np.testing.assert_array_equal(a[...], expected)
+    got = read_shard(store.get("arr/c/0/0"), 4)
+    assert got == {0: data[0:2, 0:2].tobytes(), 2: data[2:4, 0:2].tobytes(), 3: raw_chunk(11)}
+    got = read_shard(store.get("arr/c/1/1"), 4)
+    assert got == {0: data[4:6, 4:6].tobytes(), 1: data[4:6, 6:8].tobytes(), 2: data[6:8, 4:6].tobytes(),
+                   3: raw_chunk(33)}
+    assert {k: store.get(k) for k in untouched} == untouched
+
+
 # ---------------------------------------------------------------------------
 # metadata documents
 

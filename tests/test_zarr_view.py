@@ -580,7 +580,10 @@ def test_damaged_index_entry_is_eio_for_that_chunk_only(mounted, kind, bad):
         last = int(np.argmax(_shard_index((sroot / kind / "arr/c/0/0").read_bytes(), DAMAGE_CASES[kind])[0][:, 0]))
         bad = SHARD00[last]
     results = _exercise(m, [f"{kind}/arr/{bad}"], kind)
-    assert errno.EIO in results and set(results) <= {errno.EIO}, results
+    # found, with size 0 (so that it can be removed or written over:
+    # test_write.py::test_a_damaged_chunk_is_repaired_by_removing_or_overwriting_it); reading it is EIO
+    assert results[0::2] == [None, None] and results[1::2] == [errno.EIO, errno.EIO], results
+    assert os.stat(m.path / kind / "arr" / bad).st_size == 0
     for good in SHARD00:
         if good != bad:
             rel = f"{kind}/arr/{good}"

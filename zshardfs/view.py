@@ -96,6 +96,7 @@ class Node:
     target: ChunkTarget | None = None  # for chunk files: where the chunk is stored
     version: str | None = None  # passthrough files: the etag their reads are pinned to
     link: str | None = None  # a symbolic link of the store: its target (the kernel resolves it)
+    damage: str | None = None  # a chunk whose own index entry is damaged: why (ChunkEntry.damage)
     created: float = field(default_factory=time.monotonic)
 
     @property
@@ -647,7 +648,8 @@ class View:
                 return Node(path, False, len(dirty.data), dirty.mtime_ns, dataset=dataset, rel=rel, target=target)
         if entry is None:
             return None
-        return Node(path, False, entry.size, entry.mtime_ns, dataset=dataset, rel=rel, target=target)
+        return Node(path, False, entry.size, entry.mtime_ns, dataset=dataset, rel=rel, target=target,
+                    damage=entry.damage)
 
     async def _listed_child(self, path: str, dataset: Dataset, rel: tuple[str, ...], entry, mark: int) -> Node | None:
         """A listed entry's node.  A chunk whose shard this mount stored after
@@ -1288,6 +1290,8 @@ class View:
         count on nothing changing between its own checks and this."""
         if node.link is not None:  # (the kernel resolves links itself: never asked)
             raise ViewError(errno.ELOOP, f"{node.path}: a symbolic link")
+        if node.damage is not None:  # (shown with size 0: the kernel would read nothing and say so)
+            raise CorruptData(node.damage, node.target.shard_key)
         handle = Handle(node)
         if node.target is not None and not self.read_only:  # (a chunk: only writes of this mount remove it under them)
             self.readers.setdefault(node.path, set()).add(handle)

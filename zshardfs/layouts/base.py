@@ -42,6 +42,11 @@ class ChunkEntry:
     size: int  # bytes the view shows
     mtime_ns: int  # the shard's mtime, in nanoseconds
     shard_ctx: object = None  # what the shard format needs to know (index shape...)
+    #: its own index entry is damaged (past the end of the shard, half
+    #: empty): why.  Found by its name, so that it can be removed or written
+    #: over (a rewrite dropping or replacing exactly that entry loses
+    #: nothing), with size 0; an open that reads it is EIO; not listed.
+    damage: str | None = None
 
     @cached_property
     def target(self) -> ChunkTarget:

@@ -409,7 +409,13 @@ class GridDataset(Dataset):
         if index is None:
             return None
         cid = linear_index(pos, extent)
-        where = index.locate_now(cid)
+        try:
+            where = index.locate_now(cid)
+        except CorruptData as exc:
+            # its own entry is damaged: found all the same (ChunkEntry.damage),
+            # else `rm` of it and `cp good.bin` onto it stop at the lookup
+            report_damage(log, exc)
+            return ChunkEntry(key, cid, 0, index.info.mtime_ns, extent, str(exc))
         if where is None:
             return None
         return ChunkEntry(key, cid, where[1], index.info.mtime_ns, extent)
@@ -555,7 +561,7 @@ class GridDataset(Dataset):
         if keys.ndim == 0:
             if rel == ():
                 entry = await self.chunk_entry(())
-                if entry is not None:
+                if entry is not None and entry.damage is None:  # (a damaged one is not listed)
                     yield [(keys.zero_d_key, entry)]
             return
         if keys.sep != "/":
