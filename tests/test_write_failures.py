@@ -595,6 +595,32 @@ def test_a_umount_refused_for_a_shard_damaged_under_a_write_names_it_and_the_way
     np.testing.assert_array_equal(zarr.open_array(str(store / "arr"), mode="r")[...], data)
 
 
+def test_a_sync_refused_for_a_shard_damaged_under_a_write_names_it_and_the_way_out(tmp_path, mount):
+    """The same as a ``zshardfs sync``: it said only 'sync of MNT failed:
+    Input/output error (see the daemon's log)'; now it names the shard and
+    the ways out (umount's words, one function), with sync to run again."""
+    store, data = _seeded(tmp_path)
+    m = mount(store, "flush_delay=60")
+    (m / "arr/c/0/0").write_bytes(b"\x09" * 16)
+    good = _point_past_the_end(store / "arr/c/0/0", 4, 1)
+    try:
+        refused = zs("sync", m.path, check=False)
+        assert refused.returncode != 0, refused.stderr
+        said = " ".join(refused.stderr.split())
+        assert f"sync of {m.path} failed: Input/output error" in said, said
+        assert "damaged shard(s) arr/c/0/0" in said, said
+        assert f"repairing or removing the shard in storage lets the next retry store them (then 'zshardfs sync " \
+               f"{m.path}' again)" in said, said
+        assert f"'zshardfs umount -z {m.path}' then stopping the daemon (SIGTERM twice) discards" in said, said
+        assert os.path.ismount(m.path)
+    finally:
+        (store / "arr/c/0/0").write_bytes(good)  # repaired: the retry stores
+    must(lambda: zs("sync", m.path, check=False).returncode == 0, 30, "the sync after the repair")
+    m.umount()
+    data[0:2, 0:2] = 0x09090909
+    np.testing.assert_array_equal(zarr.open_array(str(store / "arr"), mode="r")[...], data)
+
+
 def test_a_foreground_daemon_that_gave_up_exits_with_status_3(tmp_path):
     """Under systemd (``--foreground``) the exit status tells that written
     data was given up at a stop (3), so the unit is marked failed; a stop

@@ -654,10 +654,11 @@ def _sync(mnt: str) -> str | None:
     return None
 
 
-def _damaged_way_out(mnt: str) -> str:
-    """After a refused sync: the shards it held writes for that no retry
-    stores (damaged in storage, see SEMANTICS Limits), and the ways out;
-    "" if none."""
+def _damaged_way_out(mnt: str, again: str) -> str:
+    """After a refused sync (``zshardfs sync``, or the one ``zshardfs
+    umount`` makes: ``again`` names the command): the shards it held writes
+    for that no retry stores (damaged in storage, see SEMANTICS Limits), and
+    the ways out; "" if none."""
     try:
         damaged = json.loads(_control(mnt, "user.zshardfs.stats"))["writeback"].get("damaged_shards") or []
     except (ConfigError, ValueError, KeyError, TypeError):
@@ -667,7 +668,7 @@ def _damaged_way_out(mnt: str) -> str:
     q = shlex.quote(mnt)
     return (f"; no retry can store the writes held for the damaged shard(s) {', '.join(damaged)} "
             f"(damage in storage a rewrite cannot keep, see the daemon's log): repairing or removing the shard "
-            f"in storage lets the next retry store them (then 'zshardfs umount {q}' again), or "
+            f"in storage lets the next retry store them (then 'zshardfs {again} {q}' again), or "
             f"'zshardfs umount -z {q}' then stopping the daemon (SIGTERM twice) discards what it holds")
 
 
@@ -691,7 +692,7 @@ def cmd_sync(args) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     problem = _sync(mnt)
-    return _fail(problem) if problem else EXIT_OK
+    return _fail(problem + _damaged_way_out(mnt, "sync")) if problem else EXIT_OK
 
 
 def cmd_reopen_log(args) -> int:
@@ -847,7 +848,8 @@ def cmd_umount(args) -> int:
             return _fail(f"the daemon of {mnt} died during the final sync ({problem}); its mount is removed, "
                          f"and {lost}")
         if problem:
-            return _fail(problem + "; not unmounted, the data is still held by the daemon" + _damaged_way_out(mnt))
+            return _fail(problem + "; not unmounted, the data is still held by the daemon"
+                         + _damaged_way_out(mnt, "umount"))
         if not args.lazy:
             # the daemon then ends also when a copy of the mount in another mount
             # namespace would keep it serving (see daemon.Mount._watch_unmount)
