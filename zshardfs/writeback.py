@@ -716,6 +716,14 @@ async def _rewrite_verdict(index) -> tuple[CorruptData, list[tuple[int, int, int
         return verdict
     if getattr(getattr(index, "fmt", None), "multilod", False):
         return None  # (its fragments' manifests would be read: requests the write did not need; left to the flush)
+    rewritable = getattr(index, "rewritable", None)
+    if rewritable is not None and await off_loop(rewritable, index.nbytes):
+        verdict = None  # (a whole index, judged at once: what every flush leaves)
+        try:
+            index._rewrite_verdict = verdict
+        except AttributeError:
+            pass
+        return verdict
     try:
         entries = await index.entries()
     except CorruptData as exc:

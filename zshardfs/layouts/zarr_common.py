@@ -20,7 +20,7 @@ import trio
 
 from ..backends.base import AccessDenied, AsyncStore, CorruptData, NotFound, ObjectInfo
 from ..logonce import log_once, report_damage
-from ..shards import EMPTY, NOT_CACHED
+from ..shards import EMPTY, MAX_CHUNK_BYTES, MAX_REWRITE_BYTES, NOT_CACHED
 from ..together import off_loop, outcomes
 from .base import ChunkEntry, ChunkTarget, Dataset, DirEntry, Entry, LayoutContext, parse_index_name
 from .grids import ShardGrid, linear_index, unravel_index
@@ -73,6 +73,28 @@ class ZarrShardIndex:
         ids = np.nonzero(self.present_mask())[0]
         rows = self.table[ids]
         return list(zip(ids.tolist(), rows[:, 0].tolist(), rows[:, 1].tolist()))
+
+    def rewritable(self) -> bool:
+        """Would a rewrite keeping every stored chunk pass the flush's check
+        (writeback._check_kept: none past the end or half empty, none longer
+        than MAX_CHUNK_BYTES, none overlapping, at most MAX_REWRITE_BYTES in
+        all)?  With numpy: every first write after a flush asks it of the
+        new index version (WriteBack.refuse_if_damaged), where the entries
+        listed, sorted and checked one by one took 0.45 ms for 64 chunks,
+        180 ms for 32**3.  False: judged entry by entry."""
+        if self.damaged_mask().any():
+            return False
+        rows = self.table[self.present_mask()]
+        if not len(rows):
+            return True
+        off, n = rows[:, 0], rows[:, 1]
+        # (no overflow: nothing ends past the shard, and at most 2**24 entries of at most 2**30)
+        if (n > MAX_CHUNK_BYTES).any() or int(n.sum(dtype=np.uint64)) > MAX_REWRITE_BYTES:
+            return False
+        order = np.lexsort((n, off))  # (the flush's order: by offset, then length)
+        off, n = off[order], n[order]
+        ends = np.maximum.accumulate(off + n)
+        return not bool(((n[1:] > 0) & (off[1:] < ends[:-1])).any())
 
     def present_mask(self) -> np.ndarray:
         if self._present is None:
