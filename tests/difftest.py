@@ -1578,24 +1578,34 @@ class Applier:
         """Two processes pwrite at once (disjoint ranges/files): the result is order-independent.
         Each pwrite closes its file, so every state on the way may be stored (a shard whose
         chunks are all written is stored at once): the twin lists them in ``self.on_the_way``."""
-        for job in op["jobs"]:
-            for path, _, _ in job:
-                if (r := self._twin_prepare(path, True)):
-                    return r
         if self.twin:
+            # (each job stops at its first error, as its process does: one whose file cannot be
+            # made, ENOENT below a chunk directory removed, leaves the other job's writes done)
+            jobs = []
+            for job in op["jobs"]:
+                jobs.append([])
+                for path, off, spec in job:
+                    if (r := self._twin_prepare(path, True)):
+                        jobs[-1].append((path, r, None))
+                        break
+                    jobs[-1].append((path, off, spec))
             self.on_the_way = {}
-            for path in {path for job in op["jobs"] for path, _, _ in job}:
+            for path in {path for job in jobs for path, _, spec in job if spec is not None}:
                 start = self.p(path).read_bytes() if self.p(path).is_file() else None
-                mine = [[(off, self.env.data.get(spec)) for q, off, spec in job if q == path] for job in op["jobs"]]
+                mine = [[(off, self.env.data.get(spec)) for q, off, spec in job if q == path and spec is not None]
+                        for job in jobs]
                 states = self.on_the_way[path] = []
                 for k0 in range(len(mine[0]) + 1):
                     for k1 in range(len(mine[1]) + 1):
                         if k0 or k1:
                             states.append(_pwritten(start, mine[0][:k0] + mine[1][:k1]))
             errs = []
-            for job in op["jobs"]:  # (each job stops at its first error, as its process does)
+            for job in jobs:  # (each job stops at its first error, as its process does)
                 try:
                     for path, off, spec in job:
+                        if spec is None:
+                            errs.append(off)  # (its _twin_prepare's answer)
+                            break
                         fd = _open(self.p(path), os.O_WRONLY | os.O_CREAT)
                         try:
                             _write(fd, self.env.data.get(spec), off)
