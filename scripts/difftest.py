@@ -71,6 +71,10 @@ def main() -> int:
                     help="(local) weight of the op that renames a directory: a group, an array, a plain or a chunk "
                          "directory, onto a free name, an empty or a full directory, a file, into itself, with "
                          "RENAME_NOREPLACE, a file held open below or writers by path meanwhile (off: 0)")
+    ap.add_argument("--other", type=float, default=0, metavar="W",
+                    help="weight of the op that plays another client: chunks rewritten or removed through a "
+                         "second mount, a shard deleted, an attribute set in a stored zarr.json, also over "
+                         "chunks the mount holds unstored (adds -o metadata_ttl=0,index_ttl=0,attr_timeout=0; off: 0)")
     ap.add_argument("--meta", type=float, default=None, metavar="W",
                     help="weight of the metadata document edit (hierarchies, zarr2_consolidated: 6 unless told; with --dirmv, "
                          "e.g. 60 draws the group's document saved every way while a member is renamed away)")
@@ -101,6 +105,8 @@ def main() -> int:
         weights["race"] = args.race
     if args.dirmv:
         weights["dirmv"] = args.dirmv
+    if args.other:
+        weights["other"] = args.other
     if args.meta is not None:
         weights["meta"] = args.meta
     server = None

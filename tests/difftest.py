@@ -104,6 +104,21 @@ or its writer's bytes: :meth:`Applier._late_temporaries`). An accepted rename mu
 ``zarr.json`` still sharded). While a directory is renamed away the names below its new place
 are what they were below the old (:meth:`Names.logical`), and the other ops draw neither place.
 
+The ``other`` op (off unless weighted: ``scripts/difftest.py --other W``, test_differential's
+OTHER_CASES; the run's mount then has every TTL 0, ``OTHER_OPTS``) plays another client of the
+store (:meth:`Runner.other`): chunks written or removed through a second mount of the store
+(local: its flush under the directory's flock; S3: straight to the server, conditional PUTs,
+never through the proxy's faults), a whole shard deleted in storage, or an attribute set in a
+Zarr v3 array's stored ``zarr.json``; the twin takes the same change, which the mount must show
+at once (SEMANTICS 2.5 with TTLs 0), also after ``index_cache=1K`` evicted the shard's index.
+With ``sync`` the mount is synced first and holds nothing unstored; without it, chunks the mount
+changed since it last held nothing unstored (:attr:`Env.touched`) may still be dirty there: where
+the other client changed one of those, the mount shows its own version (its flush re-reads the
+shard and merges, its own chunks winning: SEMANTICS 4.5) or, had it stored it already, the other
+client's, and the twin takes which; every other chunk of the shard must keep the mount's version
+(untouched by the other client) or show the other client's, and a kill -9 may find a chunk as the
+other client stored it.
+
 An op is a JSON-able dict (data as ``["pool", i]``, a valid encoded chunk, or
 ``["rnd", seed, n]``), so a failing sequence can be printed, saved, replayed
 (``scripts/difftest.py --replay FILE``) and minimised (``--minimize``).
@@ -113,6 +128,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import hashlib
 import inspect
@@ -806,6 +822,14 @@ class Env:
         self.daemons: dict[Path, int | None] = {}
         #: (with -o index_cache=) index loads and evictions of the mounts unmounted so far
         self.index_cache = {"loads": 0, "evicted": 0}
+        #: (the ``other`` op) names the ops changed since the mount last held nothing unstored
+        #: (a sync, an unmount, a kill -9): chunks among them may still be dirty in it, so
+        #: another client's change of one may show or not (the mount's own version wins the
+        #: merge); ``touched_all``: any chunk may be (a resize or a directory rename was made)
+        self.touched: set[str] = set()
+        self.touched_all = False
+        #: (the ``other`` op) the second mount another client writes chunks through
+        self.other_mnt = work / "mnt-other"
 
     # -- setup
     def setup(self, server=None):
@@ -836,15 +860,20 @@ class Env:
     def source(self) -> str:
         return str(self.src) if self.backend == "local" else f"s3://{self.bucket}/pfx"
 
-    def mount(self, mnt: Path | None = None, opts: tuple = (), log: str = "daemon.log") -> int:
-        """Mount the store (at ``mnt``, default the mount point); the daemon's pid."""
-        extra = [] if self.backend == "local" else ["--endpoint-url", self.proxy.endpoint_url]
+    def mount(self, mnt: Path | None = None, opts: tuple = (), log: str = "daemon.log", direct: bool = False) -> int:
+        """Mount the store (at ``mnt``, default the mount point); the daemon's pid. ``direct``
+        (S3): to the server itself, not through the proxy's network faults; ``opts`` replace
+        the run's options of the same name."""
+        endpoint = self.server.endpoint_url if direct and self.server is not None else \
+            self.proxy.endpoint_url if self.proxy is not None else None
+        extra = [] if self.backend == "local" else ["--endpoint-url", endpoint]
         if mnt is None:
             self.mount_count += 1
             self.removed_chunkdirs.clear()  # (a new daemon: it remembers no rmdir)
         where = mnt or self.mnt
         try:
-            mine = [o for o in self.opts if not ("ro" in opts and o.startswith("shard="))]  # (refused on ro)
+            mine = [o for o in self.opts if not ("ro" in opts and o.startswith("shard="))  # (refused on ro)
+                    and o.split("=")[0] not in {x.split("=")[0] for x in opts}]
             r = run_mount(self.source, where, *mine, *opts, log=self.work / log, extra=extra, check=False)
         finally:
             if os.path.ismount(where):  # (also when the mount command was interrupted)
@@ -921,6 +950,98 @@ class Env:
 
     def daemon_log(self) -> str:
         return "".join(p.read_text(errors="replace") for p in sorted(self.work.glob("daemon*.log")))
+
+    # -- another client (the ``other`` op)
+    def clean(self) -> None:
+        """The mount holds nothing unstored now (a sync, an unmount, a kill -9)."""
+        self.touched = set()
+        self.touched_all = False
+
+    def other_mount(self) -> Path:
+        """The second mount of the store another client writes chunks through (mounted at the
+        first ``other`` op; on S3 straight to the server, never through the proxy's faults)."""
+        if not os.path.ismount(self.other_mnt):
+            self.other_mnt.mkdir(exist_ok=True)
+            self.mount(self.other_mnt, OTHER_OPTS, log="daemon-other.log", direct=True)
+        return self.other_mnt
+
+    def store_keys(self) -> list[str]:
+        """Every key in storage (relative to the store's root)."""
+        if self.backend == "local":
+            return sorted(str(p.relative_to(self.src)) for p in self.src.rglob("*") if p.is_file())
+        return sorted(k[4:] for k, _ in self.server._iter_objects(self.bucket) if k.startswith("pfx/"))
+
+    def stored_shards(self, meshes: bool = True) -> list[str]:
+        """The keys in storage that are shards of the datasets (the ``other`` op's ``rmshard``;
+        ``meshes``: a multi-resolution mesh directory's too)."""
+        n = self.names
+        out = []
+        for k in self.store_keys():
+            if not meshes and n.mesh_root and k.startswith(n.mesh_root + "/"):
+                continue
+            base = k.rsplit("/", 1)[-1]
+            if k in n.meta or base.startswith(".") or k.endswith(".__lock") or k in n.arr_plain or \
+                    not any(k.startswith(r + "/") for r in n.roots):
+                continue
+            if isinstance(n, PrecomputedNames) and not base.endswith(".shard"):
+                continue
+            out.append(k)
+        return out
+
+    def stored_chunks(self, root: Path) -> set[str]:
+        """The chunk names the mount at ``root`` lists (the other client's mount: what storage holds)."""
+        out = set()
+        for r in self.names.roots:
+            for dirpath, _, filenames in os.walk(root / r):
+                for fn in filenames:
+                    rel = str((Path(dirpath) / fn).relative_to(root))
+                    if self.names.kind(rel) == "chunk":
+                        out.add(rel)
+        return out
+
+    def delete_key(self, key: str) -> None:
+        """Another client deletes ``key`` (local: under the directory's flock, as zshardfs
+        processes take it for their conditional writes: no flush lands between its check
+        and its rename unseen)."""
+        if self.backend == "s3":
+            self.server.s3.delete_object(Bucket=self.bucket, Key=f"pfx/{key}")
+            return
+        path = self.src / key
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX)
+            try:
+                os.unlink(path)
+                os.fsync(dfd)
+            finally:
+                fcntl.flock(dfd, fcntl.LOCK_UN)
+        finally:
+            os.close(dfd)
+
+    def read_key(self, key: str) -> bytes:
+        if self.backend == "s3":
+            return self.server.s3.get_object(Bucket=self.bucket, Key=f"pfx/{key}")["Body"].read()
+        return (self.src / key).read_bytes()
+
+    def put_key(self, key: str, data: bytes) -> None:
+        """Another client replaces ``key`` (local: a new file renamed over it, under the
+        directory's flock)."""
+        if self.backend == "s3":
+            self.server.s3.put_object(Bucket=self.bucket, Key=f"pfx/{key}", Body=data)
+            return
+        path = self.src / key
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX)
+            try:
+                tmp = path.with_name(f".other-{os.getpid()}.tmp")
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+                os.fsync(dfd)
+            finally:
+                fcntl.flock(dfd, fcntl.LOCK_UN)
+        finally:
+            os.close(dfd)
 
 
 # ------------------------------------------------------------------ operations
@@ -2224,7 +2345,8 @@ WEIGHTS = {"write": 18, "pwrite": 10, "append": 5, "otrunc": 3, "truncate": 6, "
            "race": 0,  # (scripts/difftest.py --race W; fixed seeds: test_differential RACE_CASES)
            "mesh": 0, "meshrm": 0, "meshmv": 0, "meshbad": 0,
            "faults": 0,  # (S3 only, when asked: scripts/difftest.py --faults, CASES)
-           "dirmv": 0}  # (scripts/difftest.py --dirmv W; fixed seeds: test_differential DIRMV_CASES)
+           "dirmv": 0,  # (scripts/difftest.py --dirmv W; fixed seeds: test_differential DIRMV_CASES)
+           "other": 0}  # (scripts/difftest.py --other W; fixed seeds: test_differential OTHER_CASES)
 #: not drawn while network faults are on (a stretch of them is not started within one)
 NOT_UNDER_FAULTS = {"faults"}
 #: what an op may answer for a storage call that failed under network faults (SEMANTICS 5.5)
@@ -2300,7 +2422,7 @@ class Gen:
         or anything below them (or, a consolidation, the whole hierarchy)?"""
         if self.n.moved is None or op["op"] == "dirmv":
             return False
-        if op["op"] == "consolidate":
+        if op["op"] in ("consolidate", "other"):
             return True
         if op["op"] == "rmdir" and self.n.moved[0].startswith(op["path"] + "/"):
             return True  # (the rename back needs the old parent)
@@ -2408,10 +2530,39 @@ class Gen:
             return self.mesh_op(kind)
         if kind == "dirmv":
             return self.dirmv_op()
+        if kind == "other":
+            return self.other_op()
         if kind == "kill9" and r.random() < 0.6:
             return {"op": "kill9", "delay": r.choice([0, 0.001, 0.005, 0.01, 0.02, 0.05])}
         return {"op": kind}
 
+
+    def other_op(self) -> dict:
+        """Another client's change of the store (:meth:`Runner.other`): chunks written or
+        removed through a second mount (near one the mount may hold dirty, half the time: the
+        write-back then merges onto the other client's version), a shard deleted, or (a Zarr
+        v3 array's ``zarr.json``) an attribute set; ``sync``: the mount synced first."""
+        r, n = self.rng, self.n
+        o = {"op": "other", "sync": r.random() < 0.25}
+        x = r.random()
+        docs = [f"{c.path}/zarr.json" for c in n.cases if c.sharded] \
+            if isinstance(n, ZarrNames) and not n.hier and not n.draft else []
+        if x < 0.12 and docs:
+            return {**o, "how": "attrs", "path": r.choice(docs),
+                    "attrs": {r.choice("xyz"): r.choice([0, 1, "o", [2, 3], None, {"m": r.randrange(9)}])}}
+        if x < 0.3:
+            return {**o, "how": "rmshard", "pick": r.randrange(1 << 30)}
+        pool = n.free_chunks
+        touched = sorted(c for c in self.env.touched if c in n.chunks and c not in n.units)
+        anchor = r.choice(touched) if touched and r.random() < 0.5 else r.choice(pool)
+        d = anchor.rsplit("/", 1)[0]
+        near = [c for c in pool if c.rsplit("/", 1)[0] == d and c != anchor]
+        picks = [anchor] + r.sample(near, min(len(near), r.randrange(0, 4)))
+        o = {**o, "how": "chunks", "changes": [[c, self.data() if r.random() < 0.75 else None] for c in picks]}
+        if r.random() < 0.3:  # (one of them, or a chunk beside them, open for writing in the mount meanwhile)
+            c = r.choice(picks + near[:2])
+            o["held"] = [c, r.choice([0, 3, 64]), self.data(), r.choice([0, 10, 128, 700]), self.data()]
+        return o
 
     def _dirs(self) -> list[str]:
         """The directories a ``dirmv`` draws from (the twin's, logical names): all outside chunk
@@ -2687,6 +2838,11 @@ class Runner:
             return []
         if kind == "faultsoff":
             return self.faults_off(i)
+        if kind == "other":
+            return self.other(i, op)
+        env.touched |= op_names(op, env.names) | {env.names.logical(x) for x in op_names(op, env.names)}
+        if kind in ("resize", "dirmv"):
+            env.touched_all = True
         if kind == "race":
             self.count_race(op)
         self.mnt_ap.under_faults = self.faults is not None
@@ -2743,6 +2899,7 @@ class Runner:
         if kind == "sync" and rm == "ok":
             # a sync stores everything: the durable point (chunk temporaries are memory-only)
             self.mark_durable({k: v for k, v in after.items() if env.names.kind(k) != "chunktmp"})
+            env.clean()
         if kind == "fsync" and rm == "ok" and op["path"] in after:
             self.durable[op["path"]] = after[op["path"]]
             self.versions.pop(op["path"], None)
@@ -2770,6 +2927,7 @@ class Runner:
             return compare(env, f"step {i} after an unmount refused under network faults")
         self.drop_chunk_temporaries()
         self.mark_durable()
+        env.clean()
         failed = None
         with self.network_faults(i):
             try:
@@ -3042,6 +3200,7 @@ class Runner:
             if not any(got == a for a in allowed):
                 out.append(f"[step {i} after kill -9] {rel}: mount {h(got)} not among "
                            f"{[h(a) for a in allowed]} (twin now {h(cur.get(rel))})")
+        env.clean()  # (a new daemon: it holds nothing unstored)
         # adopt the surviving state into the twin
         for rel in set(cur) | set(fm):
             if env.names.is_meta(rel) and rel not in self.unsure:
@@ -3055,6 +3214,162 @@ class Runner:
         self.drop_chunk_temporaries()
         self.mark_durable()
         return out + compare(env, f"step {i} after kill -9 (adopted)")
+
+    def other(self, i: int, op: dict) -> list[str]:
+        """Another client changes the store behind the mount (the ``other`` op; the mount runs
+        with every TTL 0, ``OTHER_OPTS``, so it must show the change at the next lookup, open
+        or listing): chunks written or removed through a second mount of the store (its flush
+        re-reads the shard and merges, with conditional writes), a whole shard deleted, or an
+        attribute set in a Zarr array's stored ``zarr.json``; the twin takes the same change.
+        ``sync`` (always for ``attrs``): ``zshardfs sync`` of the mount first, so it holds
+        nothing unstored and the change must show exactly. Without it the mount may hold
+        chunks it changed (:attr:`Env.touched`) unstored: where the other client changed one
+        of those, the mount shows its own version (its flush merges onto the other client's
+        shard, its own chunks winning) or, when it had stored its own already, the other
+        client's: either is taken into the twin; every other chunk of the shard must show the
+        other client's version (chunks it changed) or the mount's (those it did not). Each
+        chunk's new stored state is one of its versions since the durable point (a kill -9 may
+        find it under the mount's unstored version)."""
+        env, names, twin = self.env, self.env.names, self.env.twin
+        stats = self.stats.setdefault("other", {})
+        out = []
+        synced = False
+        if op.get("sync") or op["how"] == "attrs":
+            with self.network_faults(i):
+                r = self.mnt_ap.apply({"op": "sync"})
+            synced = r == "ok"
+            if r == "ok":
+                self.mark_durable({k: v for k, v in self.twin_files().items() if names.kind(k) != "chunktmp"})
+                env.clean()
+            elif self.faults is None:
+                return [f"[step {i}] other: the mount's sync failed: {r}"]
+            elif op["how"] == "attrs":
+                stats["skipped"] = stats.get("skipped", 0) + 1
+                return []
+        if self.faults is not None:
+            self.settle()
+        stats[op["how"]] = stats.get(op["how"], 0) + 1
+        before = self.twin_files()
+        new: dict[str, bytes | None] = {}  # chunk -> what storage holds of it now
+        maybe: set[str] = set()  # chunks the mount may show either way
+        if op["how"] == "attrs":
+            key = op["path"]
+            doc = json.loads(env.read_key(key))
+            doc.setdefault("attributes", {}).update(op["attrs"])
+            env.put_key(key, json.dumps(doc, indent=2).encode())
+            tdoc = json.loads((twin / key).read_bytes())
+            tdoc.setdefault("attributes", {}).update(op["attrs"])
+            (twin / key).write_bytes(json.dumps(tdoc, indent=2).encode())
+            self.note_versions(before, self.twin_files())
+            if self.verbose:
+                print(f"  {i}: {json.dumps(op)}", flush=True)
+            return compare(env, f"step {i}")
+        other = env.other_mount()
+        held, hfd = op.get("held"), None
+        if held:  # (a chunk the mount has open for writing meanwhile: its own bytes win the merge)
+            rel, off1, d1, off2, d2 = held
+            want = self.twin_ap._twin_prepare(rel, True)
+            try:
+                hfd = os.open(env.mnt / rel, os.O_WRONLY | os.O_CREAT, 0o644)
+                _write(hfd, env.data.get(d1), off1)
+                got = None
+            except OSError as e:
+                got = errname(e)
+            if got != want:
+                if hfd is not None:
+                    os.close(hfd)
+                return [f"[step {i}] other: {rel} opened for writing and written: mount {got or 'ok'} twin {want or 'ok'}"]
+        if op["how"] == "chunks":
+            for rel, spec in op["changes"]:
+                p = other / rel
+                try:
+                    if spec is None:
+                        os.unlink(p)
+                        new[rel] = None
+                    else:
+                        data = env.data.get(spec)
+                        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                        try:
+                            _write(fd, data)
+                        finally:
+                            os.close(fd)
+                        new[rel] = data
+                except OSError as e:
+                    # (storage has no such chunk to remove, or no such directory: a precomputed
+                    # scale directory removed; the other client changes nothing there)
+                    if e.errno not in (errno.ENOENT,):
+                        return [f"[step {i}] other: the other client's change of {rel}: {errname(e)}"]
+            r = subprocess.run([*ZS, "sync", str(other)], capture_output=True, text=True, timeout=180)
+            if r.returncode:
+                if hfd is not None:
+                    os.close(hfd)
+                return [f"[step {i}] other: the other client's sync failed: {r.stderr.strip()}"]
+        else:  # rmshard
+            # (a mesh shard only when the mount holds nothing unstored: deleted under a mesh pair
+            # it holds half of, the pair is inconsistent, which fails the flush: SEMANTICS Limits)
+            keys = env.stored_shards(meshes=synced)
+            if not keys:
+                return compare(env, f"step {i}")
+            key = keys[op["pick"] % len(keys)]
+            had = env.stored_chunks(other)
+            env.delete_key(key)
+            now = env.stored_chunks(other)
+            new = {rel: None for rel in had - now}
+            # (a flush of the mount's may have stored a chunk of it between the two listings)
+            maybe = {rel for rel in before if rel in names.chunks and rel not in now and rel not in had
+                     and (rel in env.touched or env.touched_all)}
+            if self.verbose:
+                print(f"  {i}: removed shard {key}: {sorted(new)}", flush=True)
+        if hfd is not None:
+            rel, off1, d1, off2, d2 = held
+            stats["held"] = stats.get("held", 0) + 1
+            try:
+                _write(hfd, env.data.get(d2), off2)
+            finally:
+                os.close(hfd)
+            mine = _pwritten(before.get(rel), [(o, d) for o, d in ((off1, env.data.get(d1)), (off2, env.data.get(d2)))
+                                               if d])  # (a write of no bytes past the end makes no hole)
+            p = twin / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(mine)
+            env.touched.add(rel)
+            if rel in new:
+                self.versions.setdefault(rel, []).append(new[rel])
+            new.pop(rel, None)
+            maybe.discard(rel)
+        for rel, state in sorted(new.items()):
+            if state != before.get(rel):
+                self.versions.setdefault(rel, []).append(state)
+        for rel in sorted(set(new) | maybe):
+            state = new.get(rel)
+            if rel in env.touched or env.touched_all:
+                try:
+                    shown = (env.mnt / rel).read_bytes()
+                except FileNotFoundError:
+                    shown = None
+                except OSError as e:
+                    out.append(f"[step {i}] other: {rel} (maybe held by the mount unstored): read {errname(e)}")
+                    continue
+                if shown != state and shown != before.get(rel):
+                    out.append(f"[step {i}] other: {rel} (maybe held by the mount unstored): mount {h(shown)}, "
+                               f"neither its own {h(before.get(rel))} nor the other client's {h(state)}")
+                    continue
+                kept = "own" if shown == before.get(rel) and shown != state else "other's"
+                stats[f"overlap_{kept}"] = stats.get(f"overlap_{kept}", 0) + 1
+                if shown == state and state is None and rel in maybe:
+                    self.versions.setdefault(rel, []).append(None)
+                state = shown
+            p = twin / rel
+            if state is None:
+                if p.is_file():
+                    p.unlink()
+            else:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_bytes(state)
+        self.note_versions(before, self.twin_files())
+        if self.verbose:
+            print(f"  {i}: {json.dumps(op)} -> {sorted(new)}", flush=True)
+        return out + compare(env, f"step {i}")
 
     def count_race(self, op: dict) -> None:
         """A race op in the run's summary (its coverage): how many, how many with a held
@@ -3255,6 +3570,10 @@ def zarr2_compare(env: Env, src: Path) -> list[str]:
 # ------------------------------------------------------------------ driver
 
 DEFAULT_OPTS = ["flush_delay=2"]
+#: (the ``other`` op) every TTL 0: another client's change must show at the next lookup, open
+#: or listing (SEMANTICS 2.5); added to the run's options when the op is drawn or replayed,
+#: and the second mount the other client writes through has them too
+OTHER_OPTS = ("metadata_ttl=0", "index_ttl=0", "attr_timeout=0")
 
 
 @dataclass
@@ -3307,6 +3626,8 @@ def run(layout: str, backend: str = "local", *, base: Path, seed: int = 0, steps
     (a bucket is made and deleted). Stops at the first divergence; without one, ``final`` adds
     the final check (valid chunks, unmount, peers read the source)."""
     opts = list(DEFAULT_OPTS if opts is None else opts)
+    if (weights or {}).get("other", 0) > 0 or any(o.get("op") == "other" for o in ops or ()):
+        opts = [o for o in opts if o.split("=")[0] not in {x.split("=")[0] for x in OTHER_OPTS}] + list(OTHER_OPTS)
     work = Path(tempfile.mkdtemp(prefix=f"dt-{layout}-{backend}-", dir=base))
     env = Env(layout, backend, opts, work)
     runner = Runner(env, verbose)

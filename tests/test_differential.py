@@ -21,7 +21,8 @@ draws read them, and a kill -9, two writers at once or a failure under faults ca
 them otherwise, hence the margin. RACE_CASES add race ops (a file watched by one process while another changes it),
 FAULT_CASES stretches of network faults on S3 (each also has an op fail under them,
 asserted) and RACE_FAULT_CASES both (a race op failing under them, asserted), DIRMV_CASES
-directory renames on local stores (held files and writers below meanwhile, asserted), which
+directory renames on local stores (held files and writers below meanwhile, asserted), OTHER_CASES
+another client changing the store behind the mount (chunks, shards, an attribute; asserted), which
 other runs leave out.
 """
 
@@ -213,6 +214,43 @@ DIRMV_CASES = [
     ("pc_deep_keys", "local", 1003, 30),  # a volume (its scales EXDEV), a skeleton directory, plain ones
 ]
 DIRMV_WEIGHT = 40
+
+
+#: another client changing the store behind the mount (difftest's ``other`` op at OTHER_WEIGHT;
+#: the mounts have every TTL 0): (layout, backend, seed, steps, options)
+OTHER_CASES = [
+    ("basic", "local", 51912, 40, ["flush_delay=2", "index_cache=1K"]),  # shards rewritten and deleted, attributes
+]
+OTHER_WEIGHT = 15
+
+
+@pytest.mark.parametrize("layout,backend,seed,steps,opts", OTHER_CASES,
+                         ids=[f"{layout}-{backend}-{seed}" for layout, backend, seed, _, _ in OTHER_CASES])
+def test_changes_by_another_client_show_at_once_and_merge_with_unstored_writes(layout, backend, seed, steps, opts,
+                                                                               tmp_path, request):
+    """As above, with another client changing the store behind the mount (SEMANTICS 2.5, 4.5):
+    chunks rewritten or removed through a second mount, whole shards deleted, an attribute set in
+    the stored ``zarr.json``, also while the mount holds chunks of the shard unstored or has one
+    open for writing, with the indexes evicted all the time (``index_cache=1K``). With every TTL
+    0 the mount shows each change at once; its own unstored chunks win the merge of its flush
+    (the twin takes either where the mount may have stored them already), every other chunk
+    shows the other client's version, and a kill -9 may find the other client's."""
+    server = None
+    if backend == "s3":
+        server = request.getfixturevalue("moto_server")
+        server.ensure_running()
+    out = dt.run(layout, backend, base=tmp_path, seed=seed, steps=steps, server=server, opts=opts,
+                 weights={"other": OTHER_WEIGHT})
+    if not out.ok:
+        repro = tmp_path / f"repro-{layout}-{backend}-{seed}.json"
+        repro.write_text(json.dumps(out.repro(), indent=1))
+        pytest.fail(out.report(repro), pytrace=False)
+    other = out.stats.get("other", {})
+    assert other.get("chunks") and other.get("rmshard") and other.get("attrs") and other.get("held") and \
+        out.stats["index_cache"]["evicted"], (
+            f"seed {seed} of {layout}/{backend} no longer rewrites chunks (one open for writing meanwhile), "
+            f"deletes a shard and sets an attribute with indexes evicted within {steps} steps ({out.summary()}): "
+            "choose another seed")
 
 
 def test_random_directory_renames_match_a_directory_store(tmp_path):
@@ -696,3 +734,15 @@ def test_a_conc_writer_below_a_removed_chunk_directory_fails_alone(tmp_path):
                                      ["arr/c/0/1", 0, ["rnd", 5, 100]]]]}]
     out = dt.run("basic", "local", base=tmp_path, ops=ops, final=False)
     assert out.ok, out.report()
+
+
+def test_the_other_client_checker_sees_a_mount_that_trusts_its_caches(tmp_path, monkeypatch):
+    """The ``other`` op's check is not blind: a mount that trusts its listings, indexes and the
+    kernel's entries for 1000 s (where OTHER_OPTS sets 0) shows a chunk as it read it before
+    another client rewrote it, and the run diverges at that op."""
+    monkeypatch.setattr(dt, "OTHER_OPTS", ("metadata_ttl=1000", "index_ttl=1000", "attr_timeout=1000"))
+    ops = [{"op": "write", "path": "arr/c/1/1", "data": ["rnd", 1, 100]}, {"op": "sync"},
+           {"op": "read", "path": "arr/c/1/1"},
+           {"op": "other", "sync": True, "how": "chunks", "changes": [["arr/c/1/1", ["rnd", 2, 64]]]}]
+    out = dt.run("basic", "local", base=tmp_path, ops=ops, final=False)
+    assert not out.ok and out.failure[0] == 3 and any("arr/c/1/1" in x for x in out.failure[1]), out.report()
