@@ -28,12 +28,18 @@ Limits): mv copies it out as an empty directory, or stops at it with ENOENT
 once its array's zarr.json and last chunk moved; each is counted, and what
 mv left undone is done.  (An EEXIST at mv's mkdir of one it had just
 removed was taken as that Limit too, until the rmdir was remembered: now
-it is a failure.)
+it is a failure.)  A path the mount listed that is gone (or fails) when
+read or listed itself is a difference from the twin, named first
+(``listed, then gone: ENOENT``), and an empty directory mv copied that is
+gone at the rmdir that removes it a failure, never a traceback.
+
+``-o log_level=DEBUG`` (or ``debug``) passes mount options; ``--keep DIR``
+copies the daemon's log of each failed seed there.
 
 Ctrl-C, SIGTERM and SIGHUP end a run alike: its mounts are taken down and
 moto's server stopped, none left behind.
 
-    .venv/bin/python scripts/fuzz_dir_renames.py --seeds 1-5 --steps 150 [--busy | --s3]
+    .venv/bin/python scripts/fuzz_dir_renames.py --seeds 1-5 --steps 150 [--busy | --s3] [-o OPTS] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -59,16 +65,39 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # (tests.s3server, for --s3)
 
 
+#: what tree() records at a path a listing gave that was gone (or failed) when
+#: it was read or listed itself: a divergence from the twin, never a crash
+GONE = b"<listed, then gone: "
+
+
 def tree(root: Path) -> dict[str, bytes | None]:
+    """Every path below ``root``: a file's bytes (a link's ``-> target``),
+    None for a directory, ``GONE`` + the errno name for one listed that was
+    then not found (or failed) when read or listed."""
     out: dict[str, bytes | None] = {}
-    for dirpath, dirs, files in os.walk(root):
+
+    def gone(rel: str, exc: OSError) -> None:
+        out[os.path.normpath(rel)] = GONE + errno.errorcode.get(exc.errno, str(exc.errno)).encode() + b">"
+
+    def walk_error(exc: OSError) -> None:
+        rel = os.path.relpath(exc.filename, root) if exc.filename is not None else "."
+        if rel == ".":
+            if exc.errno == errno.ENOENT:
+                return  # (no tree at all: as os.walk answers)
+            raise exc
+        gone(rel, exc)
+
+    for dirpath, dirs, files in os.walk(root, onerror=walk_error):
         rel = os.path.relpath(dirpath, root)
         for d in dirs:
             out[os.path.normpath(os.path.join(rel, d))] = None
         for f in files:
             p = Path(dirpath) / f
-            out[os.path.normpath(os.path.join(rel, f))] = (b"-> " + os.fsencode(os.readlink(p)) if p.is_symlink()
-                                                          else p.read_bytes())
+            try:
+                out[os.path.normpath(os.path.join(rel, f))] = (b"-> " + os.fsencode(os.readlink(p))
+                                                              if p.is_symlink() else p.read_bytes())
+            except OSError as exc:
+                gone(os.path.join(rel, f), exc)
     return out
 
 
@@ -94,10 +123,16 @@ def comparable(t: dict[str, bytes | None]) -> dict[str, bytes | None]:
 
 def differences(mount: dict, twin: dict) -> list[str]:
     """The first ten paths where the mount's tree and the twin's differ, each
-    marked with where it is (or ``!=`` for other bytes)."""
-    out = ([f"{p} (mount only)" for p in mount if p not in twin] + [f"{p} (twin only)" for p in twin if p not in mount]
-           + [f"{p} !=" for p in mount if p in twin and mount[p] != twin[p]])
-    return sorted(out)[:10]
+    marked with where it is (or ``!=`` for other bytes); first those the
+    mount listed that were then gone when read (``GONE``), with what the
+    twin has there."""
+    gone = [p for p, v in mount.items() if v is not None and v.startswith(GONE)]
+    out = ([f"{p} (mount: {mount[p][1:-1].decode()}; twin: "
+            + ("none" if p not in twin else "a directory" if twin[p] is None else "a file") + ")" for p in sorted(gone)]
+           + sorted([f"{p} (mount only)" for p in mount if p not in twin and p not in gone]
+                    + [f"{p} (twin only)" for p in twin if p not in mount]
+                    + [f"{p} !=" for p in mount if p in twin and mount[p] != twin[p] and p not in gone]))
+    return out[:10]
 
 
 #: names the busy thread makes (never a rename's source or target)
@@ -273,9 +308,11 @@ def vanished(msg: str, src: Path, arrays: list[str]) -> bool:
     return all(v is None for v in tree(src).values())
 
 
-def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = False, s3=None) -> int:
+def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = False, s3=None,
+        options: str = "") -> int:
     """Failures of one seed; ``counts``: the renames' answers, by errno name.
-    ``s3``: a running tests.s3server.MotoServer to keep the store in."""
+    ``s3``: a running tests.s3server.MotoServer to keep the store in;
+    ``options``: more mount options (``log_level=DEBUG``)."""
     rng = random.Random(seed)
     store, mnt, twin = base / "store", base / "mnt", base / "twin"
     for p in (store, mnt):
@@ -290,7 +327,7 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = 
                               fill_value=0)
         a[...] = np.arange(256, dtype="<i4").reshape(16, 16) * (i + 1)
     log = base / "log"
-    source, opts, bucket = [str(store)], f"flush_delay=5,log_file={log}", None
+    source, opts, bucket = [str(store)], f"flush_delay=5,log_file={log}" + (f",{options}" if options else ""), None
     if s3 is not None:
         bucket = s3.create_bucket()
         s3.put_many(bucket, {f"pfx/{p.relative_to(store).as_posix()}": p.read_bytes()
@@ -303,6 +340,9 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = 
         if s3 is not None:  # (S3 keeps no empty directory: those made through the mount are gone)
             for d in empty_dirs(twin) if twin.exists() else ():
                 (twin / d).rmdir()
+
+    def count(what: str, n: int = 1) -> None:
+        counts[what] = counts.get(what, 0) + n
 
     def umount() -> None:
         subprocess.run([*ZSHARDFS, "umount", str(mnt)], check=True, capture_output=True, timeout=120)
@@ -390,9 +430,13 @@ def run(seed: int, steps: int, base: Path, counts: dict[str, int], busy: bool = 
                     had = tree(twin / dst)
                     for p in empty_dirs(mnt / dst):  # (deepest first)
                         if p not in had and inside_array(os.path.join(src, p), arrays):
-                            counts["mv copied an empty chunk directory (Limits)"] = \
-                                counts.get("mv copied an empty chunk directory (Limits)", 0) + 1
-                            os.rmdir(mnt / dst / p)
+                            count("mv copied an empty chunk directory (Limits)")
+                            try:
+                                os.rmdir(mnt / dst / p)
+                            except FileNotFoundError:  # (listed by empty_dirs, then gone)
+                                print(f"seed {seed} step {step}: mv {src} {dst}: {dst}/{p}, an empty directory "
+                                      "mv copied and the mount listed, was gone at its rmdir: ENOENT")
+                                failures += 1
                 counts[got] = counts.get(got, 0) + 1
                 print(f"  {step}: mv {src} {dst}: {got}") if os.environ.get("VERBOSE") else None
             elif x < 0.8 and arrays:
@@ -459,6 +503,8 @@ def main() -> int:
     ap.add_argument("--seeds", default="1-3")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--busy", action="store_true", help="ops of another thread during the renames")
+    ap.add_argument("-o", "--options", default="", help="more mount options (log_level=DEBUG)")
+    ap.add_argument("--keep", type=Path, help="copy each failed seed's daemon log here (seed-N.log)")
     ap.add_argument("--s3", action="store_true",
                     help="the store in a bucket of moto's stand-alone server; renames refused EXDEV done as mv does")
     args = ap.parse_args()
@@ -477,7 +523,10 @@ def main() -> int:
             for seed in range(int(lo), int(hi or lo) + 1):
                 counts: dict[str, int] = {}
                 with tempfile.TemporaryDirectory(prefix="zshardfs-dirfuzz-") as tmp:
-                    failures = run(seed, args.steps, Path(tmp), counts, args.busy, s3)
+                    failures = run(seed, args.steps, Path(tmp), counts, args.busy, s3, args.options)
+                    if failures and args.keep is not None and (Path(tmp) / "log").exists():
+                        args.keep.mkdir(parents=True, exist_ok=True)
+                        shutil.copy(Path(tmp) / "log", args.keep / f"seed-{seed}.log")
                 print(f"seed {seed}: {'ok' if not failures else f'{failures} failures'}; renames: "
                       + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), flush=True)
                 total += failures
