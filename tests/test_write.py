@@ -1609,6 +1609,72 @@ def test_rm_r_of_a_directory_s_only_subdirectory(store, mount, files):
     assert not [k for k in store.keys() if k.startswith("out/")]
 
 
+def test_a_directory_emptied_stays_while_the_tree_above_it_is_being_moved(store, mount):
+    """``mv -T src dst`` where the directory's rename is EXDEV (S3) renames
+    each file into the new tree, then removes the directories left (rm -r):
+    ``src/d``, emptied first, must still be there for that rm when moving
+    the rest of ``src`` took longer than EMPTIED_KEEP (5 s).  On S3 a
+    directory this mount emptied now stays while this mount goes on removing
+    below any directory above it (5 s after the last such removal, storage
+    decides).  Before, ``src/d`` went 5 s after its own last file: rm listed
+    it (a moment before) and its rmdir was ENOENT, ``mv`` exited 1
+    (scripts/fuzz_dir_renames.py --s3 seed 60009 under load: "mv: cannot
+    remove '.../n1/n1/0': No such file or directory")."""
+    store.put("src/d/f.txt", b"1")
+    for i in range(8):
+        store.put(f"src/e/g{i}.txt", b"2")
+    m = mount(store.source, "attr_timeout=0.5", extra=store.extra)
+    (m / "dst" / "d").mkdir(parents=True)
+    os.rename(m / "src/d/f.txt", m / "dst/d/f.txt")  # (src/d emptied)
+    (m / "dst" / "e").mkdir()
+    for i in range(8):  # (the rest of the move: 8 s, a file a second)
+        time.sleep(1)
+        os.rename(m / f"src/e/g{i}.txt", m / f"dst/e/g{i}.txt")
+    assert sorted(os.listdir(m / "src")) == ["d", "e"]
+    assert os.listdir(m / "src/d") == [] and os.listdir(m / "src/e") == []
+    for d in ("src/d", "src/e", "src"):
+        os.rmdir(m / d)
+    assert os.listdir(m.path) == ["dst"]
+    m.umount()
+    assert sorted(store.keys()) == ["dst/d/f.txt"] + [f"dst/e/g{i}.txt" for i in range(8)]
+
+
+def test_an_array_moved_chunk_by_chunk_keeps_its_old_directories_for_the_rm_that_follows(store, mount, tmp_path):
+    """``mv -T`` of an array on S3 renames its ``zarr.json`` and then each
+    chunk into the new directory, and then removes the old directories:
+    the old array's directory (its document gone, its shards deleted as
+    they empty) must still be there for that rm when moving the chunks
+    took longer than EMPTIED_KEEP (5 s).  A chunk's removal (unlink, rename
+    away) now renews, as a file's does, the array's directory and those
+    above it.  Before, nothing below the array renewed it: 5 s after its
+    ``zarr.json`` went, with its last shard deleted, the rmdir of
+    ``c/0`` was ENOENT and mv exited 1 (scripts/fuzz_dir_renames.py --s3
+    seeds 60006, 60011: "mv: cannot remove '.../c/0': No such file or
+    directory")."""
+    data = np.arange(16 * 16, dtype="<i4").reshape(16, 16) + 1
+    seed_array(store, tmp_path, "src/arr", (16, 16), (4, 4), (8, 8), "<i4", data=data)
+    m = mount(store.source, "attr_timeout=0.5", "flush_delay=0.2", extra=store.extra)
+    (m / "dst" / "arr").mkdir(parents=True)
+    os.rename(m / "src/arr/zarr.json", m / "dst/arr/zarr.json")
+    for i in range(4):  # (8 s: a chunk each half second; each shard deleted once its four chunks moved)
+        (m / f"dst/arr/c/{i}").mkdir(parents=True)
+        for j in range(4):
+            time.sleep(0.5)
+            os.rename(m / f"src/arr/c/{i}/{j}", m / f"dst/arr/c/{i}/{j}")
+    time.sleep(0.5)  # (the last shard's deletion: flush_delay)
+    for i in range(4):
+        assert os.listdir(m / f"src/arr/c/{i}") == []
+        os.rmdir(m / f"src/arr/c/{i}")
+    for d in ("src/arr/c", "src/arr", "src"):
+        os.rmdir(m / d)
+    assert os.listdir(m.path) == ["dst"]
+    np.testing.assert_array_equal(zarr.open_array(str(m / "dst/arr"), mode="r")[...], data)
+    m.umount()
+    assert not [k for k in store.keys() if k.startswith("src/")]
+    np.testing.assert_array_equal(zarr.open_array(str(store.local_copy(tmp_path / "copy") / "dst/arr"),
+                                                  mode="r")[...], data)
+
+
 def test_an_o_trunc_open_empties_the_file(store, mount):
     """``: > f`` empties f, even though nothing is written."""
     m = mount(store.source, extra=store.extra)

@@ -2089,6 +2089,7 @@ class View:
             self.writeback.delete(t.shard_key, node.dataset.shard_format, t.shard_ctx, t.chunk_id,
                                   node.dataset.shard_home)
             self._chunk_changed(t)
+            self._keep_emptied(parent)
             return
         if buf is not None and (buf.key is None or not (buf.in_store or buf.maybe_stored)):
             return  # scratch, or a new file not stored yet: nothing in storage to remove
@@ -2134,11 +2135,20 @@ class View:
         rmdir it (``rm -r``, ``find -delete``, ``rm f; rmdir d``).  It stays
         a little while (``emptied``), whether or not it holds more: knowing
         would cost a listing per removal.  Not for ever: then another
-        client's removal of what it held would never show."""
-        if not self.store.keeps_empty_dirs and parent.path and not self._in_dataset(parent):
+        client's removal of what it held would never show.  A chunk or chunk
+        directory lost renews the directory its dataset's names are in (a
+        chunk directory is found leniently while its dataset is, 4.1): the
+        array's directory, whose last shard may have gone with it."""
+        if self.store.keeps_empty_dirs:
+            return
+        path = parent.path
+        if self._in_dataset(parent):
+            parts = path.split("/")
+            path = "/".join(parts[:len(parts) - len(parent.rel)]) if len(parts) > len(parent.rel) else ""
+        if path:
             # (its ancestors too: one that held only it is gone from storage
             # as well, and rm -r a/b resolves a again for its last rmdir)
-            now, path = time.monotonic(), parent.path
+            now = time.monotonic()
             while path:
                 self.emptied[path] = now
                 self.emptied.move_to_end(path)
@@ -2154,11 +2164,21 @@ class View:
             path = _parent(path)
 
     def _still_emptied(self, path: str) -> bool:
-        when = self.emptied.get(path)
-        if when is None:
+        """Is ``path`` a directory this mount emptied that is still kept:
+        something below it, or below any directory above it, removed within
+        ``_emptied_keep``?  (A tree being moved or removed: ``mv`` on S3
+        renames each file, then removes the directories left, which ``rm``
+        lists and removes one by one; those emptied first must outlast the
+        rest of the move.  Kept by its own removals only, one emptied 5 s
+        before the end was gone, or listed and then gone, at its rmdir.)"""
+        if path not in self.emptied:
             return False
-        if time.monotonic() - when < self._emptied_keep:
-            return True
+        now, p = time.monotonic(), path
+        while p:
+            when = self.emptied.get(p)
+            if when is not None and now - when < self._emptied_keep:
+                return True
+            p = _parent(p)
         del self.emptied[path]
         return False
 
