@@ -815,6 +815,60 @@ def test_the_dir_rename_fuzzer_reports_a_path_listed_then_gone_as_a_divergence(t
     assert fuzz.tree(root / "nothing") == {}
 
 
+def test_the_s3_dir_rename_fuzzer_lets_an_emptied_directory_go_only_as_the_mount_may(tmp_path, monkeypatch):
+    """scripts/fuzz_dir_renames.py --s3 (Emptied): the twin lets a directory
+    go that the mount no longer shows only if the mount may have let it go
+    (SEMANTICS 4.6, Limits): empty in the twin, once holding a file, nothing
+    stored below it, and EMPTIED_KEEP past since the last step that removed
+    something below it or below a directory above it began.  One made here
+    that only held directories, one storage still holds something in, or
+    one gone too soon stays a difference.  (Before: --s3 seed 60017, 'x/2/n1
+    (twin only)', a directory emptied at step 55 and gone from the mount
+    once its time had passed, was a failure.)"""
+    fuzz = _dir_fuzzer()
+    twin = tmp_path / "twin"
+    for d in ("a/emptied", "a/made/sub", "a/stored", "a/full", "b/late"):
+        (twin / d).mkdir(parents=True)
+    for f in ("a/emptied/f", "a/stored/f", "a/full/f", "b/late/f", "b/g"):
+        (twin / f).write_bytes(b"1")
+    stored = {"pfx/a/stored/k"}
+
+    class S3:
+        @staticmethod
+        def list_objects_v2(Bucket, Prefix, MaxKeys):
+            return {"KeyCount": sum(k.startswith(Prefix) for k in stored)}
+    emptied = fuzz.Emptied(twin, type("Server", (), {"s3": S3()}), "bucket")
+    clock = [100.0]
+    monkeypatch.setattr(fuzz.time, "monotonic", lambda: clock[0])
+    slept = []
+    monkeypatch.setattr(fuzz.time, "sleep", lambda s: slept.append(s))
+
+    def step(paths_removed: list[str], when: float) -> None:
+        before = fuzz.tree(twin)
+        emptied.before(before)
+        for p in paths_removed:
+            (twin / p).rmdir() if (twin / p).is_dir() else (twin / p).unlink()
+        clock[0] = when + 1  # (the step took a second)
+        emptied.after(before, fuzz.tree(twin), when, [])
+    step(["a/emptied/f", "a/made/sub", "a/stored/f", "b/late/f"], 100.0)
+    step(["b/g"], 103.0)  # (b: removed below again later)
+    mount = {"a": None, "a/full": None, "a/full/f": b"1", "b": None}  # (the mount let the others go)
+    twin_tree = fuzz.comparable(fuzz.tree(twin))
+    assert emptied.drop_gone(mount, twin_tree, 104.9) == []  # (too soon for all)
+    assert emptied.drop_gone(mount, twin_tree, 105.0) == ["a/emptied"]
+    assert emptied.drop_gone(mount, twin_tree, 107.9) == []  # (b/late: b lost g at 103)
+    assert emptied.drop_gone(mount, twin_tree, 108.0) == ["b/late"]
+    assert sorted(p for p, v in fuzz.tree(twin).items() if v is None) == ["a", "a/full", "a/made", "a/stored", "b"]
+    # a step using a directory that may be going waits until it has gone or stayed for certain
+    (twin / "a/x").mkdir()
+    (twin / "a/x/f").write_bytes(b"1")
+    clock[0] = 110.0
+    step(["a/x/f"], 110.0)
+    assert emptied.wait_for(["c/y"]) == 0 and not slept
+    emptied.wait_for(["a/x/n1"])
+    assert slept == [fuzz.EMPTIED_KEEP + fuzz.ATTR_TIMEOUT]  # (from the end of that step, now)
+
+
 def _children(pid: int) -> set[int]:
     """Processes whose parent is ``pid``."""
     out = set()
