@@ -874,7 +874,7 @@ def test_a_damaged_chunk_is_repaired_by_removing_or_overwriting_it(store, mount,
     they reached the view, though a rewrite that drops or replaces exactly
     that entry loses nothing.  Now it is found (size 0, not listed; reading
     it, an open for writing that keeps its bytes, a truncate or a rename of
-    it are EIO), and its unlink
+    it are EIO; a truncate to 0 is not), and its unlink
     or an ``O_TRUNC`` write of it is stored: the shard reads clean, its other
     chunks byte for byte.  A change of another chunk of such a shard is
     still refused (the rewrite would have to keep the damaged entry)."""
@@ -890,7 +890,7 @@ def test_a_damaged_chunk_is_repaired_by_removing_or_overwriting_it(store, mount,
         for what, act in (("read", lambda: (c / bad).read_bytes()),
                           ("O_RDWR", lambda: os.close(os.open(c / bad, os.O_RDWR))),
                           ("O_APPEND", lambda: os.close(os.open(c / bad, os.O_WRONLY | os.O_APPEND))),
-                          ("truncate", lambda: os.truncate(c / bad, 0)),
+                          ("truncate", lambda: os.truncate(c / bad, 1)),
                           ("rename away", lambda: os.rename(c / bad, c / "2/0"))):
             with pytest.raises(OSError) as info:
                 act()
@@ -904,6 +904,8 @@ def test_a_damaged_chunk_is_repaired_by_removing_or_overwriting_it(store, mount,
     assert m.stats()["writeback"]["dirty_bytes"] == 0
     good = tmp_path / "good.bin"
     good.write_bytes(raw_chunk(33))
+    os.truncate(c / "0/1", 0)  # (to 0 by path needs no old bytes, as O_TRUNC: was EIO)
+    assert os.stat(c / "0/1").st_size == 0 and (c / "0/1").read_bytes() == b""
     subprocess.run(["rm", str(c / "0/1")], check=True, capture_output=True)
     subprocess.run(["cp", str(good), str(c / "3/3")], check=True, capture_output=True)
     assert not (c / "0/1").exists() and (c / "3/3").read_bytes() == raw_chunk(33)

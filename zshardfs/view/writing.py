@@ -259,7 +259,10 @@ class WritingMixin:
         if handle is not None and handle.writable:
             await self._while_renamed(handle)
             node = handle.node  # (moved, if it was renamed meanwhile)
-        own = handle if handle is not None and handle.writable else await self.open(node, write=True, truncate=False)
+        # (to 0 by path: as O_TRUNC, without reading the old bytes, which a
+        # damaged chunk does not have and a large file need not load)
+        own = handle if handle is not None and handle.writable else await self.open(node, write=True,
+                                                                                     truncate=size == 0)
         data = own.buffer.data if own.buffer is not None else own.chunk.data
         if size < len(data):
             del data[size:]
