@@ -1007,16 +1007,8 @@ class Env:
             self.server.s3.delete_object(Bucket=self.bucket, Key=f"pfx/{key}")
             return
         path = self.src / key
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(dfd, fcntl.LOCK_EX)
-            try:
-                os.unlink(path)
-                os.fsync(dfd)
-            finally:
-                fcntl.flock(dfd, fcntl.LOCK_UN)
-        finally:
-            os.close(dfd)
+        with _dir_locked(path.parent):
+            os.unlink(path)
 
     def read_key(self, key: str) -> bytes:
         if self.backend == "s3":
@@ -1030,18 +1022,26 @@ class Env:
             self.server.s3.put_object(Bucket=self.bucket, Key=f"pfx/{key}", Body=data)
             return
         path = self.src / key
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        with _dir_locked(path.parent):
+            tmp = path.with_name(f".other-{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _dir_locked(directory: Path):
+    """Hold ``directory``'s flock (as zshardfs processes take it for their
+    conditional writes) while the body changes it; fsync it before letting go."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(dfd, fcntl.LOCK_EX)
         try:
-            fcntl.flock(dfd, fcntl.LOCK_EX)
-            try:
-                tmp = path.with_name(f".other-{os.getpid()}.tmp")
-                tmp.write_bytes(data)
-                os.replace(tmp, path)
-                os.fsync(dfd)
-            finally:
-                fcntl.flock(dfd, fcntl.LOCK_UN)
+            yield
+            os.fsync(dfd)
         finally:
-            os.close(dfd)
+            fcntl.flock(dfd, fcntl.LOCK_UN)
+    finally:
+        os.close(dfd)
 
 
 # ------------------------------------------------------------------ operations
