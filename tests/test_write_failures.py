@@ -570,53 +570,35 @@ def _point_past_the_end(shard: Path, n: int, entry: int) -> bytes:
     return raw
 
 
-def test_a_umount_refused_for_a_shard_damaged_under_a_write_names_it_and_the_way_out(tmp_path, mount):
+@pytest.mark.parametrize("command", ["umount", "sync"])
+def test_a_umount_or_sync_refused_for_a_shard_damaged_under_a_write_names_it_and_the_way_out(
+        command, tmp_path, mount):
     """A shard another client damages (an index entry past its end) after a
     write into it was accepted: the flush is refused (EIO at fsync, kept,
-    retried) and so is ``zshardfs umount``, which said only 'Input/output
-    error'.  Its message now names the shard and both ways out: repair or
-    remove it (the retry stores), or ``umount -z`` and two SIGTERMs (lost)."""
+    retried) and so are ``zshardfs umount`` and ``zshardfs sync``, which said
+    only 'Input/output error'.  Their message now names the shard and both
+    ways out (one function): repair or remove it (the retry stores; then the
+    same command again), or ``umount -z`` and two SIGTERMs (lost)."""
     store, data = _seeded(tmp_path)
     m = mount(store, "flush_delay=60")
     (m / "arr/c/0/0").write_bytes(b"\x09" * 16)
     good = _point_past_the_end(store / "arr/c/0/0", 4, 1)
     try:
-        refused = zs("umount", m.path, check=False)
+        refused = zs(command, m.path, check=False)
         assert refused.returncode != 0 and os.path.ismount(m.path), refused.stderr
         said = " ".join(refused.stderr.split())
+        if command == "sync":
+            assert f"sync of {m.path} failed: Input/output error" in said, said
         assert "damaged shard(s) arr/c/0/0" in said, said
-        assert "repairing or removing the shard" in said, said
+        assert f"repairing or removing the shard in storage lets the next retry store them (then 'zshardfs " \
+               f"{command} {m.path}' again)" in said, said
         assert f"'zshardfs umount -z {m.path}' then stopping the daemon (SIGTERM twice) discards" in said, said
     finally:
         (store / "arr/c/0/0").write_bytes(good)  # repaired: the retry stores
-    must(lambda: zs("umount", m.path, check=False).returncode == 0, 30, "the umount after the repair")
+    must(lambda: zs(command, m.path, check=False).returncode == 0, 30, f"the {command} after the repair")
+    if command == "sync":
+        m.umount()
     m.mounted = False
-    data[0:2, 0:2] = 0x09090909
-    np.testing.assert_array_equal(zarr.open_array(str(store / "arr"), mode="r")[...], data)
-
-
-def test_a_sync_refused_for_a_shard_damaged_under_a_write_names_it_and_the_way_out(tmp_path, mount):
-    """The same as a ``zshardfs sync``: it said only 'sync of MNT failed:
-    Input/output error (see the daemon's log)'; now it names the shard and
-    the ways out (umount's words, one function), with sync to run again."""
-    store, data = _seeded(tmp_path)
-    m = mount(store, "flush_delay=60")
-    (m / "arr/c/0/0").write_bytes(b"\x09" * 16)
-    good = _point_past_the_end(store / "arr/c/0/0", 4, 1)
-    try:
-        refused = zs("sync", m.path, check=False)
-        assert refused.returncode != 0, refused.stderr
-        said = " ".join(refused.stderr.split())
-        assert f"sync of {m.path} failed: Input/output error" in said, said
-        assert "damaged shard(s) arr/c/0/0" in said, said
-        assert f"repairing or removing the shard in storage lets the next retry store them (then 'zshardfs sync " \
-               f"{m.path}' again)" in said, said
-        assert f"'zshardfs umount -z {m.path}' then stopping the daemon (SIGTERM twice) discards" in said, said
-        assert os.path.ismount(m.path)
-    finally:
-        (store / "arr/c/0/0").write_bytes(good)  # repaired: the retry stores
-    must(lambda: zs("sync", m.path, check=False).returncode == 0, 30, "the sync after the repair")
-    m.umount()
     data[0:2, 0:2] = 0x09090909
     np.testing.assert_array_equal(zarr.open_array(str(store / "arr"), mode="r")[...], data)
 
